@@ -1,0 +1,1 @@
+"""The coordinator: FastAPI routes, services, SQL store, sweep engine, scheduler, dashboard, CLI."""

@@ -1,0 +1,77 @@
+"""Shared fixtures: a fresh PostgreSQL database per test session, one local Ray per session."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get("MESHTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+ARTIFACTS = Path(os.environ.get("MESHTUNE_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    """Where a test run keeps files a person may want to look at (screenshots, reports)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """URL of a PostgreSQL database created for this test session and dropped after it."""
+    import sqlalchemy as sa
+
+    name = f"meshtune_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"), {"n": name}
+            )
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+@pytest.fixture
+def fresh_pg_url(pg_url: str) -> Iterator[str]:
+    """A PostgreSQL database of its own for one test (for migration and contract tests)."""
+    import sqlalchemy as sa
+
+    name = f"meshtune_t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"), {"n": name}
+            )
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """One local Ray for the whole session (logical CPUs may exceed the 2 real cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            object_store_memory=200 * 2**20,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    yield
+    ray.shutdown()

@@ -1,0 +1,9 @@
+"""Everything torch: the model, parallelisation, measurement, Ray execution, backends.
+
+Importing ``workers`` does not import torch; the contract types are light so the coordinator can
+use them without paying for torch at start-up.
+"""
+
+from workers._contract import TRIAL_STATUSES, Backend, TrialError, TrialRequest, TrialResult, TrialStatus
+
+__all__ = ["TRIAL_STATUSES", "Backend", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]

@@ -1,0 +1,119 @@
+"""The backend contract: ``Backend.run(TrialRequest) -> TrialResult``. Imports no torch.
+
+A backend turns one layout of one model into a measurement. Every backend (Ray, simulate, a user's
+``module:attr``) speaks these two dataclasses; a failed trial is a ``TrialResult`` with a failure
+status, never an exception (exceptions are for a backend that cannot run anything at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from tuner import ClusterSpec, Layout, ModelSpec, TrainingSpec, cluster_spec, model_spec, training_spec
+
+TrialStatus = Literal["completed", "oom", "timeout", "crash", "nan"]
+TRIAL_STATUSES: tuple[str, ...] = ("completed", "oom", "timeout", "crash", "nan")
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """One short training run of ``layout``.
+
+    ``warmup_steps`` are run and discarded, then ``measure_steps`` are timed. ``step_timeout_s`` is
+    the per-step watchdog: a step that takes longer kills the trial (status ``timeout``).
+    ``options`` are test/diagnostic hooks understood by the workers, e.g. ``sleep_per_step_s``
+    (an injected slowdown), ``fail`` in {"crash", "hang", "oom", "nan"} with ``fail_rank``,
+    ``memory_cap_bytes`` (per-rank cap; CPU: RLIMIT_AS-free accounting, see workers docs).
+    """
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    layout: Layout
+    warmup_steps: int = 2
+    measure_steps: int = 3
+    step_timeout_s: float = 120.0
+    seed: int = 0
+    trial_id: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialRequest:
+        data = dict(data)
+        model = model_spec(data.pop("model"))
+        return cls(
+            model=model,
+            cluster=cluster_spec(data.pop("cluster")),
+            training=training_spec(data.pop("training"), seq_len=model.seq_len),
+            layout=Layout(**data.pop("layout")),
+            **data,
+        )
+
+
+@dataclass
+class TrialError:
+    """Why a trial failed, from structured exceptions (never from grepping logs)."""
+
+    kind: TrialStatus
+    message: str
+    rank: int | None = None
+    exception_type: str | None = None
+    traceback_tail: str | None = None
+    bytes_requested: int | None = None  # for oom, when torch says how much it asked for
+
+
+@dataclass
+class TrialResult:
+    """A measurement (or a failure) of one trial. Per-step lists cover the measured steps only,
+    except ``losses`` which covers every step run (warm-up included) for numerics comparisons."""
+
+    status: TrialStatus
+    backend: str
+    simulated: bool = False
+    step_times_s: list[float] = field(default_factory=list)
+    step_time_s: float | None = None  # median of step_times_s
+    tokens_per_s: float | None = None
+    tokens_per_s_per_device: float | None = None
+    mfu: float | None = None  # None where the device has no meaningful peak (CPU)
+    peak_memory_bytes: int | None = None  # max over ranks
+    peak_memory_per_rank: list[int] = field(default_factory=list)
+    memory_measure: str | None = None  # e.g. "cuda.max_memory_allocated", "cpu.VmHWM"
+    peak_reserved_bytes: int | None = None  # GPU caching allocator reserve, max over ranks
+    losses: list[float] = field(default_factory=list)
+    stage_times_s: list[float] = field(default_factory=list)  # per pipeline stage, measured
+    stage_imbalance: float | None = None  # max/mean of stage_times_s
+    env: dict[str, Any] = field(default_factory=dict)
+    error: TrialError | None = None
+    wall_s: float | None = None  # whole trial incl. launch
+    device_seconds: float | None = None  # wall_s * devices held
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
+        data = dict(data)
+        err = data.pop("error", None)
+        return cls(error=TrialError(**err) if err else None, **data)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Runs trials. ``capacity()`` is how many devices it can hold at once (for concurrent trials)."""
+
+    name: str
+
+    def run(self, request: TrialRequest) -> TrialResult: ...
+
+    def capacity(self) -> int: ...
+
+    def close(self) -> None: ...
