@@ -1,0 +1,59 @@
+"""Coordinator configuration from the environment (pydantic-settings), prefix ``MESHTUNE_``.
+
+Embedded default: a SQLite file under ``MESHTUNE_HOME`` and a local Ray started on demand.
+Production: ``MESHTUNE_DATABASE_URL=postgresql+psycopg://...`` and ``RAY_ADDRESS`` (Ray's own name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHTUNE_", extra="ignore")
+
+    home: Path = Field(default=Path(".meshtune"), description="Directory for the embedded SQLite file and artefacts.")
+    database_url: str | None = Field(default=None, description="SQLAlchemy URL; default sqlite:///<home>/meshtune.db")
+    ray_address: str | None = Field(
+        default_factory=lambda: os.environ.get("RAY_ADDRESS"),
+        description="Ray cluster to join (read from RAY_ADDRESS); unset starts a local Ray.",
+    )
+    # Named bearer tokens, "alice:secret1,bob:secret2" (or a JSON object). Empty disables auth.
+    api_tokens: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict, description="name -> bearer token")
+    read_requires_auth: bool = Field(default=False, description="Require a token for GET endpoints too.")
+    backend: str = Field(default="ray", description="Default trial backend: ray, simulate, or module:attr.")
+    max_concurrent_trials: int = Field(default=0, description="0 = as many as the backend's capacity allows.")
+    webhook_timeout_s: float = 5.0
+    scheduler_enabled: bool = True
+
+    @field_validator("api_tokens", mode="before")
+    @classmethod
+    def _parse_tokens(cls, value: object) -> object:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            return json.loads(value)
+        if isinstance(value, str):
+            pairs = [p.split(":", 1) for p in value.split(",") if p.strip()]
+            bad = [p[0] for p in pairs if len(p) != 2 or not p[1]]
+            if bad:
+                raise ValueError(f"MESHTUNE_API_TOKENS entry {bad[0]!r} is not name:token")
+            return {name.strip(): token.strip() for name, token in pairs}
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        self.home.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(self.home / 'meshtune.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,194 @@
+"""A Llama-style decoder (RMSNorm, RoPE, GQA through SDPA, SwiGLU, optional top-k MoE) from a ModelSpec.
+
+Written so that the parallelisms can be applied from outside, torchtitan-style:
+- ``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage deletes the layers
+  it does not own and ``tok_embeddings``/``norm``/``output`` may be ``None`` on middle stages;
+- attention reshapes with ``-1`` heads, so tensor parallelism only has to shard the projections;
+- ``Attention.attn_fn`` is the attention kernel (context parallelism swaps it);
+- ``MoE.experts_fn`` computes the routed experts (expert parallelism swaps it for all-to-all);
+- ``forward`` takes explicit ``positions`` so a context-parallel shard gets the right RoPE angles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tuner import ModelSpec
+
+ROPE_THETA = 500_000.0  # Llama 3 (Dubey et al. 2024, Table 3)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over [batch, heads, seq, head_dim] tensors."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def rope_angles(head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq, head_dim/2] for rotary embeddings (Su et al. 2021, Eq. 34)."""
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: [batch, seq, heads, head_dim]."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.wq = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
+        self.wk = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.wv = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+        self.attn_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_sdpa
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads/tp query and kv heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[2] // k.shape[2]  # grouped-query attention: share each kv head
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020) or the GPT-style GELU MLP."""
+
+    def __init__(self, hidden: int, ffn: int, kind: str = "swiglu") -> None:
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False) if kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def local_experts(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
+    """SwiGLU of tokens grouped by expert: rows [sum(counts[:e]), +counts[e]) go through expert e."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start : start + n]
+        outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        start += n
+    return torch.cat(outs) if outs else x[:0]
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (softmax over the k chosen logits, as Mixtral). No auxiliary loss: runs are
+    a few steps long and routing balance is not what a layout measurement is about."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.experts = spec.experts
+        self.top_k = spec.top_k
+        self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(spec.experts, spec.hidden, spec.expert_ffn))
+        self.w3 = nn.Parameter(torch.empty(spec.experts, spec.hidden, spec.expert_ffn))
+        self.w2 = nn.Parameter(torch.empty(spec.experts, spec.expert_ffn, spec.hidden))
+        # experts_fn(tokens_sorted_by_expert, counts_per_expert) -> outputs in the same order.
+        self.experts_fn: Callable[[torch.Tensor, list[int]], torch.Tensor] = (
+            lambda xs, counts: local_experts(xs, self.w1, self.w2, self.w3, counts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x)
+        weights, chosen = logits.topk(self.top_k, dim=-1)
+        weights = weights.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        token_of = order // self.top_k
+        out_sorted = self.experts_fn(x[token_of], counts)
+        out = torch.zeros_like(x).index_add_(0, token_of, out_sorted * weights.reshape(-1)[order, None])
+        return out.reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.attention = Attention(spec)
+        self.ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.feed_forward: nn.Module = MoE(spec) if spec.is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed`` (identical on every rank before any sharding)."""
+        gen = torch.Generator().manual_seed(seed)
+        std = 0.02
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 1:  # norm weights
+                    p.fill_(1.0)
+                else:
+                    # Residual-out projections scaled by depth (GPT-2, Radford et al. 2019, Sec. 2.3).
+                    scale = (2 * self.spec.layers) ** -0.5 if name.endswith(("wo.weight", "w2.weight", ".w2")) else 1.0
+                    p.copy_(torch.randn(p.shape, generator=gen) * std * scale)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: int ids [b, s] on the first stage, hidden states [b, s, h] on later stages."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_angles(self.spec.head_dim, positions)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def synthetic_batch(spec: ModelSpec, *, batch: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of shape [batch, seq_len] for ``step``, identical for every layout.
+
+    Each sequence follows x[t+1] = (a*x[t] + c) mod vocab with its own (a, c): learnable, so losses fall
+    and layouts that train differently show it. Ranks slice their part of the global batch.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    a = torch.randint(1, spec.vocab, (batch, 1), generator=gen)
+    c = torch.randint(0, spec.vocab, (batch, 1), generator=gen)
+    x0 = torch.randint(0, spec.vocab, (batch, 1), generator=gen)
+    seq = [x0]
+    for _ in range(spec.seq_len):
+        seq.append((a * seq[-1] + c) % spec.vocab)
+    full = torch.cat(seq, dim=1)
+    return full[:, :-1].contiguous(), full[:, 1:].contiguous()
