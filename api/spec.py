@@ -1,0 +1,115 @@
+"""The sweep spec: what a user submits (HTTP body, YAML/TOML file, dashboard form, schedule template).
+
+One pydantic model validates every entry point the same way; ``to_problem()`` turns it into the
+tuner's frozen specs, re-raising their ``SpecError`` as a validation error that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tuner import (
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    SpecError,
+    TrainingSpec,
+    cluster_spec,
+    model_spec,
+    training_spec,
+)
+
+SAMPLERS = ("tpe", "nsga2", "gp", "random", "grid")
+
+
+class SearchSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sampler: Literal["tpe", "nsga2", "gp", "random", "grid"] = Field(
+        "tpe", description="Optuna sampler; nsga2 maximises tokens/s and minimises peak memory."
+    )
+    max_trials: int = Field(20, ge=1, le=100_000, description="Trials to run (pruned-by-model ones included).")
+    max_device_seconds: float | None = Field(
+        None, gt=0, description="Stop once the trials have held devices this long in total."
+    )
+    patience: int | None = Field(None, ge=1, description="Stop after this many trials without improvement.")
+    warm_start_top_k: int = Field(3, ge=0, description="Enqueue the analytical model's top-k layouts first.")
+    reference_layouts: list[str] = Field(
+        default_factory=list, description="Names of reference layouts (tuner.REFERENCE_LAYOUTS) to enqueue."
+    )
+    repeats: int = Field(3, ge=1, le=50, description="Measurements of each top-k layout for the ranking interval.")
+    remeasure_top_k: int = Field(3, ge=0, description="How many leading layouts are re-measured `repeats` times.")
+    seed: int = Field(0, ge=0, description="Sampler seed.")
+
+
+class TrialSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    warmup_steps: int = Field(2, ge=0, le=1000, description="Steps run and discarded before timing.")
+    measure_steps: int = Field(3, ge=1, le=10_000, description="Timed steps.")
+    step_timeout_s: float = Field(120.0, gt=0, description="Per-step watchdog; a slower step ends the trial as timeout.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Worker options (e.g. sleep_per_step_s).")
+
+
+class SweepSpec(BaseModel):
+    """A sweep: which model on which cluster with which batch, and how to search its layouts."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "tiny-cpu",
+                    "model": "tiny",
+                    "cluster": "cpu-local",
+                    "training": {"global_batch": 16, "precision": "fp32"},
+                    "search": {"sampler": "tpe", "max_trials": 8},
+                    "trial": {"warmup_steps": 1, "measure_steps": 3},
+                    "backend": "ray",
+                },
+                {
+                    "name": "llama3-70b-on-64-h100",
+                    "model": "llama3-70b",
+                    "cluster": {"preset": "h100-sxm", "nodes": 8},
+                    "training": {"global_batch_tokens": 4194304, "critical_batch_tokens": 16777216},
+                    "search": {"sampler": "nsga2", "max_trials": 40},
+                    "backend": "simulate",
+                },
+            ]
+        },
+    )
+
+    name: str = Field("sweep", min_length=1, max_length=200, description="A human-readable label.")
+    model: str | dict[str, Any] = Field(description="Model preset name, or a mapping (optional 'preset' + overrides).")
+    cluster: str | dict[str, Any] = Field(description="Cluster preset name, or a mapping (optional 'preset' + overrides).")
+    training: dict[str, Any] = Field(
+        description="global_batch (sequences) or global_batch_tokens; critical_batch(_tokens), precision, lr, seed."
+    )
+    space: dict[str, Any] = Field(
+        default_factory=dict, description="Restrictions of the layout search space (tuner.SearchSpace fields)."
+    )
+    search: SearchSettings = Field(default_factory=SearchSettings)
+    trial: TrialSettings = Field(default_factory=TrialSettings)
+    backend: str = Field("ray", description="Trial backend: 'ray', 'simulate', or an importable 'module:attr'.")
+
+    @model_validator(mode="after")
+    def _check_problem(self) -> SweepSpec:
+        self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        return self
+
+    def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+        model = model_spec(self.model)
+        cluster = cluster_spec(self.cluster)
+        training = training_spec(self.training, seq_len=model.seq_len)
+        return model, cluster, training
+
+
+def layout_from_mapping(data: dict[str, Any]) -> Layout:
+    """A Layout from user data, unknown keys named in the error."""
+    known = set(Layout.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecError(f"layout.{unknown[0]} is not a known field (known: {', '.join(sorted(known))})")
+    return Layout(**data)
