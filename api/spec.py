@@ -6,9 +6,10 @@ tuner's frozen specs, re-raising their ``SpecError`` as a validation error that 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tuner import (
     ClusterSpec,
@@ -22,6 +23,9 @@ from tuner import (
 )
 
 SAMPLERS = ("tpe", "nsga2", "gp", "random", "grid")
+MAX_DEVICES = 2**20
+MAX_GLOBAL_BATCH = 2**31
+_BACKEND = re.compile(r"^(ray|simulate|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
 class SearchSettings(BaseModel):
@@ -90,14 +94,46 @@ class SweepSpec(BaseModel):
     space: dict[str, Any] = Field(
         default_factory=dict, description="Restrictions of the layout search space (tuner.SearchSpace fields)."
     )
-    search: SearchSettings = Field(default_factory=SearchSettings)
-    trial: TrialSettings = Field(default_factory=TrialSettings)
+    search: SearchSettings = Field(
+        default_factory=SearchSettings, description="How layouts are searched: sampler, budgets, warm start, repeats."
+    )
+    trial: TrialSettings = Field(
+        default_factory=TrialSettings, description="How each trial is run: warm-up and measured steps, watchdog."
+    )
     backend: str = Field("ray", description="Trial backend: 'ray', 'simulate', or an importable 'module:attr'.")
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        if not _BACKEND.match(value):
+            raise ValueError(f"backend={value!r} is not 'ray', 'simulate' nor an importable 'module:attr' path")
+        return value
 
     @model_validator(mode="after")
     def _check_problem(self) -> SweepSpec:
-        self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        _, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        # Sanity bounds far above any real job: the search enumerates divisors of both numbers.
+        if cluster.devices > MAX_DEVICES:
+            raise SpecError(
+                f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} "
+                f"= {cluster.devices} devices exceeds the limit of {MAX_DEVICES}"
+            )
+        if training.global_batch > MAX_GLOBAL_BATCH:
+            raise SpecError(
+                f"training.global_batch={training.global_batch} sequences exceeds the limit of {MAX_GLOBAL_BATCH}"
+            )
+        self.search_space()
         return self
+
+    def search_space(self) -> Any:
+        """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``); None if empty."""
+        if not self.space:
+            return None
+        try:
+            from tuner import SearchSpace
+        except ImportError:  # pragma: no cover - until tuner re-exports it
+            from tuner._space import SearchSpace
+        return SearchSpace.from_mapping(self.space)
 
     def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
         model = model_spec(self.model)

@@ -75,3 +75,49 @@ def ray_local() -> Iterator[None]:
         )
     yield
     ray.shutdown()
+
+
+class WebhookReceiver:
+    """A local HTTP server that records JSON POSTs; ``statuses`` are answered in order, then 200."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.received: list[dict] = []
+        self.statuses: list[int] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status = receiver.statuses.pop(0) if receiver.statuses else 200
+                receiver.received.append({"path": self.path, "status": status, "json": json.loads(body or b"null"),
+                                          "content_type": self.headers.get("Content-Type")})
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    """A webhook endpoint on 127.0.0.1 that records what is POSTed to it (``.url``, ``.received``)."""
+    receiver = WebhookReceiver()
+    try:
+        yield receiver
+    finally:
+        receiver.close()

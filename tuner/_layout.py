@@ -94,40 +94,83 @@ def microbatches(layout: Layout, training: TrainingSpec) -> int:
     return training.global_batch // per_rank
 
 
+# Short stable reasons for rejected layouts (enumeration counts them; plan adds its own two).
+R_WORLD = "world size mismatch"
+R_HEADS = "tp does not divide heads"
+R_KV_HEADS = "tp and kv_heads do not divide"
+R_FFN = "tp does not divide ffn"
+R_CP_SEQ = "2*cp does not divide seq_len"
+R_EP_DENSE = "ep needs a MoE model"
+R_EP_EXPERTS = "ep does not divide experts"
+R_SP_SEQ = "sp: tp*cp does not divide seq_len"
+R_STAGES = "stages exceed layers"
+R_BATCH = "batch not divisible by dp*ep*mbs"
+R_FEW_MICROBATCHES = "micro-batches fewer than pp"
+R_INTERLEAVED = "interleaved: pp does not divide micro-batches"
+
+
+def degree_violation(
+    tp: int, cp: int, ep: int, dp: int, pp: int, *, model: ModelSpec, cluster: ClusterSpec
+) -> tuple[str, str] | None:
+    """(reason, message) for mesh degrees that cannot work whatever the other knobs, else None."""
+    world = tp * cp * ep * dp * pp
+    if world != cluster.devices:
+        return R_WORLD, (
+            f"tp*cp*ep*dp*pp={tp}*{cp}*{ep}*{dp}*{pp}={world}"
+            f" does not equal the device count {cluster.devices}"
+            f" ({cluster.nodes} nodes x {cluster.devices_per_node})"
+        )
+    if model.heads % tp:
+        return R_HEADS, f"tp={tp} does not divide heads={model.heads}"
+    if model.kv_heads % tp and tp % model.kv_heads:
+        return R_KV_HEADS, f"tp={tp} and kv_heads={model.kv_heads}: neither divides the other"
+    ffn = model.expert_ffn if model.is_moe else model.ffn
+    if ffn % tp:
+        return R_FFN, f"tp={tp} does not divide {'expert_ffn' if model.is_moe else 'ffn'}={ffn}"
+    # Load-balanced causal CP splits the sequence into 2*cp chunks (Llama 3, Sec. 3.3.2).
+    if cp > 1 and model.seq_len % (2 * cp):
+        return R_CP_SEQ, f"cp={cp} needs 2*cp={2 * cp} to divide seq_len={model.seq_len}"
+    if ep > 1:
+        if not model.is_moe:
+            return R_EP_DENSE, f"ep={ep} needs a MoE model (model.experts > 0)"
+        if model.experts % ep:
+            return R_EP_EXPERTS, f"ep={ep} does not divide experts={model.experts}"
+    return None
+
+
+def layout_violation(
+    layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
+) -> tuple[str, str] | None:
+    """(reason, message) of the first rule ``layout`` breaks, else None. The order of the checks is
+    the order enumeration counts rejections in: mesh degrees, sp, stages, batch, schedule."""
+    bad = degree_violation(
+        layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, model=model, cluster=cluster
+    )
+    if bad:
+        return bad
+    if layout.sp and model.seq_len % (layout.tp * layout.cp):
+        return R_SP_SEQ, f"sp needs tp*cp={layout.tp * layout.cp} to divide seq_len={model.seq_len}"
+    if layout.stages > model.layers:
+        return R_STAGES, f"pp*vpp={layout.stages} stages exceed layers={model.layers}"
+    per_rank = layout.data_ranks * layout.mbs
+    if training.global_batch % per_rank:
+        return R_BATCH, (
+            f"global_batch={training.global_batch} is not divisible by dp*ep*mbs="
+            f"{layout.dp}*{layout.ep}*{layout.mbs}={per_rank}"
+        )
+    m = training.global_batch // per_rank
+    if layout.pp > 1 and layout.schedule != "gpipe" and m < layout.pp:
+        return R_FEW_MICROBATCHES, f"schedule={layout.schedule!r} needs micro-batches m={m} >= pp={layout.pp}"
+    if layout.schedule == "interleaved" and m % layout.pp:
+        return R_INTERLEAVED, f"interleaved schedule needs pp={layout.pp} to divide micro-batches m={m}"
+    return None
+
+
 def check_layout(
     layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 ) -> int:
     """Raise LayoutError naming the numbers if ``layout`` cannot run; return its micro-batch count."""
-    if layout.world_size != cluster.devices:
-        raise LayoutError(
-            f"tp*cp*ep*dp*pp={layout.tp}*{layout.cp}*{layout.ep}*{layout.dp}*{layout.pp}={layout.world_size}"
-            f" does not equal the device count {cluster.devices}"
-            f" ({cluster.nodes} nodes x {cluster.devices_per_node})"
-        )
-    if model.heads % layout.tp:
-        raise LayoutError(f"tp={layout.tp} does not divide heads={model.heads}")
-    if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
-        raise LayoutError(f"tp={layout.tp} and kv_heads={model.kv_heads}: neither divides the other")
-    ffn = model.expert_ffn if model.is_moe else model.ffn
-    if ffn % layout.tp:
-        raise LayoutError(f"tp={layout.tp} does not divide {'expert_ffn' if model.is_moe else 'ffn'}={ffn}")
-    if layout.sp and model.seq_len % (layout.tp * layout.cp):
-        raise LayoutError(f"sp needs tp*cp={layout.tp * layout.cp} to divide seq_len={model.seq_len}")
-    # Load-balanced causal CP splits the sequence into 2*cp chunks (Llama 3, Sec. 3.3.2).
-    if layout.cp > 1 and model.seq_len % (2 * layout.cp):
-        raise LayoutError(f"cp={layout.cp} needs 2*cp={2 * layout.cp} to divide seq_len={model.seq_len}")
-    if layout.ep > 1:
-        if not model.is_moe:
-            raise LayoutError(f"ep={layout.ep} needs a MoE model (model.experts > 0)")
-        if model.experts % layout.ep:
-            raise LayoutError(f"ep={layout.ep} does not divide experts={model.experts}")
-    if layout.stages > model.layers:
-        raise LayoutError(f"pp*vpp={layout.stages} stages exceed layers={model.layers}")
-    m = microbatches(layout, training)
-    if layout.pp > 1 and layout.schedule != "gpipe" and m < layout.pp:
-        raise LayoutError(
-            f"schedule={layout.schedule!r} needs micro-batches m={m} >= pp={layout.pp}"
-        )
-    if layout.schedule == "interleaved" and m % layout.pp:
-        raise LayoutError(f"interleaved schedule needs pp={layout.pp} to divide micro-batches m={m}")
-    return m
+    bad = layout_violation(layout, model=model, cluster=cluster, training=training)
+    if bad:
+        raise LayoutError(bad[1])
+    return microbatches(layout, training)

@@ -153,7 +153,10 @@ class Transformer(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init from ``seed`` (identical on every rank before any sharding)."""
-        gen = torch.Generator().manual_seed(seed)
+        # The generator lives where the weights do (a 1B model drawn on the host would take seconds);
+        # CPU and CUDA draw different numbers, identical on every rank of one device type.
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
         std = 0.02
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -162,13 +165,13 @@ class Transformer(nn.Module):
                 else:
                     # Residual-out projections scaled by depth (GPT-2, Radford et al. 2019, Sec. 2.3).
                     scale = (2 * self.spec.layers) ** -0.5 if name.endswith(("wo.weight", "w2.weight", ".w2")) else 1.0
-                    p.copy_(torch.randn(p.shape, generator=gen) * std * scale)
+                    p.copy_(torch.randn(p.shape, generator=gen, device=device) * std * scale)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens``: int ids [b, s] on the first stage, hidden states [b, s, h] on later stages."""
+        if positions is None:  # the full sequence (under sequence parallelism h is a shard of it)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_angles(self.spec.head_dim, positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -1,0 +1,53 @@
+"""``meshtune serve``: run the coordinator (API, sweep engine loop, dashboard, scheduler) with uvicorn.
+
+Start-up migrates the configured database to the newest schema first (idempotent: a database
+already at head is left alone), so a fresh SQLite file or PostgreSQL database just works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from api.settings import Settings
+from tuner import SpecError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the coordinator web API and the sweep engine",
+        description="Run the coordinator: HTTP API, the sweep engine's execution loop and the scheduler. "
+        "Configuration comes from MESHTUNE_* environment variables (database URL, API tokens, ...).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--no-engine", action="store_true", help="serve the API only; run no sweeps in this process")
+    p.add_argument("--no-migrate", action="store_true", help="do not upgrade the database schema on start")
+    p.add_argument(
+        "--migrate-only", action="store_true", help="upgrade the database schema and exit (one-shot deploy step)"
+    )
+    p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api import store
+    from api.main import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise SpecError(f"--port={args.port} is not a TCP port (0-65535)")
+    settings = Settings()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    url = settings.resolved_database_url
+    if not args.no_migrate or args.migrate_only:
+        store.upgrade(url)  # raises StoreUnavailableError naming the URL (password hidden)
+    logging.getLogger("meshtune.serve").info("database %s at schema head", store.safe_url(url))
+    if args.migrate_only:
+        return 0
+    app = create_app(settings, run_engine=not args.no_engine)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log)
+    return 0

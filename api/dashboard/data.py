@@ -1,0 +1,200 @@
+"""The dashboard's reads: sweep-service calls turned into the plain dicts ``views`` and the templates use.
+
+Only ``api.services.sweeps`` is called here (routes never build queries). One page load reads the
+sweep's trials once (``list_trials``), the ranking and the Pareto points; a 2,000-trial sweep is a
+few hundred kB of rows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api.dashboard import views
+from api.services import sweeps as service
+from api.spec import SweepSpec
+from tuner import Layout, LayoutError, TrainingSpec, microbatches
+from tuner._stats import pareto_front
+
+GiB = views.GiB
+LIVE_STATUSES = ("queued", "running")
+_KEY = re.compile(
+    r"tp(?P<tp>\d+)-cp(?P<cp>\d+)-ep(?P<ep>\d+)-dp(?P<dp>\d+)-pp(?P<pp>\d+)-z(?P<zero>\d)-mbs(?P<mbs>\d+)"
+    r"-ac_(?P<ac>\w+?)(?P<sp>-sp)?-(?P<sched>.+)$"
+)
+
+
+def layout_from_key(key: str | None) -> dict[str, Any] | None:
+    """Invert ``Layout.key`` (the sweep list shows the best layout from the sweep's cached key)."""
+    m = _KEY.match(key or "")
+    if not m:
+        return None
+    d: dict[str, Any] = {k: int(m[k]) for k in ("tp", "cp", "ep", "dp", "pp", "zero", "mbs")}
+    d.update(ac=m["ac"], sp=bool(m["sp"]), schedule="1f1b", vpp=1)
+    sched = m["sched"]
+    if sched.startswith("interleavedv"):
+        d.update(schedule="interleaved", vpp=int(sched.removeprefix("interleavedv")))
+    elif sched != "nopp":
+        d["schedule"] = sched
+    return d
+
+
+def budget_of(spec: dict[str, Any] | None) -> int | None:
+    """Trials the sweep may run: ``max_trials`` search trials plus the re-measurements of the top-k
+    layouts (``remeasure_top_k * (repeats - 1)``), which the engine runs on top of them."""
+    search = (spec or {}).get("search") or {}
+    if not isinstance(search.get("max_trials"), int):
+        return None
+    extra = int(search.get("remeasure_top_k", 3) or 0) * max(int(search.get("repeats", 3) or 1) - 1, 0)
+    return search["max_trials"] + extra
+
+
+def problem(sweep: Any) -> dict[str, Any]:
+    """What the pages need from the sweep's spec: labels, device memory, budget, training spec."""
+    spec = sweep.spec or {}
+    out: dict[str, Any] = {
+        "model_label": spec.get("model") if isinstance(spec.get("model"), str) else "custom model",
+        "cluster_label": spec.get("cluster") if isinstance(spec.get("cluster"), str) else "custom cluster",
+        "device_memory": None, "training": None, "global_batch": "?",
+        "budget": budget_of(spec),
+    }
+    try:  # a spec stored by an older version may no longer validate: show what we can
+        model, cluster, training = SweepSpec.model_validate(spec).to_problem()
+    except ValueError:
+        return out
+    out.update(
+        model_label=model.name,
+        cluster_label=f"{cluster.name} ({cluster.nodes}×{cluster.devices_per_node} {cluster.device_kind})",
+        device_memory=cluster.device_memory, training=training, global_batch=training.global_batch,
+    )
+    return out
+
+
+def _m(layout: dict[str, Any], training: TrainingSpec | None) -> int | None:
+    if training is None:
+        return None
+    try:
+        return microbatches(Layout(**layout), training)
+    except (LayoutError, TypeError):
+        return None
+
+
+def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: int | None = None) -> dict[str, Any]:
+    """A stored trial (ORM row) as the flat dict ``views`` documents."""
+    peak = t.peak_memory_bytes
+    return {
+        "id": t.id, "number": t.number, "attempt": t.attempt, "phase": t.phase, "source": t.source,
+        "repeat": t.repeat, "status": t.status, "layout": dict(t.layout), "key": t.layout_key,
+        "world_size": t.world_size, "microbatches": _m(t.layout, training), "cause": t.cause, "error": t.error,
+        "tokens_per_s_per_device": t.tokens_per_s_per_device, "tokens_per_s": t.tokens_per_s,
+        "useful_tokens_per_s": t.useful_tokens_per_s, "mfu": t.mfu,
+        "peak_memory_bytes": peak, "peak_gib": peak / GiB if peak else None,
+        "peak_reserved_gib": t.peak_reserved_bytes / GiB if t.peak_reserved_bytes else None,
+        "capacity_gib": device_memory / GiB if device_memory else None,
+        "memory_fraction": min(peak / device_memory, 1.0) if peak and device_memory else None,
+        "memory_measure": t.memory_measure,
+        "predicted_memory_bytes": t.predicted_memory_bytes,
+        "predicted_gib": t.predicted_memory_bytes / GiB if t.predicted_memory_bytes else None,
+        "predicted_step_time_s": t.predicted_step_time_s,
+        "memory_error": views.rel_error(t.predicted_memory_bytes, peak),
+        "time_error": views.rel_error(t.predicted_step_time_s, t.step_time_s),
+        "step_time_s": t.step_time_s, "step_times_s": t.step_times_s or [], "losses": t.losses or [],
+        "stage_times_s": t.stage_times_s or [], "stage_imbalance": t.stage_imbalance,
+        "env": t.env or {}, "env_fingerprint": t.env_fingerprint, "backend": t.backend,
+        "simulated": bool(t.simulated), "wall_s": t.wall_s, "device_seconds": t.device_seconds,
+        "created_at": t.created_at,
+        "started_at": t.started_at, "finished_at": t.finished_at or (t.created_at if t.status == "pruned" else None),
+        "reference": t.source == "reference",
+    }
+
+
+def sweep_list_row(s: Any) -> dict[str, Any]:
+    best = layout_from_key(s.best_layout_key)
+    return {
+        "id": s.id, "name": s.name, "status": s.status, "owner": s.owner, "backend": s.backend,
+        "best": s.best_tokens_per_s_per_device, "best_label": views.layout_label(best) if best else None,
+        "done": s.n_completed + s.n_pruned + s.n_failed, "budget": budget_of(s.spec),
+        "device_seconds": s.device_seconds, "started": s.started_at or s.created_at,
+    }
+
+
+def sweeps_page(session: Session, *, status: str | None, page: int, per_page: int = 50) -> dict[str, Any]:
+    result = service.list_sweeps(session, status=status, limit=per_page, offset=(page - 1) * per_page)
+    return {
+        "sweeps": [sweep_list_row(s) for s in result.items],
+        "total": result.total,
+        "pages": max(1, -(-result.total // per_page)),
+    }
+
+
+def all_trials(session: Session, *, sweep_id: int) -> list[Any]:
+    """Every trial of the sweep, read a service page (1,000 rows) at a time."""
+    rows: list[Any] = []
+    while True:
+        page = service.list_trials(session, sweep_id=sweep_id, limit=service.MAX_PAGE, offset=len(rows))
+        rows.extend(page.items)
+        if not page.items or len(rows) >= page.total:
+            return rows
+
+
+def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": sweep.id, "name": sweep.name, "status": sweep.status, "owner": sweep.owner,
+        "backend": sweep.backend, "sampler": sweep.sampler, "error": sweep.error,
+        "started": sweep.started_at or sweep.created_at, "budget": prob["budget"] or "?",
+        "model_label": prob["model_label"], "cluster_label": prob["cluster_label"],
+        "global_batch": prob["global_batch"], "simulated": sweep.backend == "simulate",
+    }
+
+
+def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
+    """Sweep header, trial rows, ranking rows and chart bundle of one sweep (raises NotFoundError)."""
+    sweep = service.get_sweep(session, sweep_id=sweep_id)
+    prob = problem(sweep)
+    cap = prob["device_memory"]
+    trials = [trial_row(t, training=prob["training"], device_memory=cap) for t in all_trials(session, sweep_id=sweep_id)]
+    first_id = {}
+    for t in trials:  # the first measurement of each layout is the one a ranking row links to
+        if t["status"] == "completed":
+            first_id.setdefault(t["key"], t["id"])
+    by_key_mfu: dict[str, list[float]] = {}
+    for t in trials:
+        if t["status"] == "completed" and t["mfu"] is not None:
+            by_key_mfu.setdefault(t["key"], []).append(t["mfu"])
+    ranking = service.ranking(session, sweep_id=sweep_id)
+    rows = []
+    for i, r in enumerate(ranking.rows):
+        d = dict(vars(r))  # shallow: asdict() deep-copies every layout (0.7 s for 2,000 rows)
+        mfus = sorted(by_key_mfu.get(r.layout_key, []))
+        d.update(
+            id=first_id.get(r.layout_key), tokens=r.median, lo=r.low, hi=r.high, status="completed",
+            tied=i > 0 and ranking.rows[i - 1].tie_group == r.tie_group,
+            mfu=mfus[len(mfus) // 2] if mfus else None, microbatches=_m(r.layout, prob["training"]),
+            peak_gib=r.peak_memory_bytes / GiB if r.peak_memory_bytes else None,
+            capacity_gib=cap / GiB if cap else None,
+            memory_fraction=min(r.peak_memory_bytes / cap, 1.0) if r.peak_memory_bytes and cap else None,
+            memory_error=r.memory_prediction_error, time_error=r.prediction_error,
+        )
+        rows.append(d)
+    # The Pareto points are the ranking's layouts (medians), on the front by the same function that
+    # service.pareto uses; this saves reading every measurement a second time.
+    measured = [r for r in ranking.rows if r.peak_memory_bytes is not None]
+    front = set(pareto_front([(r.layout_key, r.tokens_per_s_per_device, r.peak_memory_bytes) for r in measured]))
+    points = [
+        {"layout_key": r.layout_key, "layout": r.layout, "tokens_per_s_per_device": r.tokens_per_s_per_device,
+         "peak_memory_bytes": r.peak_memory_bytes, "on_front": r.layout_key in front,
+         "trial_id": first_id.get(r.layout_key)}
+        for r in measured
+    ]
+    bundle = views.chart_bundle(trials, points=points, device_memory=cap)
+    if ranking.rows:  # the headline is the ranking's winner (median over its measurements)
+        top = ranking.rows[0]
+        bundle["summary"].update(best_tokens_per_s_per_device=views.sig(top.median),
+                                 best_label=views.layout_label(top.layout), best_trial_id=rows[0]["id"])
+    bundle["status"] = sweep.status
+    bundle["live"] = sweep.status in LIVE_STATUSES
+    header = sweep_header(sweep, prob)
+    header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
+    return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}

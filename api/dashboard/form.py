@@ -1,0 +1,115 @@
+"""The dashboard's submit form: form fields -> the same ``SweepSpec`` the API validates, and the same
+error messages (``api.errors.field_errors``, rendered as ``field=value: message`` like the API's
+422 ``detail``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from api.errors import field_errors
+from api.spec import SweepSpec
+
+FIELDS = (
+    "name", "model", "cluster", "nodes", "global_batch", "precision", "sampler", "max_trials",
+    "max_device_seconds", "patience", "backend", "extra",
+)
+DEFAULTS = {
+    "name": "sweep", "model": "tiny", "cluster": "cpu-local", "nodes": "", "global_batch": "16",
+    "precision": "fp32", "sampler": "tpe", "max_trials": "20", "max_device_seconds": "", "patience": "",
+    "backend": "ray", "extra": "",
+}
+
+
+@dataclass
+class FormState:
+    values: dict[str, str] = field(default_factory=lambda: dict(DEFAULTS))
+    errors: list[str] = field(default_factory=list)
+    fields: set[str] = field(default_factory=set)  # dotted spec fields named by an error
+
+    def bad(self, name: str) -> str:
+        """CSS class for an input whose field (or a sub-field of it) has an error."""
+        return "invalid" if any(f == name or f.startswith(name + ".") for f in self.fields) else ""
+
+
+def _number(text: str) -> Any:
+    """Form text as the JSON number a script would send; anything else stays text, so the error
+    message shows the value the user typed."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def spec_data(values: dict[str, str]) -> dict[str, Any]:
+    """The JSON body the form stands for (what ``POST /api/sweeps`` would receive). Raises
+    ValueError naming ``extra`` when the free-text part is not a YAML/JSON mapping."""
+    cluster: Any = values["cluster"]
+    if values.get("nodes", "").strip():
+        cluster = {"preset": values["cluster"], "nodes": _number(values["nodes"])}
+    search: dict[str, Any] = {"sampler": values["sampler"], "max_trials": _number(values["max_trials"])}
+    for opt in ("max_device_seconds", "patience"):
+        if values.get(opt, "").strip():
+            search[opt] = _number(values[opt])
+    data: dict[str, Any] = {
+        "name": values["name"],
+        "model": values["model"],
+        "cluster": cluster,
+        "training": {"global_batch": _number(values["global_batch"]), "precision": values["precision"]},
+        "search": search,
+        "backend": values["backend"].strip(),
+    }
+    extra = values.get("extra", "").strip()
+    if extra:
+        try:
+            parsed = yaml.safe_load(extra)  # JSON is YAML
+        except yaml.YAMLError as exc:
+            raise ValueError(f"extra: not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"extra: must be a mapping of spec fields, got {json.dumps(parsed)[:80]}")
+        data = _merge(data, parsed)
+    return data
+
+
+def _summary(item: dict[str, Any]) -> str:
+    # Same shape as the API's 422 "detail" line.
+    if "value" in item and not isinstance(item["value"], (dict, list)):
+        return f"{item['field']}={item['value']!r}: {item['message']}"
+    return f"{item['field']}: {item['message']}"
+
+
+def validate(values: dict[str, str]) -> tuple[SweepSpec | None, FormState]:
+    """(spec, state): spec is None when the form is invalid; state carries the messages."""
+    state = FormState(values={k: values.get(k, DEFAULTS[k]) for k in FIELDS})
+    try:
+        data = spec_data(state.values)
+    except ValueError as exc:
+        state.errors.append(str(exc))
+        state.fields.add("extra")
+        return None, state
+    try:
+        return SweepSpec.model_validate(data), state
+    except ValidationError as exc:
+        # Re-located under "body" exactly as FastAPI reports a request body, then the API's formatter.
+        errs = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        items = field_errors(RequestValidationError(errs, body=data), data)
+        state.errors.extend(_summary(i) for i in items)
+        state.fields.update(i["field"] for i in items)
+        return None, state

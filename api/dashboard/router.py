@@ -1,0 +1,308 @@
+"""Dashboard pages, served by the coordinator (server-rendered Jinja2, Plotly served locally).
+
+    GET  /                                   sweeps list + submit form
+    POST /sweeps                             submit form (validated as POST /api/sweeps validates)
+    GET  /sweeps/{id}                        sweep page: ranking, charts, trials
+    GET  /sweeps/{id}/data.json              chart data for the live refresh (Plotly.react)
+    GET  /sweeps/{id}/importance.json        parameter importance (Optuna), loaded after the page
+    GET  /sweeps/{id}/tables                 the ranking + trials tables (HTML fragment, refresh)
+    GET  /sweeps/{id}/trials/{trial_id}      one trial: measurements, environment, error
+    GET|POST /login                          token cookie when reads require auth
+    /dashboard/static/*, /dashboard/vendor/plotly.min.js   assets (plotly.js from the plotly package)
+
+Reads follow the API's rule (a token only when ``read_requires_auth``); a browser sends it as an
+http-only cookie set by /login. Submitting needs a token whenever tokens are configured.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from api.auth import match_token
+from api.dashboard import data, form, views
+from api.dashboard.importance import param_importance
+from api.deps import SessionDep, SettingsDep
+from api.services import sweeps as service
+from api.settings import Settings
+from api.spec import SAMPLERS
+from api.store import SWEEP_STATUSES
+from tuner import CLUSTER_PRESETS, MODEL_PRESETS, NotFoundError
+
+HERE = Path(__file__).resolve().parent
+COOKIE = "meshtune_token"
+RANK_PAGE = 50
+TRIAL_PAGE = 100
+REFRESH_MS = 5000
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+router = APIRouter(include_in_schema=False)
+router.mount("/dashboard/static", StaticFiles(directory=str(HERE / "static")), name="dashboard_static")
+
+
+# --- formatting filters ----------------------------------------------------------------------------
+
+def _num(v: Any) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def _when(v: Any) -> str:
+    if not isinstance(v, datetime):
+        return "—"
+    if v.tzinfo is None:  # SQLite returns naive UTC
+        v = v.replace(tzinfo=timezone.utc)
+    return v.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+templates.env.filters.update(
+    num=_num,
+    pct=lambda v: "—" if v is None else f"{100 * v:.1f}%",
+    signed_pct=lambda v: "—" if v is None else f"{100 * v:+.0f}%",
+    errclass=lambda v: "" if v is None or abs(v) < 0.15 else ("pos" if v > 0 else "neg"),
+    gib=lambda v: "—" if v is None else (f"{v:.3g} GiB" if v >= 0.1 else f"{v * 1024:.3g} MiB"),
+    seconds=lambda v: "—" if v is None else (f"{v:.3g} s" if v >= 1 else f"{v * 1000:.3g} ms"),
+    duration=views.duration,
+    when=_when,
+)
+
+
+def _plotly_js() -> Path:
+    import plotly
+
+    return Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+
+
+@router.get("/dashboard/vendor/plotly.min.js", name="dashboard_plotly")
+def plotly_js() -> FileResponse:
+    """plotly.js as shipped inside the installed plotly package: no CDN, cached for a day."""
+    return FileResponse(_plotly_js(), media_type="text/javascript", headers={"Cache-Control": "public, max-age=86400"})
+
+
+# --- auth ------------------------------------------------------------------------------------------
+
+def _can_read(request: Request, settings: Settings) -> bool:
+    if not settings.api_tokens or not settings.read_requires_auth:
+        return True
+    token = request.cookies.get(COOKIE) or ""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        token = header[7:]
+    return bool(token) and match_token(token, settings.api_tokens) is not None
+
+
+def _login(request: Request, *, error: str | None = None, status_code: int = 401) -> HTMLResponse:
+    return templates.TemplateResponse(
+        request, "login.html", {"next": request.url.path, "error": error}, status_code=status_code
+    )
+
+
+def _not_found(request: Request, message: str) -> HTMLResponse:
+    return templates.TemplateResponse(request, "error.html", {"message": message}, status_code=404)
+
+
+@router.get("/login", name="dashboard_login_page")
+def login_page(request: Request) -> HTMLResponse:
+    return _login(request, status_code=200)
+
+
+@router.post("/login", name="dashboard_login")
+def login(
+    request: Request, settings: SettingsDep, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "/"
+) -> Response:
+    if match_token(token, settings.api_tokens) is None:
+        return _login(request, error="token: not a valid token", status_code=403)
+    target = next if next.startswith("/") and not next.startswith("//") else "/"
+    resp = RedirectResponse(target, status_code=303)
+    resp.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    return resp
+
+
+# --- sweeps list and submit form -------------------------------------------------------------------
+
+def _sweeps_page(
+    request: Request, session: Any, settings: Settings, *, status: str | None, page: int,
+    state: form.FormState | None = None, status_code: int = 200,
+) -> HTMLResponse:
+    status = status or None
+    if status is not None and status not in SWEEP_STATUSES:
+        status = None
+    listing = data.sweeps_page(session, status=status, page=page)
+    if state is None:
+        state = form.FormState()
+        state.values["backend"] = settings.backend
+
+    def page_url(p: int) -> str:
+        return str(request.url_for("dashboard_sweeps")) + "?" + urlencode({"status": status or "", "page": p})
+
+    ctx = {
+        **listing, "status": status, "page": page, "page_url": page_url, "sweep_statuses": SWEEP_STATUSES,
+        "form": state, "model_presets": sorted(MODEL_PRESETS), "cluster_presets": sorted(CLUSTER_PRESETS),
+        "samplers": SAMPLERS, "auth_on": bool(settings.api_tokens),
+    }
+    return templates.TemplateResponse(request, "sweeps.html", ctx, status_code=status_code)
+
+
+@router.get("/", name="dashboard_sweeps")
+def sweeps_list(
+    request: Request, session: SessionDep, settings: SettingsDep,
+    status: str = "", page: Annotated[int, Query(ge=1, le=100_000)] = 1,
+) -> HTMLResponse:
+    if not _can_read(request, settings):
+        return _login(request)
+    return _sweeps_page(request, session, settings, status=status, page=page)
+
+
+@router.post("/sweeps", name="dashboard_submit")
+async def submit(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    raw = await request.form()
+    values = {k: str(raw.get(k, form.DEFAULTS[k])) for k in form.FIELDS}
+    spec, state = form.validate(values)
+    owner = None
+    code = 422
+    if settings.api_tokens:  # the same rule as POST /api/sweeps: a valid token, its name is the owner
+        token = str(raw.get("token", ""))
+        owner = match_token(token, settings.api_tokens) if token else None
+        if owner is None:
+            state.errors.insert(0, "token: missing — this coordinator needs a token to submit" if not token
+                                else "token: not a valid token")
+            state.fields.add("token")
+            code = 401 if not token else 403
+    if spec is not None and not state.errors:
+        try:
+            sweep = service.create_sweep(session, spec=spec, owner=owner)
+        except ValueError as exc:  # e.g. an unknown reference layout, named by the service
+            state.errors.append(str(exc))
+        else:
+            return RedirectResponse(request.url_for("dashboard_sweep", sweep_id=sweep.id), status_code=303)
+    return _sweeps_page(request, session, settings, status=None, page=1, state=state, status_code=code)
+
+
+# --- sweep page ------------------------------------------------------------------------------------
+
+def _tables_ctx(request: Request, state: dict[str, Any], *, rank_page: int, trial_page: int, trial_status: str):
+    sweep_id = state["sweep"]["id"]
+    trials = [t for t in state["trials"] if not trial_status or t["status"] == trial_status]
+    ranking = state["ranking"]
+    rank_pages = max(1, -(-len(ranking) // RANK_PAGE))
+    trial_pages = max(1, -(-len(trials) // TRIAL_PAGE))
+    rank_page, trial_page = min(rank_page, rank_pages), min(trial_page, trial_pages)
+    base = str(request.url_for("dashboard_sweep", sweep_id=sweep_id))
+    q = {"rank_page": rank_page, "trial_page": trial_page, "trial_status": trial_status}
+
+    def url(**changes: Any) -> str:
+        return base + "?" + urlencode(q | changes)
+
+    for t in trials:
+        t["label"] = views.layout_label(t["layout"])
+        t["tokens"] = t["tokens_per_s_per_device"]
+        t["step_time"] = t["step_time_s"]
+    return {
+        "sweep": state["sweep"],
+        "ranking": ranking[(rank_page - 1) * RANK_PAGE: rank_page * RANK_PAGE],
+        "rank_page": rank_page, "rank_pages": rank_pages, "rank_page_url": lambda p: url(rank_page=p),
+        "trials": trials[(trial_page - 1) * TRIAL_PAGE: trial_page * TRIAL_PAGE],
+        "trial_page": trial_page, "trial_pages": trial_pages, "trial_page_url": lambda p: url(trial_page=p),
+        "trial_status": trial_status, "trial_filters": ("", *views.OUTCOMES),
+        "trial_filter_url": lambda s: url(trial_status=s, trial_page=1),
+        "counts": state["bundle"]["summary"]["counts"],
+    }
+
+
+Page = Annotated[int, Query(ge=1, le=1_000_000)]
+
+
+@router.get("/sweeps/{sweep_id}", name="dashboard_sweep")
+def sweep_page(
+    request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep,
+    rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
+    refresh_ms: Annotated[int, Query(ge=500, le=600_000)] = REFRESH_MS,
+) -> HTMLResponse:
+    if not _can_read(request, settings):
+        return _login(request)
+    try:
+        state = data.sweep_state(session, sweep_id=sweep_id)
+    except NotFoundError as exc:
+        return _not_found(request, str(exc))
+    ctx = _tables_ctx(request, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    ctx.update(bundle=state["bundle"], live=state["bundle"]["live"], refresh_ms=refresh_ms)
+    return templates.TemplateResponse(request, "sweep.html", ctx)
+
+
+@router.get("/sweeps/{sweep_id}/tables", name="dashboard_sweep_tables")
+def sweep_tables(
+    request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep,
+    rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
+) -> HTMLResponse:
+    if not _can_read(request, settings):
+        return _login(request)
+    try:
+        state = data.sweep_state(session, sweep_id=sweep_id)
+    except NotFoundError as exc:
+        return _not_found(request, str(exc))
+    ctx = _tables_ctx(request, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    return templates.TemplateResponse(request, "_tables.html", ctx)
+
+
+def _json_guard(request: Request, settings: Settings) -> JSONResponse | None:
+    if not _can_read(request, settings):
+        return JSONResponse({"detail": "this coordinator needs a token to read"}, status_code=401)
+    return None
+
+
+@router.get("/sweeps/{sweep_id}/data.json", name="dashboard_sweep_data")
+def sweep_data(request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep) -> JSONResponse:
+    if (denied := _json_guard(request, settings)) is not None:
+        return denied
+    try:
+        state = data.sweep_state(session, sweep_id=sweep_id)
+    except NotFoundError as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+    return JSONResponse(state["bundle"] | {"status": state["sweep"]["status"]}, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/sweeps/{sweep_id}/importance.json", name="dashboard_sweep_importance")
+def sweep_importance(request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep) -> JSONResponse:
+    if (denied := _json_guard(request, settings)) is not None:
+        return denied
+    try:
+        sweep = service.get_sweep(session, sweep_id=sweep_id)
+    except NotFoundError as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    def load() -> list[dict[str, Any]]:
+        return [data.trial_row(t) for t in data.all_trials(session, sweep_id=sweep_id)]
+
+    # The listing counters change with every recorded result, so they key the cache.
+    key = (sweep_id, sweep.n_trials, sweep.n_completed, sweep.best_tokens_per_s_per_device)
+    return JSONResponse(param_importance(load, cache_key=key))
+
+
+@router.get("/sweeps/{sweep_id}/trials/{trial_id}", name="dashboard_trial")
+def trial_page(request: Request, sweep_id: int, trial_id: int, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
+    if not _can_read(request, settings):
+        return _login(request)
+    try:
+        sweep = service.get_sweep(session, sweep_id=sweep_id)
+        trial = service.get_trial(session, sweep_id=sweep_id, trial_id=trial_id)
+    except NotFoundError as exc:
+        return _not_found(request, str(exc))
+    prob = data.problem(sweep)
+    t = data.trial_row(trial, training=prob["training"], device_memory=prob["device_memory"])
+    series = {
+        "step_times_ms": [views.sig(s * 1000) for s in t["step_times_s"]],
+        "losses": [views.sig(v, 6) if v is not None else None for v in t["losses"]],
+        # losses cover warm-up + measured steps; step times the measured ones (the last of them)
+        "first_measured_step": max(len(t["losses"]) - len(t["step_times_s"]), 0),
+    }
+    ctx = {"sweep": data.sweep_header(sweep, prob), "t": t, "label": views.layout_label(t["layout"]), "series": series}
+    return templates.TemplateResponse(request, "trial.html", ctx)

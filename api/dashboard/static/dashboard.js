@@ -1,0 +1,155 @@
+/* meshtune sweep page: draws the charts from the JSON the server embedded, re-draws them with
+   Plotly.react from data.json every few seconds while the sweep runs, and lazily loads the
+   parameter importance (computed server-side with Optuna). */
+(function () {
+  "use strict";
+  const root = document.getElementById("sweep-root");
+  if (!root || typeof Plotly === "undefined") return;
+  const urls = {
+    data: root.dataset.dataUrl,
+    importance: root.dataset.importanceUrl,
+    tables: root.dataset.tablesUrl,
+    trial: root.dataset.trialUrl, // ends with "/trials/"
+  };
+  const config = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+  const font = { family: "system-ui, sans-serif", size: 12 };
+
+  function base(extra) {
+    return Object.assign({ font: font, margin: { l: 60, r: 20, t: 10, b: 45 }, hovermode: "closest",
+      legend: { orientation: "v", font: { size: 11 } } }, extra);
+  }
+  function note(layout, traces, text) {
+    if (!traces.length) {
+      layout.annotations = [{ text: text, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+        font: { size: 14, color: "#5f6b7a" } }];
+      layout.xaxis = Object.assign({}, layout.xaxis, { visible: false });
+      layout.yaxis = Object.assign({}, layout.yaxis, { visible: false });
+    }
+    return layout;
+  }
+  function clickToTrial(div) {
+    if (div.dataset.clickBound) return;
+    div.dataset.clickBound = "1";
+    div.on("plotly_click", function (ev) {
+      const p = ev.points && ev.points[0];
+      if (p && p.customdata !== undefined && p.customdata !== null) window.location.href = urls.trial + p.customdata;
+    });
+  }
+  function draw(id, traces, layout) {
+    const div = document.getElementById(id);
+    if (!div) return;
+    Plotly.react(div, traces, layout, config).then(function () { clickToTrial(div); });
+  }
+
+  function drawPareto(p) {
+    const layout = base({
+      xaxis: { title: { text: "peak memory per device (GiB)" }, rangemode: "tozero" },
+      yaxis: { title: { text: "tokens/s per device" }, rangemode: "tozero" },
+    });
+    if (p.device_memory_gib) {
+      layout.shapes = [{ type: "line", xref: "x", yref: "paper", x0: p.device_memory_gib, x1: p.device_memory_gib,
+        y0: 0, y1: 1, line: { color: "#c62828", dash: "dot", width: 1.5 } }];
+      layout.annotations = [{ x: p.device_memory_gib, y: 1, xref: "x", yref: "paper", text: "device memory",
+        showarrow: false, xanchor: "right", yanchor: "top", font: { color: "#c62828", size: 11 } }];
+    }
+    draw("plot-pareto", p.traces, note(layout, p.points ? p.traces : [], "no completed trials yet"));
+  }
+
+  function drawHeatmaps(maps) {
+    const box = document.getElementById("plot-heatmaps");
+    if (!box) return;
+    if (box.children.length !== Math.max(maps.length, 1)) {
+      box.innerHTML = "";
+      for (let i = 0; i < Math.max(maps.length, 1); i++) {
+        const d = document.createElement("div");
+        d.className = "plot";
+        d.id = "plot-heatmap-" + i;
+        box.appendChild(d);
+      }
+      box.style.display = "grid";
+      box.style.gridTemplateColumns = "repeat(" + Math.max(maps.length, 1) + ", 1fr)";
+    }
+    if (!maps.length) {
+      draw("plot-heatmap-0", [], note(base({}), [], "no completed trials yet"));
+      return;
+    }
+    maps.forEach(function (m, i) {
+      const trace = { type: "heatmap", x: m.x, y: m.y, z: m.z, colorscale: "Viridis", texttemplate: "%{z:.4g}",
+        hovertemplate: "%{x} %{y}<br>%{z:.4g} tok/s/dev<extra></extra>", colorbar: { title: { text: "tok/s/dev" } } };
+      draw("plot-heatmap-" + i, [trace], base({ title: { text: m.title, font: { size: 12 } }, margin: { l: 60, r: 10, t: 30, b: 40 } }));
+    });
+  }
+
+  function drawTimeline(t) {
+    const layout = base({ barmode: "overlay", xaxis: { type: "date", title: { text: "wall-clock time" } },
+      yaxis: { title: { text: "trial #" }, autorange: "reversed" }, bargap: 0.15 });
+    draw("plot-timeline", t.traces, note(layout, t.traces, "no trials yet"));
+  }
+
+  function drawStages(s) {
+    const layout = base({ barmode: "group", yaxis: { title: { text: "ms per step" } },
+      legend: { orientation: "h", x: 0, y: -0.12, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
+    draw("plot-stages", s.traces, note(layout, s.traces, "no completed pipeline layout (pp > 1) yet"));
+  }
+
+  function drawLosses(l) {
+    const layout = base({ xaxis: { title: { text: "step" } }, yaxis: { title: { text: "training loss" } },
+      legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
+    draw("plot-losses", l.traces, note(layout, l.traces, "no loss curves yet"));
+  }
+
+  function drawImportance(imp) {
+    const traces = imp.params.length ? [{ type: "bar", orientation: "h", x: imp.importance.slice().reverse(),
+      y: imp.params.slice().reverse(), marker: { color: "#5c85d6" },
+      hovertemplate: "%{y}: %{x:.3f}<extra></extra>" }] : [];
+    const layout = base({ xaxis: { title: { text: "importance (" + imp.evaluator + ")" }, range: [0, 1] },
+      margin: { l: 80, r: 20, t: 10, b: 45 } });
+    draw("plot-importance", traces, note(layout, traces, imp.note || "not available"));
+  }
+
+  function setFacts(s) {
+    document.querySelectorAll("[data-fact]").forEach(function (el) {
+      const v = el.dataset.fact.split(".").reduce(function (o, k) { return o == null ? o : o[k]; }, s);
+      if (v !== undefined && v !== null) el.textContent = v;
+    });
+  }
+
+  function drawAll(b) {
+    drawPareto(b.pareto);
+    drawHeatmaps(b.heatmaps);
+    drawTimeline(b.timeline);
+    drawStages(b.stages);
+    drawLosses(b.losses);
+  }
+
+  function loadImportance() {
+    fetch(urls.importance, { credentials: "same-origin" }).then(function (r) { return r.json(); })
+      .then(drawImportance).catch(function (e) { drawImportance({ params: [], importance: [], evaluator: "", note: String(e) }); });
+  }
+
+  const initial = JSON.parse(document.getElementById("sweep-data").textContent);
+  drawAll(initial);
+  loadImportance();
+  window.meshtuneDashboard = { initial: initial };
+
+  let live = initial.live;
+  const period = Number(root.dataset.refreshMs || 5000);
+  let lastCompleted = initial.summary.counts.completed;
+  function refresh() {
+    fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(function (b) {
+      drawAll(b);
+      setFacts(b);
+      if (b.summary.counts.completed !== lastCompleted) { lastCompleted = b.summary.counts.completed; loadImportance(); }
+      const tables = document.getElementById("tables");
+      if (tables) {
+        fetch(urls.tables + window.location.search, { credentials: "same-origin" })
+          .then(function (r) { return r.text(); }).then(function (html) { tables.innerHTML = html; });
+      }
+      live = b.live;
+      const stamp = document.getElementById("refreshed");
+      if (stamp) stamp.textContent = live ? "live — updated " + new Date().toLocaleTimeString() : "finished";
+      if (live) setTimeout(refresh, period);
+    }).catch(function () { setTimeout(refresh, period * 2); });
+  }
+  if (live) setTimeout(refresh, period);
+})();

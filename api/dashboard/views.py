@@ -1,0 +1,333 @@
+"""View-model: stored trials (plain dicts) -> compact chart and table data for the dashboard.
+
+Every function here is pure and takes the dashboard's *trial row*, a flat dict made by
+``api.dashboard.data.trial_row`` from whatever the sweep service returns:
+
+    id, number, status, layout (Layout fields), key, microbatches, tokens_per_s_per_device, mfu,
+    peak_memory_bytes, predicted_memory_bytes, predicted_step_time_s, step_time_s, losses,
+    stage_times_s, stage_imbalance, started_at, finished_at (datetime or None), device_seconds,
+    simulated, error, nodes (optional: node count the trial used)
+
+Charts are sent as Plotly trace dicts with columns as lists (no per-point objects) and floats rounded
+to 4 significant digits, so a sweep of thousands of trials stays a few hundred kB.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+GiB = 2**30
+
+# Outcomes in the order the legend lists them; "pruned" = rejected by the memory model, no device time.
+OUTCOMES = ("completed", "pruned", "oom", "timeout", "crash", "nan", "running", "interrupted")
+FAILURES = ("oom", "timeout", "crash", "nan")
+FINISHED = ("completed", "pruned", *FAILURES)
+OUTCOME_COLOURS = {
+    "completed": "#2e7d32",
+    "pruned": "#9e9e9e",
+    "oom": "#8e24aa",
+    "timeout": "#ef6c00",
+    "crash": "#c62828",
+    "nan": "#6d4c41",
+    "running": "#1565c0",
+    "interrupted": "#546e7a",
+}
+TP_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+PP_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star", "hexagon", "triangle-down")
+
+
+def sig(x: float | None, digits: int = 4) -> float | None:
+    """``x`` rounded to ``digits`` significant digits (None and non-finite values become None)."""
+    if x is None or not math.isfinite(x):
+        return None
+    if x == 0:
+        return 0.0
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def completed(trials: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t for t in trials if t["status"] == "completed" and t.get("tokens_per_s_per_device")]
+
+
+def layout_label(layout: dict[str, Any]) -> str:
+    """Short human label: only the axes above 1, then the knobs (e.g. ``TP2·PP2·DP1 z1 mbs2 ac=full``)."""
+    deg = [f"{a.upper()}{layout.get(a, 1)}" for a in ("tp", "cp", "ep", "pp") if layout.get(a, 1) > 1]
+    deg.append(f"DP{layout.get('dp', 1)}")
+    parts = ["·".join(deg), f"z{layout.get('zero', 0)}", f"mbs{layout.get('mbs', 1)}"]
+    if layout.get("ac", "none") != "none":
+        parts.append(f"ac={layout['ac']}")
+    if layout.get("sp"):
+        parts.append("sp")
+    if layout.get("pp", 1) > 1:
+        sched = layout.get("schedule", "1f1b")
+        parts.append(f"{sched}v{layout.get('vpp', 1)}" if sched == "interleaved" else sched)
+    return " ".join(parts)
+
+
+def duration(seconds: float | None) -> str:
+    """``3725`` -> ``1 h 02 min``; ``42.5`` -> ``42.5 s``."""
+    if seconds is None:
+        return "—"
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts by outcome, best tokens/s per device, device time spent (interrupted attempts are not
+    results: they are re-run, so they are counted apart)."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    done = completed(trials)
+    best = max(done, key=lambda t: t["tokens_per_s_per_device"], default=None)
+    spent = sum(t.get("device_seconds") or 0.0 for t in trials)
+    return {
+        "counts": counts,
+        "finished": sum(counts[o] for o in FINISHED),
+        "failed": sum(counts[o] for o in FAILURES),
+        "best_tokens_per_s_per_device": sig(best["tokens_per_s_per_device"]) if best else None,
+        "best_trial_id": best["id"] if best else None,
+        "best_label": layout_label(best["layout"]) if best else None,
+        "device_seconds": spent,
+        "device_time": duration(spent),
+    }
+
+
+def pareto_chart(points: Sequence[dict[str, Any]], *, device_memory: int | None) -> dict[str, Any]:
+    """Throughput against peak memory, one point per measured layout (medians over its measurements):
+    one trace per TP degree (colour), symbol by PP, and the Pareto front as a step line.
+
+    ``points``: dicts with layout, tokens_per_s_per_device, peak_memory_bytes, on_front, trial_id.
+    """
+    tps = sorted({p["layout"].get("tp", 1) for p in points})
+    pps = sorted({p["layout"].get("pp", 1) for p in points})
+    symbol = {pp: PP_SYMBOLS[i % len(PP_SYMBOLS)] for i, pp in enumerate(pps)}
+    traces: list[dict[str, Any]] = []
+    for i, tp in enumerate(tps):
+        group = [p for p in points if p["layout"].get("tp", 1) == tp]
+        traces.append({
+            "type": "scattergl" if len(points) > 1500 else "scatter",
+            "mode": "markers",
+            "name": f"TP={tp}",
+            "x": [sig(p["peak_memory_bytes"] / GiB) for p in group],
+            "y": [sig(p["tokens_per_s_per_device"]) for p in group],
+            "text": [layout_label(p["layout"]) for p in group],
+            "customdata": [p.get("trial_id") for p in group],
+            "marker": {
+                "color": TP_COLOURS[i % len(TP_COLOURS)],
+                "symbol": [symbol[p["layout"].get("pp", 1)] for p in group],
+                "size": 9,
+                "line": {"width": 0.5, "color": "#333"},
+            },
+            "hovertemplate": "%{text}<br>%{y:.4g} tok/s/dev<br>%{x:.3g} GiB<extra></extra>",
+        })
+    for pp in pps:  # legend entries for the PP symbols (no points of their own)
+        traces.append({
+            "type": "scatter", "mode": "markers", "name": f"PP={pp}", "x": [None], "y": [None],
+            "marker": {"color": "#777", "symbol": symbol[pp], "size": 9}, "hoverinfo": "skip",
+        })
+    front = sorted((p for p in points if p.get("on_front")), key=lambda p: p["peak_memory_bytes"])
+    traces.append({
+        "type": "scatter", "mode": "lines", "name": "Pareto front", "line": {"shape": "hv", "color": "#000", "width": 2},
+        "x": [sig(p["peak_memory_bytes"] / GiB) for p in front],
+        "y": [sig(p["tokens_per_s_per_device"]) for p in front],
+        "text": [layout_label(p["layout"]) for p in front],
+        "hovertemplate": "front: %{text}<extra></extra>",
+    })
+    return {
+        "traces": traces,
+        "front_keys": [p["layout_key"] for p in front],
+        "device_memory_gib": sig(device_memory / GiB) if device_memory else None,
+        "points": len(points),
+    }
+
+
+def heatmaps(layouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best tokens/s per device over TP (x) x PP (y) of the measured layouts (medians); one heatmap
+    per node count when the layouts differ in it (a ``nodes`` key)."""
+    by_nodes: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for p in layouts:
+        by_nodes[p.get("nodes")].append(p)
+    out = []
+    for nodes in sorted(by_nodes, key=lambda n: (n is None, n or 0)):
+        group = by_nodes[nodes]
+        tps = sorted({p["layout"].get("tp", 1) for p in group})
+        pps = sorted({p["layout"].get("pp", 1) for p in group})
+        best: dict[tuple[int, int], float] = {}
+        for p in group:
+            k = (p["layout"].get("tp", 1), p["layout"].get("pp", 1))
+            best[k] = max(best.get(k, 0.0), p["tokens_per_s_per_device"])
+        out.append({
+            "title": "best tokens/s per device" + (f" — {nodes} node(s)" if nodes is not None else ""),
+            "x": [f"TP={tp}" for tp in tps],
+            "y": [f"PP={pp}" for pp in pps],
+            "z": [[sig(best.get((tp, pp))) for tp in tps] for pp in pps],
+        })
+    return out
+
+
+def _iso(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.isoformat(timespec="milliseconds") if isinstance(value, datetime) else str(value)
+
+
+def timeline(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Trials over wall-clock time, one bar per trial (y = trial number), coloured by outcome.
+
+    Trials with no device time (pruned by the model, queued) are drawn as markers at the time they
+    were recorded.
+    """
+    traces = []
+    for outcome in OUTCOMES:
+        group = [t for t in trials if t["status"] == outcome]
+        bars = [t for t in group if t.get("started_at") and t.get("finished_at")]
+        marks = [t for t in group if t not in bars and (t.get("started_at") or t.get("finished_at"))]
+        if outcome == "running":
+            bars, marks = [], [t for t in group if t.get("started_at")]
+        if bars:
+            traces.append({
+                "type": "bar", "orientation": "h", "name": outcome, "legendgroup": outcome,
+                "base": [_iso(t["started_at"]) for t in bars],
+                "x": [round((t["finished_at"] - t["started_at"]).total_seconds() * 1000) for t in bars],
+                "y": [t["number"] for t in bars],
+                "customdata": [t["id"] for t in bars],
+                "marker": {"color": OUTCOME_COLOURS[outcome]},
+                "hovertemplate": f"trial %{{y}} — {outcome}<br>%{{x}} ms<extra></extra>",
+            })
+        if marks:
+            traces.append({
+                "type": "scatter", "mode": "markers", "name": outcome, "legendgroup": outcome,
+                "showlegend": not bars,
+                "x": [_iso(t.get("started_at") or t.get("finished_at")) for t in marks],
+                "y": [t["number"] for t in marks],
+                "customdata": [t["id"] for t in marks],
+                "marker": {"color": OUTCOME_COLOURS[outcome], "symbol": "x-thin-open", "size": 10,
+                           "line": {"width": 2, "color": OUTCOME_COLOURS[outcome]}},
+                "hovertemplate": f"trial %{{y}} — {outcome}<extra></extra>",
+            })
+    return {"traces": traces}
+
+
+def stage_bars(trials: Sequence[dict[str, Any]], *, limit: int = 6) -> dict[str, Any]:
+    """Measured per-stage step time of the fastest pipeline layouts (grouped bars show imbalance)."""
+    piped = [t for t in completed(trials) if t["layout"].get("pp", 1) > 1 and t.get("stage_times_s")]
+    piped.sort(key=lambda t: -t["tokens_per_s_per_device"])
+    traces = []
+    seen: set[str] = set()
+    for t in piped:
+        if t["key"] in seen:
+            continue
+        seen.add(t["key"])
+        times = t["stage_times_s"]
+        imbalance = t.get("stage_imbalance") or (max(times) / (sum(times) / len(times)))
+        traces.append({
+            "type": "bar", "name": f"{layout_label(t['layout'])} (max/mean {imbalance:.2f})",
+            "x": [f"stage {i}" for i in range(len(times))],
+            "y": [sig(s * 1000) for s in times],
+            "customdata": [t["id"]] * len(times),
+            "hovertemplate": "%{x}: %{y:.3g} ms<extra>%{fullData.name}</extra>",
+        })
+        if len(traces) >= limit:
+            break
+    return {"traces": traces}
+
+
+def reference_trial(trials: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The numerics reference: a trial marked ``reference``, else the simplest completed layout
+    (fewest model-parallel ranks, no ZeRO, no checkpointing), the one closest to single-device maths."""
+    done = [t for t in completed(trials) if t.get("losses")]
+    marked = [t for t in done if t.get("reference")]
+    if marked:
+        return marked[0]
+
+    def simplicity(t: dict[str, Any]) -> tuple:
+        lay = t["layout"]
+        model_par = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1) * lay.get("ep", 1)
+        return (model_par, lay.get("zero", 0), lay.get("ac", "none") != "none", t["number"])
+
+    return min(done, key=simplicity, default=None)
+
+
+def loss_curves(trials: Sequence[dict[str, Any]], *, limit: int = 8) -> dict[str, Any]:
+    """Loss per step of the fastest layouts overlaid on the reference layout's (dashed black)."""
+    ref = reference_trial(trials)
+    if ref is None:
+        return {"traces": [], "reference_id": None}
+    others = [t for t in completed(trials) if t.get("losses") and t["id"] != ref["id"]]
+    others.sort(key=lambda t: -t["tokens_per_s_per_device"])
+    traces = [{
+        "type": "scatter", "mode": "lines", "name": f"reference: {layout_label(ref['layout'])}",
+        "x": list(range(len(ref["losses"]))), "y": [sig(v, 6) for v in ref["losses"]],
+        "line": {"color": "#000", "width": 3, "dash": "dash"},
+    }]
+    seen = {ref["key"]}
+    for t in others:
+        if t["key"] in seen:
+            continue
+        seen.add(t["key"])
+        n = min(len(t["losses"]), len(ref["losses"]))
+        pairs = zip(t["losses"][:n], ref["losses"][:n], strict=True)
+        dev = max((abs(a - b) for a, b in pairs if a is not None and b is not None), default=0.0)
+        traces.append({
+            "type": "scatter", "mode": "lines+markers", "name": f"{layout_label(t['layout'])} (max |Δ| {dev:.2g})",
+            "x": list(range(len(t["losses"]))), "y": [sig(v, 6) for v in t["losses"]],
+            "customdata": [t["id"]] * len(t["losses"]),
+        })
+        if len(traces) > limit:
+            break
+    return {"traces": traces, "reference_id": ref["id"]}
+
+
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured, or None when either is missing."""
+    if not predicted or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def table_row(trial: dict[str, Any], *, device_memory: int | None) -> dict[str, Any]:
+    """One row of the layouts table (ranking or trial list) as display-ready values."""
+    lay = trial["layout"]
+    peak = trial.get("peak_memory_bytes")
+    return {
+        "id": trial["id"],
+        "number": trial["number"],
+        "label": layout_label(lay),
+        "layout": lay,
+        "microbatches": trial.get("microbatches"),
+        "status": trial["status"],
+        "simulated": bool(trial.get("simulated")),
+        "tokens": trial.get("tokens_per_s_per_device"),
+        "mfu": trial.get("mfu"),
+        "peak_gib": peak / GiB if peak else None,
+        "capacity_gib": device_memory / GiB if device_memory else None,
+        "memory_fraction": min(peak / device_memory, 1.0) if peak and device_memory else None,
+        "predicted_gib": trial["predicted_memory_bytes"] / GiB if trial.get("predicted_memory_bytes") else None,
+        "memory_error": rel_error(trial.get("predicted_memory_bytes"), peak),
+        "time_error": rel_error(trial.get("predicted_step_time_s"), trial.get("step_time_s")),
+        "error": trial.get("error"),
+    }
+
+
+def chart_bundle(
+    trials: Sequence[dict[str, Any]], *, points: Sequence[dict[str, Any]], device_memory: int | None
+) -> dict[str, Any]:
+    """Everything the sweep page's charts need, in one JSON-ready dict (``points``: measured layouts)."""
+    return {
+        "summary": summary(trials),
+        "pareto": pareto_chart(points, device_memory=device_memory),
+        "heatmaps": heatmaps(points),
+        "timeline": timeline(trials),
+        "stages": stage_bars(trials),
+        "losses": loss_curves(trials),
+    }

@@ -1,0 +1,65 @@
+"""Typed FastAPI dependencies: settings, a database session per request, and the calling principal.
+
+The app keeps its settings and session factory on ``app.state`` (set by ``create_app`` and its
+lifespan), so a test can build an app on any settings without touching process-wide caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from api.auth import Principal, authenticate
+from api.settings import Settings
+
+bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="A token from MESHTUNE_API_TOKENS (name:token pairs); the name is recorded as the sweep owner.",
+)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request; services commit their own writes, anything left is rolled back."""
+    with request.app.state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+
+def reader(settings: SettingsDep, credentials: Credentials) -> Principal:
+    """The caller of a read endpoint: a token is needed only when ``read_requires_auth`` is set."""
+    return authenticate(
+        credentials.scheme if credentials else None,
+        credentials.credentials if credentials else None,
+        tokens=settings.api_tokens,
+        required=settings.read_requires_auth,
+    )
+
+
+def writer(settings: SettingsDep, credentials: Credentials) -> Principal:
+    """The caller of a mutating endpoint: always needs a valid token (unless no tokens are configured)."""
+    return authenticate(
+        credentials.scheme if credentials else None,
+        credentials.credentials if credentials else None,
+        tokens=settings.api_tokens,
+        required=True,
+    )
+
+
+ReaderDep = Annotated[Principal, Depends(reader)]
+WriterDep = Annotated[Principal, Depends(writer)]

@@ -1,0 +1,31 @@
+"""The sweep engine: Optuna ask-and-tell over a sweep's valid layouts, pruning by the memory model,
+warm start, budgets, concurrent trials and restart recovery.
+
+Where Optuna's state lives, and why: **in memory, rebuilt from our trials table.** Each sweep gets an
+in-memory ``optuna.Study``; on (re)start the engine replays every finished search trial into it with
+``study.add_trial`` (values, and the memory constraint for infeasible ones). Our ``trials`` table is
+the one source of truth. Reasons (see shared/FIELD-NOTES.md):
+- Optuna's ``RDBStorage`` runs its own Alembic migrations and stamps ``alembic_version``; sharing the
+  app's schema breaks one of the two, and a separate file/schema doubles what must be backed up,
+  migrated and kept consistent (a trial recorded in one store but not the other after a crash).
+- SQLite with several writer processes gives "database is locked" (optuna #820, #4994); the
+  embedded default would have two writers (API + engine) on Optuna's tables.
+- Ask-and-tell heartbeats and ``fail_stale_trials`` would be a second restart protocol beside ours.
+- Samplers only need the history; replaying a few thousand trials takes well under a second.
+The price: ``optuna-dashboard`` cannot open a sweep directly. meshtune's own dashboard reads the store;
+a study can be materialised for Optuna tooling from the trials table (api/dashboard/importance.py
+does this for parameter importance).
+
+Restart rule: a coordinator that starts (``SweepRunner.run_pending`` or ``run_sweep``) resumes every
+queued or unfinished sweep whose runner is gone (same host and dead pid, or heartbeat older than
+``stale_after_s``). A trial row still "running" is marked "interrupted" and the trial is re-run under
+the **same number** as ``attempt + 1``; so every trial number ends with exactly one non-interrupted row,
+and numbers are never reused or skipped. Results are written with a guard (only a "running" row
+accepts one), so a duplicate report changes nothing.
+"""
+
+from api.engine._model import Prediction, Problem
+from api.engine._runner import SweepRunner
+from api.engine._space import LayoutSpace
+
+__all__ = ["LayoutSpace", "Prediction", "Problem", "SweepRunner"]

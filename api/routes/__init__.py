@@ -1,0 +1,1 @@
+"""HTTP routes: thin wrappers over the services (no query is built here)."""

@@ -1,0 +1,136 @@
+"""What a fire runs: the sweeps it creates, claimed and created in one transaction.
+
+``fire_schedule`` inserts the fire row (ON CONFLICT DO NOTHING) and, only when that insert took
+effect, inserts the fire's sweeps as "queued" in the SAME transaction; the engine's runner
+(api.engine.SweepRunner) claims and runs them like any submitted sweep. A replica that dies before
+committing leaves nothing behind (the fire is still unclaimed and any replica can take it), so there
+is never a claimed fire without its sweeps nor a sweep without its fire.
+
+The sweeps are inserted with ``api.store.insert_sweep`` rather than ``services.sweeps.create_sweep``
+because the service commits on its own, which would split the claim from the launch. Validation is
+the same: every spec is a validated ``SweepSpec`` (templates are re-validated at each fire, so a
+template that a later release no longer accepts fails its fire with the reason instead of running).
+
+A re-measurement ("the top-k layouts of sweep X, R times") becomes one sweep per layout whose search
+space is pinned to exactly that layout (one value per knob; dp follows from the device count), with
+``grid`` over that single layout, ``max_trials=1``, ``remeasure_top_k=1`` and ``repeats=R``: the
+engine runs it as 1 + (R - 1) measurements of that layout and nothing else. (The engine has no
+"run these exact layouts R times" entry point; pinning keeps every run on the engine's path.)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+import tuner
+from api import store
+from api.schedules import _store
+from api.schedules.models import Schedule
+from api.spec import SearchSettings, SweepSpec
+from tuner import Layout, NotFoundError, SpecError
+
+
+def pinned_space(layout: Layout) -> dict[str, Any]:
+    """A search space (SweepSpec.space) holding ``layout`` and no other layout."""
+    space: dict[str, Any] = {
+        "tp": [layout.tp], "pp": [layout.pp], "cp": [layout.cp], "ep": [layout.ep], "zero": [layout.zero],
+        "mbs": [layout.mbs], "ac": [layout.ac], "sp": [layout.sp], "schedules": [layout.schedule],
+    }
+    if layout.schedule == "interleaved":
+        space["vpp"] = [layout.vpp]
+    return space
+
+
+def remeasure_spec(source: SweepSpec, layout: Layout, *, repeats: int, name: str) -> SweepSpec:
+    """``source``'s problem, run as ``repeats`` measurements of ``layout`` only."""
+    data = source.model_dump(mode="json")
+    data.update(
+        name=name[:200],
+        space=pinned_space(layout),
+        search=SearchSettings(
+            sampler="grid", max_trials=1, warm_start_top_k=0, reference_layouts=[], repeats=repeats,
+            remeasure_top_k=1, seed=source.search.seed,
+        ).model_dump(mode="json"),
+    )
+    return SweepSpec.model_validate(data)
+
+
+def top_layouts(session: Session, *, sweep_id: int, k: int) -> list[Layout]:
+    """The k best measured layouts of a sweep (the engine's ranking order)."""
+    from api.services.sweeps import ranking
+
+    rows = ranking(session, sweep_id=sweep_id).rows[:k]
+    return [Layout(**row.layout) for row in rows]
+
+
+def check_reference_layouts(spec: SweepSpec) -> None:
+    """The same check ``services.sweeps.create_sweep`` makes on a submitted spec."""
+    known = getattr(tuner, "REFERENCE_LAYOUTS", None)
+    if known is None:
+        return
+    for i, name in enumerate(spec.search.reference_layouts):
+        if name not in known:
+            raise SpecError(f"template.search.reference_layouts[{i}]={name!r} is not a known reference layout")
+
+
+def fire_specs(session: Session, *, schedule: Schedule, fire_time: datetime) -> list[SweepSpec]:
+    """The sweeps a fire of ``schedule`` runs (raises SpecError/NotFoundError when it cannot run)."""
+    stamp = fire_time.strftime("%Y-%m-%d %H:%M:%S")
+    if schedule.kind == "template":
+        spec = SweepSpec.model_validate({**(schedule.template or {}), "name": f"{schedule.name} @ {stamp}"[:200]})
+        check_reference_layouts(spec)
+        return [spec]
+    assert schedule.kind == "remeasure", schedule.kind
+    if schedule.source_sweep_id is None:
+        raise NotFoundError("source_sweep_id: the sweep to re-measure was deleted")
+    source = store.get_sweep(session, sweep_id=schedule.source_sweep_id)
+    if source is None:
+        raise NotFoundError(f"source_sweep_id={schedule.source_sweep_id}: sweep does not exist")
+    layouts = top_layouts(session, sweep_id=source.id, k=int(schedule.top_k or 1))
+    if not layouts:
+        raise SpecError(f"source_sweep_id={source.id}: sweep {source.id} has no measured layout to re-measure")
+    base = SweepSpec.model_validate(source.spec)
+    return [
+        remeasure_spec(base, layout, repeats=schedule.repeats, name=f"{schedule.name} @ {stamp} {layout.key}")
+        for layout in layouts
+    ]
+
+
+def fire_schedule(
+    session: Session, *, schedule: Schedule, fire_time: datetime, claimed_by: str, trigger: str = "cron"
+) -> int | None:
+    """Claim ``fire_time`` of ``schedule`` and create its sweeps, in the caller's transaction (the
+    caller commits). Returns the fire id if this call claimed it, None if another replica had.
+
+    A fire that cannot be launched (template no longer valid, source sweep gone or unmeasured) is
+    recorded as failed with its reason and a failure alert; it is not retried.
+    """
+    fire_id = _store.insert_fire(
+        session, schedule_id=schedule.id, fire_time=fire_time, status="running", claimed_by=claimed_by,
+        trigger=trigger,
+    )
+    if fire_id is None:
+        return None
+    try:
+        specs = fire_specs(session, schedule=schedule, fire_time=fire_time)
+    except (SpecError, NotFoundError, ValueError) as exc:
+        reason = f"cannot launch: {exc}"
+        _store.finish_fire(session, fire_id=fire_id, status="failed", error=reason)
+        _store.insert_alert(
+            session, fire_id=fire_id, schedule_id=schedule.id, kind="failure", layout_key=None,
+            message=f"schedule {schedule.name!r}: fire at {fire_time.isoformat()} {reason}",
+            detail={"error": reason}, deliver=bool(schedule.webhook_url),
+        )
+        return fire_id
+    sweep_ids = []
+    for spec in specs:
+        sweep = store.insert_sweep(
+            session, name=spec.name, owner=f"schedule:{schedule.id}", spec=spec.model_dump(mode="json"),
+            backend=spec.backend, sampler=spec.search.sampler,
+        )
+        sweep_ids.append(sweep.id)
+    _store.set_fire_sweeps(session, fire_id=fire_id, sweep_ids=sweep_ids)
+    return fire_id

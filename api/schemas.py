@@ -1,0 +1,259 @@
+"""Response models of the HTTP API. Every field carries a description (it is the OpenAPI document).
+
+Request bodies are ``api.spec.SweepSpec``; these models only shape what the coordinator returns.
+They read ORM rows directly (``from_attributes``), so the services stay free to return rows or dicts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+class FieldError(_Out):
+    field: str = Field(description="Dotted path of the offending field, e.g. 'search.max_trials' or 'model.heads'.")
+    value: Any = Field(None, description="The value that was rejected (absent when the field was missing).")
+    message: str = Field(description="Why the value was rejected.")
+    type: str = Field(description="Machine-readable error kind (pydantic's error type, or 'spec' for a model rule).")
+    loc: list[str | int] = Field(description="Location as FastAPI reports it: ('body'|'query'|'path', ...field).")
+
+
+class ValidationErrorOut(_Out):
+    detail: str = Field(description="One line naming the first offending field and value.")
+    errors: list[FieldError] = Field(description="Every rejected field.")
+
+
+class ErrorOut(_Out):
+    detail: str = Field(description="What went wrong, in one line.")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "No bearer token was sent and this endpoint needs one."},
+    403: {"model": ErrorOut, "description": "The bearer token matches none of the configured tokens."},
+    422: {"model": ValidationErrorOut, "description": "A field has an invalid value (named with its value)."},
+}
+NOT_FOUND = {404: {"model": ErrorOut, "description": "No sweep (or trial) with this id."}}
+
+
+# --- sweeps and trials ---------------------------------------------------------------------------
+
+
+class SweepOut(_Out):
+    id: int = Field(description="Sweep id (used in every /api/sweeps/{id} URL).")
+    name: str = Field(description="The label given in the spec.")
+    owner: str | None = Field(description="Name of the API token that submitted the sweep ('anonymous' without auth).")
+    status: str = Field(description="queued, running, completed, cancelled or failed.")
+    backend: str = Field(description="Trial backend: ray (real runs), simulate (labelled simulated), or module:attr.")
+    sampler: str = Field(description="Optuna sampler: tpe, nsga2, gp, random or grid.")
+    spec: dict[str, Any] = Field(description="The submitted sweep spec, as validated (defaults filled in).")
+    error: str | None = Field(None, description="Why the sweep failed, when its status is 'failed'.")
+    created_at: datetime = Field(description="When the sweep was submitted (UTC).")
+    started_at: datetime | None = Field(None, description="When its first trial started (UTC).")
+    finished_at: datetime | None = Field(None, description="When it completed, failed or was cancelled (UTC).")
+    n_trials: int = Field(0, description="Trials recorded so far (pruned ones included, interrupted attempts not).")
+    n_completed: int = Field(0, description="Trials that ran and were measured.")
+    n_pruned: int = Field(0, description="Trials rejected by the memory model before running (no device time).")
+    n_failed: int = Field(0, description="Trials that ran and failed (oom, timeout, crash, nan).")
+    device_seconds: float = Field(0.0, description="Device time spent: sum over trials of wall time x devices held.")
+    best_layout_key: str | None = Field(None, description="Layout with the highest measured tokens/s per device so far.")
+    best_tokens_per_s_per_device: float | None = Field(None, description="Its measured tokens/s per device.")
+    best_useful_tokens_per_s: float | None = Field(
+        None, description="Highest measured useful tokens/s (throughput discounted beyond the critical batch)."
+    )
+    best_peak_memory_bytes: int | None = Field(None, description="Peak memory of the best layout, bytes (max over ranks).")
+
+
+class SweepPage(_Out):
+    items: list[SweepOut] = Field(description="Sweeps on this page, newest first.")
+    total: int = Field(description="Sweeps matching the filters, over all pages.")
+    limit: int = Field(description="Page size used.")
+    offset: int = Field(description="Sweeps skipped before this page.")
+
+
+class TrialOut(_Out):
+    id: int = Field(description="Row id of this trial attempt.")
+    sweep_id: int = Field(description="Sweep the trial belongs to.")
+    number: int = Field(description="Sweep-wide trial number (each number has exactly one non-interrupted attempt).")
+    attempt: int = Field(description="0, or higher when a coordinator restart re-ran an interrupted attempt.")
+    phase: str = Field(description="'search' (proposed by the sampler) or 'remeasure' (repeat of a leading layout).")
+    source: str = Field(description="Who proposed it: sampler, warm_start, reference, ...")
+    repeat: int = Field(description="0 for the first measurement of a layout, k for its k-th re-measurement.")
+    layout: dict[str, Any] = Field(description="The parallel layout (tp, pp, dp, cp, ep, zero, mbs, ac, sp, schedule, vpp).")
+    layout_key: str = Field(description="Stable readable identity of the layout.")
+    world_size: int = Field(description="Devices (ranks) the layout uses.")
+    status: str = Field(description="running, pruned, completed, oom, timeout, crash, nan or interrupted.")
+    cause: str | None = Field(None, description="Why it did not complete (one line), if it did not.")
+    error: dict[str, Any] | None = Field(None, description="Structured error of a failed run (kind, rank, exception type).")
+    predicted_memory_bytes: int | None = Field(None, description="Analytical peak memory per device, bytes.")
+    predicted_step_time_s: float | None = Field(None, description="Analytical step time, seconds.")
+    predicted_tokens_per_s_per_device: float | None = Field(None, description="Analytical tokens/s per device.")
+    useful_fraction: float | None = Field(None, description="Share of the throughput that is useful given the critical batch.")
+    step_time_s: float | None = Field(None, description="Measured median step time, seconds.")
+    tokens_per_s: float | None = Field(None, description="Measured tokens/s over all devices.")
+    tokens_per_s_per_device: float | None = Field(None, description="Measured tokens/s per device.")
+    useful_tokens_per_s: float | None = Field(None, description="Measured tokens/s times the useful fraction.")
+    mfu: float | None = Field(None, description="Model FLOPs utilisation (None on CPU, which has no meaningful peak).")
+    peak_memory_bytes: int | None = Field(None, description="Measured peak memory, bytes (max over ranks).")
+    peak_reserved_bytes: int | None = Field(None, description="GPU caching-allocator reserve, bytes (max over ranks).")
+    memory_measure: str | None = Field(None, description="How memory was measured, e.g. cuda.max_memory_allocated, cpu.VmHWM.")
+    step_times_s: list[Any] | None = Field(None, description="Every measured step time, seconds.")
+    losses: list[Any] | None = Field(None, description="Loss of every step run (warm-up included).")
+    stage_times_s: list[Any] | None = Field(None, description="Measured time per pipeline stage, seconds.")
+    stage_imbalance: float | None = Field(None, description="max/mean of the stage times (1.0 = balanced).")
+    env: dict[str, Any] | None = Field(None, description="Environment of the run (torch version, devices, hosts).")
+    env_fingerprint: str | None = Field(None, description="Hash of the environment, to compare like with like.")
+    backend: str | None = Field(None, description="Backend that ran the trial.")
+    simulated: bool = Field(False, description="True when the numbers come from the simulate backend, not a real run.")
+    wall_s: float | None = Field(None, description="Wall time of the whole trial including launch, seconds.")
+    device_seconds: float = Field(0.0, description="wall_s times devices held.")
+    created_at: datetime = Field(description="When the trial was proposed (UTC).")
+    started_at: datetime | None = Field(None, description="When it started running (UTC).")
+    finished_at: datetime | None = Field(None, description="When its result was recorded (UTC).")
+
+
+class TrialPage(_Out):
+    items: list[TrialOut] = Field(description="Trials on this page, by number.")
+    total: int = Field(description="Trials matching the filters, over all pages.")
+    limit: int = Field(description="Page size used.")
+    offset: int = Field(description="Trials skipped before this page.")
+
+
+# --- presets and health --------------------------------------------------------------------------
+
+
+class ModelPresetOut(_Out):
+    name: str = Field(description="Preset name (use it as the spec's 'model').")
+    layers: int = Field(description="Transformer layers.")
+    hidden: int = Field(description="Hidden size.")
+    heads: int = Field(description="Attention heads.")
+    kv_heads: int = Field(description="Key/value heads (grouped-query attention when fewer than heads).")
+    ffn: int = Field(description="MLP inner size.")
+    vocab: int = Field(description="Vocabulary size.")
+    seq_len: int = Field(description="Sequence length, tokens.")
+    tied_embeddings: bool = Field(description="Whether the LM head shares the embedding's weights.")
+    mlp: str = Field(description="MLP kind: swiglu or gelu.")
+    experts: int = Field(description="MoE experts per layer (0 = dense).")
+    top_k: int = Field(description="Experts each token is routed to.")
+    expert_ffn: int = Field(description="Inner size of one expert.")
+    params: int = Field(description="Total parameter count.")
+    active_params: int = Field(description="Parameters one token passes through (differs from params for MoE).")
+
+
+class ClusterPresetOut(_Out):
+    name: str = Field(description="Preset name (use it as the spec's 'cluster').")
+    nodes: int = Field(description="Nodes (override with {'preset': name, 'nodes': n}).")
+    devices_per_node: int = Field(description="Devices per node.")
+    device_memory: int = Field(description="Memory per device, bytes.")
+    peak_flops: float = Field(description="Peak dense FLOP/s per device at the training precision.")
+    intra_node_bandwidth: float = Field(description="Bytes/s per device, one direction, inside a node.")
+    inter_node_bandwidth: float = Field(description="Bytes/s per device, one direction, between nodes.")
+    intra_node_latency: float = Field(description="Seconds per message inside a node.")
+    inter_node_latency: float = Field(description="Seconds per message between nodes.")
+    device_kind: str = Field(description="cuda or cpu.")
+    devices: int = Field(description="nodes x devices_per_node.")
+
+
+class PresetsOut(_Out):
+    models: list[ModelPresetOut] = Field(description="Model presets.")
+    clusters: list[ClusterPresetOut] = Field(description="Cluster presets.")
+    samplers: list[str] = Field(description="Sampler names accepted in the spec's search.sampler.")
+
+
+class ComponentHealth(_Out):
+    ok: bool | None = Field(description="True reachable, False unreachable, None not checked (see detail).")
+    detail: str = Field(description="What was checked and what was found (never a password).")
+    latency_ms: float | None = Field(None, description="Round-trip time of the check, milliseconds.")
+
+
+class HealthOut(_Out):
+    status: str = Field(description="'ok' when every checked component is reachable, else 'degraded'.")
+    database: ComponentHealth = Field(description="The SQL store (a SELECT 1 round trip).")
+    ray: ComponentHealth = Field(description="The Ray cluster (GCS port probe; Ray is never started for this).")
+
+
+# --- ranking and pareto --------------------------------------------------------------------------
+
+
+class RankingRowOut(_Out):
+    rank: int = Field(description="1 = best median; tied layouts keep distinct ranks but share a tie_group.")
+    layout_key: str = Field(description="Stable readable identity of the layout.")
+    layout: dict[str, Any] = Field(description="The parallel layout.")
+    n: int = Field(description="Measurements of this layout (1 + re-measurements).")
+    median: float = Field(description="Median of the ranking metric over the measurements.")
+    low: float = Field(description="Lower end of the 95% interval of the metric.")
+    high: float = Field(description="Upper end of the 95% interval of the metric.")
+    tie_group: int = Field(description="Layouts whose intervals overlap share a group number.")
+    tied_with_best: bool = Field(description="True when this layout's interval overlaps the best one's.")
+    tokens_per_s_per_device: float = Field(description="Median measured tokens/s per device.")
+    useful_tokens_per_s: float | None = Field(description="Median measured useful tokens/s (critical-batch discounted).")
+    peak_memory_bytes: int | None = Field(description="Median measured peak memory, bytes (max over ranks).")
+    predicted_tokens_per_s_per_device: float | None = Field(description="Analytical prediction at proposal time.")
+    prediction_error: float | None = Field(description="(predicted - measured) / measured for tokens/s per device.")
+    predicted_memory_bytes: int | None = Field(description="Analytical peak memory prediction, bytes.")
+    memory_prediction_error: float | None = Field(description="(predicted - measured) / measured for peak memory.")
+    simulated: bool = Field(description="True when the measurements come from the simulate backend.")
+    trial_numbers: list[int] = Field(description="Numbers of the trials that measured this layout.")
+
+
+class RankingOut(_Out):
+    sweep_id: int = Field(description="The ranked sweep.")
+    metric: str = Field(description="What median/low/high are of: tokens_per_s_per_device or useful_tokens_per_s.")
+    rows: list[RankingRowOut] = Field(description="Measured layouts, best first.")
+    calibration: dict[str, Any] | None = Field(
+        description="The analytical model's efficiency and bandwidth factors fitted to this sweep's measurements."
+    )
+    simulated: bool = Field(description="True when any row comes from the simulate backend.")
+
+
+class ParetoPointOut(_Out):
+    layout_key: str = Field(description="Stable readable identity of the layout.")
+    layout: dict[str, Any] = Field(description="The parallel layout.")
+    tokens_per_s_per_device: float = Field(description="Median measured tokens/s per device.")
+    peak_memory_bytes: int = Field(description="Median measured peak memory, bytes.")
+    on_front: bool = Field(description="No other measured layout is both faster and lighter.")
+    simulated: bool = Field(description="True when measured by the simulate backend.")
+
+
+class ParetoOut(_Out):
+    sweep_id: int = Field(description="The sweep.")
+    points: list[ParetoPointOut] = Field(description="Front first (by ascending memory), then the dominated layouts.")
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+
+class PlannedLayoutOut(_Out):
+    key: str = Field(description="Stable readable identity of the layout.")
+    layout: dict[str, Any] = Field(description="The parallel layout (tp, pp, dp, cp, ep, zero, mbs, ac, sp, schedule, vpp).")
+    microbatches: int = Field(description="Microbatches per step per data-parallel rank.")
+    placement: dict[str, Any] = Field(
+        description="How the mesh axes map onto the topology: summary, order, mesh_dim_names, mesh_shape."
+    )
+    memory: dict[str, Any] = Field(
+        description="Predicted bytes per device: params, grads, optimizer, activations, overhead, total; "
+        "stage = the pipeline stage with the peak; fits."
+    )
+    time: dict[str, Any] = Field(
+        description="Predicted step_time_s, tokens_per_s, tokens_per_s_per_device, mfu, hfu, useful_tokens_per_s, "
+        "and the step-time breakdown (compute, communication, bubble, ... seconds)."
+    )
+
+
+class PlanOut(_Out):
+    model: dict[str, Any] = Field(description="The resolved model spec.")
+    cluster: dict[str, Any] = Field(description="The resolved cluster spec.")
+    training: dict[str, Any] = Field(description="The resolved training spec (batch in sequences).")
+    feasible: int = Field(description="Valid layouts predicted to fit in device memory.")
+    infeasible: int = Field(description="Valid layouts predicted not to fit (pruned with no device time).")
+    rejected: dict[str, int] = Field(description="Candidates rejected before estimation, counted by reason.")
+    entries: list[PlannedLayoutOut] = Field(description="The fastest predicted feasible layouts, best first (top N).")
+    seconds: float = Field(description="Time the analytical planner took, seconds.")

@@ -1,0 +1,1 @@
+"""Services: keyword-only functions the routes, dashboard and CLI call (routes never build queries)."""

@@ -1,0 +1,243 @@
+"""Sweep services: what the HTTP routes, the dashboard and the CLI call. Keyword-only; the session is
+passed in and each mutating service commits its own write. Unknown ids raise NotFoundError, state
+conflicts ConflictError, bad filters SpecError (all from tuner._errors), so routes stay thin.
+
+Reads return ORM rows (``api.schemas`` reads them with ``from_attributes``) or small dataclasses.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from api import store
+from api.spec import SweepSpec
+from api.store import Sweep, Trial
+from tuner import ConflictError, NotFoundError, SpecError
+from tuner._stats import pareto_front, rank, relative_error
+
+RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
+MAX_PAGE = 1000
+
+
+@dataclass
+class Page:
+    items: list[Any]
+    total: int
+    limit: int
+    offset: int
+
+
+@dataclass
+class RankingRow:
+    rank: int
+    layout_key: str
+    layout: dict[str, Any]
+    n: int  # measurements of this layout (1 + re-measurements)
+    median: float
+    low: float  # 95% interval
+    high: float
+    tie_group: int
+    tied_with_best: bool
+    tokens_per_s_per_device: float  # median over measurements
+    useful_tokens_per_s: float | None
+    peak_memory_bytes: int | None
+    predicted_tokens_per_s_per_device: float | None
+    prediction_error: float | None  # (predicted - measured) / measured, on tokens/s per device
+    predicted_memory_bytes: int | None
+    memory_prediction_error: float | None
+    simulated: bool
+    trial_numbers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Ranking:
+    sweep_id: int
+    metric: str
+    rows: list[RankingRow]
+    calibration: dict[str, Any] | None
+    simulated: bool  # any row comes from the simulate backend
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ParetoPoint:
+    layout_key: str
+    layout: dict[str, Any]
+    tokens_per_s_per_device: float
+    peak_memory_bytes: int
+    on_front: bool
+    simulated: bool
+
+
+@dataclass
+class Counts:
+    """What /metrics exports."""
+
+    sweeps_by_status: dict[str, int]
+    trials_by_status: dict[str, int]
+    device_seconds: float
+
+
+def _page_bounds(limit: int, offset: int) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise SpecError(f"limit must be an integer between 1 and {MAX_PAGE}, got {limit!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise SpecError(f"offset must be a non-negative integer, got {offset!r}")
+
+
+def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None) -> Sweep:
+    """Store a validated spec as a queued sweep (the engine picks it up)."""
+    import tuner
+
+    known = getattr(tuner, "REFERENCE_LAYOUTS", None)
+    if known is not None:
+        for i, name in enumerate(spec.search.reference_layouts):
+            if name not in known:
+                raise SpecError(
+                    f"search.reference_layouts[{i}]={name!r} is not a known reference layout"
+                    f" (known: {', '.join(sorted(known))})"
+                )
+    sweep = store.insert_sweep(
+        session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
+        sampler=spec.search.sampler,
+    )
+    session.commit()
+    return sweep
+
+
+def list_sweeps(
+    session: Session, *, status: str | None = None, owner: str | None = None, limit: int = 50, offset: int = 0
+) -> Page:
+    if status is not None and status not in store.SWEEP_STATUSES:
+        raise SpecError(f"status={status!r} is not a sweep status (one of {', '.join(store.SWEEP_STATUSES)})")
+    _page_bounds(limit, offset)
+    rows, total = store.list_sweeps(session, status=status, owner=owner, limit=limit, offset=offset)
+    return Page(rows, total, limit, offset)
+
+
+def get_sweep(session: Session, *, sweep_id: int) -> Sweep:
+    sweep = store.get_sweep(session, sweep_id=sweep_id)
+    if sweep is None:
+        raise NotFoundError(f"sweep {sweep_id} does not exist")
+    return sweep
+
+
+def list_trials(
+    session: Session, *, sweep_id: int, status: str | None = None, limit: int = 100, offset: int = 0
+) -> Page:
+    get_sweep(session, sweep_id=sweep_id)
+    if status is not None and status not in store.TRIAL_STATUSES:
+        raise SpecError(f"status={status!r} is not a trial status (one of {', '.join(store.TRIAL_STATUSES)})")
+    _page_bounds(limit, offset)
+    rows, total = store.list_trials(session, sweep_id=sweep_id, status=status, limit=limit, offset=offset)
+    return Page(rows, total, limit, offset)
+
+
+def get_trial(session: Session, *, sweep_id: int, trial_id: int) -> Trial:
+    get_sweep(session, sweep_id=sweep_id)
+    trial = store.get_trial(session, sweep_id=sweep_id, trial_id=trial_id)
+    if trial is None:
+        raise NotFoundError(f"trial {trial_id} does not exist in sweep {sweep_id}")
+    return trial
+
+
+def _median(values: list[float]) -> float | None:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> Ranking:
+    """Measured layouts ranked by ``metric`` (median over re-measurements, 95% interval, ties)."""
+    if metric not in RANKING_METRICS:
+        raise SpecError(f"metric={metric!r} is not a ranking metric (one of {', '.join(RANKING_METRICS)})")
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    by_key: dict[str, list[Trial]] = defaultdict(list)
+    for t in store.measured_trials(session, sweep_id=sweep_id):
+        if getattr(t, metric) is not None:
+            by_key[t.layout_key].append(t)
+    ranked = rank({k: [getattr(t, metric) for t in ts] for k, ts in by_key.items()})
+    rows = []
+    for r in ranked:
+        ts = by_key[r.key]
+        first = min(ts, key=lambda t: t.number)
+        tps = _median([t.tokens_per_s_per_device for t in ts])
+        peak = _median([t.peak_memory_bytes for t in ts])
+        rows.append(RankingRow(
+            rank=r.rank, layout_key=r.key, layout=first.layout, n=r.interval.n, median=r.interval.median,
+            low=r.interval.low, high=r.interval.high, tie_group=r.tie_group, tied_with_best=r.tied_with_best,
+            tokens_per_s_per_device=tps, useful_tokens_per_s=_median([t.useful_tokens_per_s for t in ts]),
+            peak_memory_bytes=None if peak is None else int(peak),
+            predicted_tokens_per_s_per_device=first.predicted_tokens_per_s_per_device,
+            prediction_error=relative_error(first.predicted_tokens_per_s_per_device, tps),
+            predicted_memory_bytes=first.predicted_memory_bytes,
+            memory_prediction_error=relative_error(first.predicted_memory_bytes, peak),
+            simulated=any(t.simulated for t in ts), trial_numbers=sorted(t.number for t in ts),
+        ))
+    return Ranking(sweep_id, metric, rows, sweep.calibration, any(r.simulated for r in rows))
+
+
+CSV_COLUMNS = (
+    "rank", "layout_key", "n", "median", "low", "high", "tie_group", "tied_with_best", "tokens_per_s_per_device",
+    "useful_tokens_per_s", "peak_memory_bytes", "predicted_tokens_per_s_per_device", "prediction_error",
+    "predicted_memory_bytes", "memory_prediction_error", "simulated",
+)
+
+
+def ranking_csv(result: Ranking) -> str:
+    """The ranking as CSV (one row per layout; ``median/low/high`` are of ``result.metric``)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in result.rows:
+        d = asdict(row)
+        writer.writerow(["" if d[c] is None else d[c] for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def pareto(session: Session, *, sweep_id: int) -> list[ParetoPoint]:
+    """Every measured layout (medians) with whether it is on the throughput-vs-peak-memory front."""
+    get_sweep(session, sweep_id=sweep_id)
+    by_key: dict[str, list[Trial]] = defaultdict(list)
+    for t in store.measured_trials(session, sweep_id=sweep_id):
+        if t.peak_memory_bytes is not None:
+            by_key[t.layout_key].append(t)
+    points = [
+        (k, _median([t.tokens_per_s_per_device for t in ts]), _median([t.peak_memory_bytes for t in ts]))
+        for k, ts in by_key.items()
+    ]
+    front = set(pareto_front(points))
+    out = [
+        ParetoPoint(k, by_key[k][0].layout, thr, int(mem), k in front, any(t.simulated for t in by_key[k]))
+        for k, thr, mem in points
+    ]
+    return sorted(out, key=lambda p: (not p.on_front, p.peak_memory_bytes, -p.tokens_per_s_per_device))
+
+
+def cancel_sweep(session: Session, *, sweep_id: int) -> Sweep:
+    """Cancel a queued or running sweep (running trials finish and are kept; nothing new starts)."""
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    if not store.set_sweep_status(session, sweep_id=sweep_id, status="cancelled", only_from=("queued", "running")):
+        session.rollback()
+        sweep = get_sweep(session, sweep_id=sweep_id)
+        raise ConflictError(f"sweep {sweep_id} is already {sweep.status}; only queued or running sweeps can be cancelled")
+    session.commit()
+    return get_sweep(session, sweep_id=sweep.id)
+
+
+def counts(session: Session) -> Counts:
+    return Counts(
+        sweeps_by_status=store.count_sweeps_by_status(session),
+        trials_by_status=store.count_trials_by_status(session),
+        device_seconds=store.total_device_seconds(session),
+    )

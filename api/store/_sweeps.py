@@ -1,0 +1,203 @@
+"""Keyword-only store functions for sweeps: insert, read, list, state changes, claims, counters."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from api.store._models import FINISHED_SWEEP_STATUSES, Sweep, Trial, utcnow
+
+
+def insert_sweep(
+    session: Session, *, name: str, owner: str | None, spec: dict[str, Any], backend: str, sampler: str
+) -> Sweep:
+    sweep = Sweep(name=name, owner=owner, spec=spec, backend=backend, sampler=sampler, status="queued")
+    session.add(sweep)
+    session.flush()
+    return sweep
+
+
+def get_sweep(session: Session, *, sweep_id: int) -> Sweep | None:
+    return session.get(Sweep, sweep_id, populate_existing=True)
+
+
+def list_sweeps(
+    session: Session,
+    *,
+    status: str | None = None,
+    owner: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> tuple[list[Sweep], int]:
+    """Newest first, with the total count of the filtered set (for pagination)."""
+    where = []
+    if status is not None:
+        where.append(Sweep.status == status)
+    if owner is not None:
+        where.append(Sweep.owner == owner)
+    total = session.scalar(sa.select(sa.func.count()).select_from(Sweep).where(*where)) or 0
+    rows = session.scalars(
+        sa.select(Sweep).where(*where).order_by(Sweep.created_at.desc(), Sweep.id.desc()).limit(limit).offset(offset)
+        .execution_options(populate_existing=True)
+    ).all()
+    return list(rows), int(total)
+
+
+def set_sweep_status(
+    session: Session,
+    *,
+    sweep_id: int,
+    status: str,
+    error: str | None = None,
+    only_from: tuple[str, ...] | None = None,
+) -> bool:
+    """Set the status (and finished_at for final states); with ``only_from`` only from those states.
+    Returns whether a row changed (a conditional UPDATE, so concurrent writers cannot both win)."""
+    values: dict[str, Any] = {"status": status}
+    now = utcnow()
+    if status in FINISHED_SWEEP_STATUSES:
+        values["finished_at"] = now
+    if status == "running":
+        values["started_at"] = sa.func.coalesce(Sweep.started_at, now)
+    if error is not None:
+        values["error"] = error
+    stmt = sa.update(Sweep).where(Sweep.id == sweep_id)
+    if only_from is not None:
+        stmt = stmt.where(Sweep.status.in_(only_from))
+    result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
+    return bool(result.rowcount)
+
+
+def new_runner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+
+def _runner_is_dead(runner_id: str | None) -> bool:
+    """A runner on this host whose process is gone (so its sweeps can be taken over at once)."""
+    if not runner_id:
+        return True
+    host, _, rest = runner_id.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def claim_sweep(
+    session: Session, *, runner_id: str, stale_after_s: float = 60.0, sweep_id: int | None = None
+) -> Sweep | None:
+    """Take the oldest sweep that is queued, or running under a runner that is dead or silent for
+    ``stale_after_s``; mark it running under ``runner_id``. None when there is nothing to take."""
+    stale_before: datetime = utcnow() - timedelta(seconds=stale_after_s)
+    query = sa.select(Sweep).where(Sweep.status.in_(("queued", "running"))).order_by(Sweep.created_at, Sweep.id)
+    if sweep_id is not None:
+        query = query.where(Sweep.id == sweep_id)
+    for sweep in session.scalars(query.execution_options(populate_existing=True)).all():
+        hb = sweep.heartbeat_at
+        if hb is not None and hb.tzinfo is None:  # SQLite returns naive datetimes
+            hb = hb.replace(tzinfo=stale_before.tzinfo)
+        takeable = (
+            sweep.status == "queued"
+            or sweep.runner_id == runner_id
+            or _runner_is_dead(sweep.runner_id)
+            or hb is None
+            or hb < stale_before
+        )
+        if not takeable:
+            continue
+        stmt = (
+            sa.update(Sweep)
+            .where(Sweep.id == sweep.id, Sweep.status == sweep.status)
+            .where(Sweep.runner_id.is_(None) if sweep.runner_id is None else Sweep.runner_id == sweep.runner_id)
+            .values(
+                status="running",
+                runner_id=runner_id,
+                heartbeat_at=utcnow(),
+                started_at=sa.func.coalesce(Sweep.started_at, utcnow()),
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if session.execute(stmt).rowcount:
+            session.flush()
+            return get_sweep(session, sweep_id=sweep.id)
+    return None
+
+
+def heartbeat(session: Session, *, sweep_id: int, runner_id: str) -> str | None:
+    """Record that ``runner_id`` still runs the sweep; returns the sweep's current status (the engine
+    stops when it is no longer "running", e.g. cancelled), or None if another runner took it over."""
+    session.execute(
+        sa.update(Sweep)
+        .where(Sweep.id == sweep_id, Sweep.runner_id == runner_id)
+        .values(heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    row = session.execute(sa.select(Sweep.status, Sweep.runner_id).where(Sweep.id == sweep_id)).first()
+    if row is None or row.runner_id != runner_id:
+        return None
+    return str(row.status)
+
+
+def set_calibration(session: Session, *, sweep_id: int, calibration: dict[str, Any] | None) -> None:
+    session.execute(
+        sa.update(Sweep).where(Sweep.id == sweep_id).values(calibration=calibration)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def refresh_sweep_cache(session: Session, *, sweep_id: int) -> None:
+    """Recompute the listing cache (counts, device-seconds, best layout) from the trials table."""
+    live = sa.and_(Trial.sweep_id == sweep_id, Trial.status != "interrupted")
+    counts = dict(
+        session.execute(
+            sa.select(Trial.status, sa.func.count()).where(live).group_by(Trial.status)
+        ).all()
+    )
+    spent = session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0)).where(
+        Trial.sweep_id == sweep_id)) or 0.0
+    best = session.execute(
+        sa.select(Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s, Trial.peak_memory_bytes)
+        .where(live, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None))
+        .order_by(Trial.tokens_per_s_per_device.desc())
+        .limit(1)
+    ).first()
+    values: dict[str, Any] = {
+        "n_trials": sum(counts.values()),
+        "n_completed": counts.get("completed", 0),
+        "n_pruned": counts.get("pruned", 0),
+        "n_failed": sum(counts.get(s, 0) for s in ("oom", "timeout", "crash", "nan")),
+        "device_seconds": float(spent),
+    }
+    if best is not None:
+        values.update(
+            best_layout_key=best.layout_key,
+            best_tokens_per_s_per_device=best.tokens_per_s_per_device,
+            best_useful_tokens_per_s=best.useful_tokens_per_s,
+            best_peak_memory_bytes=best.peak_memory_bytes,
+        )
+    session.execute(
+        sa.update(Sweep).where(Sweep.id == sweep_id).values(**values).execution_options(synchronize_session=False)
+    )
+
+
+def count_sweeps_by_status(session: Session) -> dict[str, int]:
+    return {s: int(n) for s, n in session.execute(sa.select(Sweep.status, sa.func.count()).group_by(Sweep.status))}
+
+
+def count_trials_by_status(session: Session) -> dict[str, int]:
+    return {s: int(n) for s, n in session.execute(sa.select(Trial.status, sa.func.count()).group_by(Trial.status))}
+
+
+def total_device_seconds(session: Session) -> float:
+    return float(session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0))) or 0.0)

@@ -1,0 +1,190 @@
+"""Keyword-only store functions for trials. Reporting a result is idempotent: a trial row accepts one
+result (only while it is "running"); a duplicate report of the same (sweep, number, attempt) changes
+nothing and returns False. Inserting an existing (sweep, number, attempt) is a no-op too."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from api.store._models import Trial, utcnow
+from workers import TrialResult
+
+
+def env_fingerprint(env: dict[str, Any] | None) -> str | None:
+    """A short stable hash of the measurement environment (versions, devices, hosts)."""
+    if not env:
+        return None
+    return hashlib.sha256(json.dumps(env, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def insert_trial(
+    session: Session,
+    *,
+    sweep_id: int,
+    number: int,
+    layout: dict[str, Any],
+    layout_key: str,
+    world_size: int,
+    attempt: int = 0,
+    phase: str = "search",
+    source: str = "sampler",
+    repeat: int = 0,
+    status: str = "running",
+    cause: str | None = None,
+    predicted_memory_bytes: int | None = None,
+    predicted_step_time_s: float | None = None,
+    predicted_tokens_per_s_per_device: float | None = None,
+    useful_fraction: float | None = None,
+    backend: str | None = None,
+) -> bool:
+    """Insert one trial row (ON CONFLICT DO NOTHING); returns whether it was inserted."""
+    now = utcnow()
+    values = dict(
+        sweep_id=sweep_id, number=number, attempt=attempt, phase=phase, source=source, repeat=repeat,
+        layout=layout, layout_key=layout_key, world_size=world_size, status=status, cause=cause,
+        predicted_memory_bytes=predicted_memory_bytes, predicted_step_time_s=predicted_step_time_s,
+        predicted_tokens_per_s_per_device=predicted_tokens_per_s_per_device, useful_fraction=useful_fraction,
+        backend=backend, simulated=False, device_seconds=0.0, created_at=now,
+        started_at=now if status == "running" else None, finished_at=None if status == "running" else now,
+    )
+    dialect = session.get_bind().dialect.name
+    insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect)
+    if insert is None:  # another database: a plain guarded insert
+        exists = session.scalar(sa.select(Trial.id).where(
+            Trial.sweep_id == sweep_id, Trial.number == number, Trial.attempt == attempt))
+        if exists is not None:
+            return False
+        session.execute(sa.insert(Trial).values(**values))
+        return True
+    stmt = (
+        insert(Trial).values(**values)
+        .on_conflict_do_nothing(index_elements=["sweep_id", "number", "attempt"])
+        .returning(Trial.id)  # rowcount is -1 under RETURNING (PostgreSQL): test the row instead
+    )
+    return session.execute(stmt).first() is not None
+
+
+def record_result(
+    session: Session,
+    *,
+    sweep_id: int,
+    number: int,
+    attempt: int,
+    result: TrialResult,
+    useful_fraction: float | None = None,
+) -> bool:
+    """Store a backend's result on a running trial. Returns False (and changes nothing) when the trial
+    already has a result or does not exist — a duplicate report is idempotent."""
+    err = result.error
+    tokens = result.tokens_per_s
+    useful = tokens * useful_fraction if (tokens is not None and useful_fraction is not None) else None
+    values: dict[str, Any] = dict(
+        status=result.status,
+        cause=(f"{err.kind}: {err.message}" if err else None),
+        error=(result.to_dict()["error"] if err else None),
+        step_time_s=result.step_time_s,
+        tokens_per_s=tokens,
+        tokens_per_s_per_device=result.tokens_per_s_per_device,
+        useful_tokens_per_s=useful,
+        mfu=result.mfu,
+        peak_memory_bytes=result.peak_memory_bytes,
+        peak_reserved_bytes=result.peak_reserved_bytes,
+        memory_measure=result.memory_measure,
+        step_times_s=list(result.step_times_s),
+        losses=[float(x) if x == x else None for x in result.losses],  # NaN is not JSON
+        stage_times_s=list(result.stage_times_s),
+        stage_imbalance=result.stage_imbalance,
+        env=result.env or None,
+        env_fingerprint=env_fingerprint(result.env),
+        backend=result.backend,
+        simulated=bool(result.simulated),
+        wall_s=result.wall_s,
+        device_seconds=float(result.device_seconds or 0.0),
+        finished_at=utcnow(),
+    )
+    stmt = (
+        sa.update(Trial)
+        .where(Trial.sweep_id == sweep_id, Trial.number == number, Trial.attempt == attempt,
+               Trial.status == "running")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(session.execute(stmt).rowcount)
+
+
+def mark_interrupted(session: Session, *, sweep_id: int) -> list[Trial]:
+    """Mark every "running" row of the sweep "interrupted" (run by a coordinator that died) and return
+    them; the caller re-runs each under the same number with ``attempt + 1``."""
+    rows = list(session.scalars(
+        sa.select(Trial).where(Trial.sweep_id == sweep_id, Trial.status == "running").order_by(Trial.number)
+        .execution_options(populate_existing=True)
+    ).all())
+    if rows:
+        session.execute(
+            sa.update(Trial)
+            .where(Trial.id.in_([r.id for r in rows]), Trial.status == "running")
+            .values(status="interrupted", cause="coordinator stopped while the trial ran; re-run as attempt+1",
+                    finished_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+    return rows
+
+
+def get_trial(session: Session, *, sweep_id: int, trial_id: int) -> Trial | None:
+    trial = session.get(Trial, trial_id, populate_existing=True)
+    return trial if trial is not None and trial.sweep_id == sweep_id else None
+
+
+def get_trial_by_number(session: Session, *, sweep_id: int, number: int, attempt: int | None = None) -> Trial | None:
+    query = sa.select(Trial).where(Trial.sweep_id == sweep_id, Trial.number == number)
+    if attempt is not None:
+        query = query.where(Trial.attempt == attempt)
+    return session.scalars(
+        query.order_by(Trial.attempt.desc()).limit(1).execution_options(populate_existing=True)
+    ).first()
+
+
+def list_trials(
+    session: Session,
+    *,
+    sweep_id: int,
+    status: str | None = None,
+    phase: str | None = None,
+    limit: int | None = 100,
+    offset: int = 0,
+) -> tuple[list[Trial], int]:
+    """Trials of a sweep in number/attempt order, with the filtered total."""
+    where = [Trial.sweep_id == sweep_id]
+    if status is not None:
+        where.append(Trial.status == status)
+    if phase is not None:
+        where.append(Trial.phase == phase)
+    total = session.scalar(sa.select(sa.func.count()).select_from(Trial).where(*where)) or 0
+    query = sa.select(Trial).where(*where).order_by(Trial.number, Trial.attempt).offset(offset)
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.scalars(query.execution_options(populate_existing=True)).all()), int(total)
+
+
+def all_trials(session: Session, *, sweep_id: int) -> list[Trial]:
+    return list_trials(session, sweep_id=sweep_id, limit=None)[0]
+
+
+def measured_trials(session: Session, *, sweep_id: int) -> list[Trial]:
+    """Completed measurements of a sweep (search and re-measurement), for ranking and calibration."""
+    return list(session.scalars(
+        sa.select(Trial).where(Trial.sweep_id == sweep_id, Trial.status == "completed",
+                               Trial.tokens_per_s_per_device.is_not(None))
+        .order_by(Trial.number).execution_options(populate_existing=True)
+    ).all())
+
+
+def next_number(session: Session, *, sweep_id: int) -> int:
+    current = session.scalar(sa.select(sa.func.max(Trial.number)).where(Trial.sweep_id == sweep_id))
+    return 0 if current is None else int(current) + 1

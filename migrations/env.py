@@ -1,0 +1,57 @@
+"""Alembic environment: the URL comes from the caller (``api.store.upgrade``) or the settings.
+
+The version table is ``meshtune_alembic_version`` (not Alembic's default) so that this schema's
+history can never be confused with another Alembic user's in the same database (Optuna's RDBStorage
+stamps ``alembic_version``; see api/engine/__init__.py for where Optuna's state lives).
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from api.store._db import VERSION_TABLE, create_engine
+from api.store._models import Base
+import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    if not url:
+        from api.settings import Settings
+
+        url = Settings().resolved_database_url
+    return url
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, version_table=VERSION_TABLE,
+        render_as_batch=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = create_engine(_url())
+    try:
+        with engine.connect() as connection:
+            context.configure(
+                connection=connection,
+                target_metadata=target_metadata,
+                version_table=VERSION_TABLE,
+                render_as_batch=connection.dialect.name == "sqlite",
+            )
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

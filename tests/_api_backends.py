@@ -1,0 +1,23 @@
+"""A slow simulate backend for the coordinator restart test (loaded as ``_api_backends:SlowSimulate``).
+
+Real trials on 2 CPU cores take long enough to make a kill-and-restart test slow, so the restart test
+runs the simulate backend (every result labelled ``simulated=True``) with ``trial.options.delay_s``
+seconds of wall time per trial: long enough that a SIGKILL lands while a trial is running.
+"""
+
+from __future__ import annotations
+
+import time
+
+from workers.simulate import SimulateBackend
+
+
+class SlowSimulate(SimulateBackend):
+    name = "simulate"
+
+    def capacity(self) -> int:
+        return 1  # one trial at a time: a kill always finds finished trials and a running one
+
+    def run(self, request):  # noqa: ANN001, ANN201 - the Backend protocol
+        time.sleep(float(request.options.get("delay_s", 0.0)))
+        return super().run(request)

@@ -1,0 +1,231 @@
+"""Context and expert parallelism on CPU gloo ranks equal the single-process computation.
+
+Every rank also computes the single-process reference itself (same seed), so the comparison needs no
+result shipping. Tolerances are fp32 ones: the parallel runs compute the same sums in another order
+(attention split into two masked chunk calls instead of one causal call, gradients summed over ranks
+by a reduce-scatter/all-reduce, expert matmuls over other row groupings), so results differ by a few
+ulps per accumulation; over <= a few hundred terms that stays below rtol=1e-5 / atol=1e-6 (about 100
+fp32 epsilons), while any mistake in masks, chunk order or routing moves values by >= 1e-3.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from tuner import MODEL_PRESETS
+from workers._cp import apply_context_parallel, chunk_ids, shard_sequence
+from workers._ep import apply_expert_parallel, expert_parameters
+from workers.model import MoE, Transformer, causal_sdpa, synthetic_batch
+
+RTOL, ATOL = 1e-5, 1e-6  # fp32, see the module docstring
+# Parameters after AdamW steps are compared looser than gradients, for a measured reason: Adam's first
+# update of a gradient element g is lr*g/(|g|+eps) with eps=1e-8, whose slope near g=0 is lr/eps, so
+# an element with |g| ~ eps turns a 4e-10 reduction-order difference of its gradient into a 1.8e-6
+# parameter difference (seen on tiny-moe, w2 of layer 0). The sharp checks are the per-step loss and
+# every reduced gradient at RTOL/ATOL; parameters must agree to 1% of lr (a wrong expert slice or a
+# missed update moves them by ~lr or by the init scale 0.02).
+LR = 1e-3
+PARAM_ATOL = 1e-2 * LR
+
+pytestmark = pytest.mark.slow
+
+
+def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # several ranks share 2 cores
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, tmp_path, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; a rank's exception fails the test."""
+    mp.start_processes(_entry, args=(fn, world, str(tmp_path / "store"), args), nprocs=world, start_method="spawn")
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# --- context parallel ----------------------------------------------------------------------------
+
+
+def _cp_attention(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    b, h, s, d = 2, 3, 48, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, gout = (torch.randn(b, h, s, d, generator=gen) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = causal_sdpa(*ref)
+    (out_ref * gout).sum().backward()
+
+    tokens = torch.arange(s).expand(b, s)
+    _, _, pos = shard_sequence(tokens, tokens, mesh["cp"])
+    c = s // (2 * world)
+    g0, g1 = chunk_ids(world, rank)
+    assert pos.tolist() == list(range(g0 * c, (g0 + 1) * c)) + list(range(g1 * c, (g1 + 1) * c))
+    every = [torch.empty_like(pos) for _ in range(world)]
+    dist.all_gather(every, pos)
+    assert sorted(torch.cat(every).tolist()) == list(range(s)), "cp shards must cover the sequence once"
+
+    holder = torch.nn.Module()
+    holder.attention = Transformer(MODEL_PRESETS["tiny"]).layers["0"].attention
+    apply_context_parallel(holder, mesh["cp"])
+    loc = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    out = holder.attention.attn_fn(*loc)
+    (out * gout[:, :, pos]).sum().backward()
+    _close(out, out_ref[:, :, pos], "attention output")
+    for name, lt, rt in zip("qkv", loc, ref):
+        _close(lt.grad, rt.grad[:, :, pos], f"d{name}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_forward_backward_matches_full_causal(tmp_path, cp):
+    _spawn(_cp_attention, cp, tmp_path)
+
+
+def _cp_model(rank: int, world: int) -> None:
+    spec = MODEL_PRESETS["tiny"]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ref = Transformer(spec)
+    ref.init_weights(0)
+    model = copy.deepcopy(ref)
+    tokens, targets = synthetic_batch(spec, batch=2, step=0, seed=0)
+
+    loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten())
+    loss_ref.backward()
+
+    apply_context_parallel(model, mesh["cp"])
+    tl, gl, pos = shard_sequence(tokens, targets, mesh["cp"])
+    loss = F.cross_entropy(model(tl, pos).flatten(0, 1), gl.flatten())
+    loss.backward()
+    # Equal token counts per cp rank: the global mean loss/gradient is the mean over the cp ranks.
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    _close(loss / world, loss_ref.detach(), "loss")
+    for (name, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+        dist.all_reduce(p.grad)
+        _close(p.grad / world, pr.grad, f"grad {name}")
+
+
+def test_cp2_tiny_model_loss_and_grads_match_single_process(tmp_path):
+    _spawn(_cp_model, 2, tmp_path)
+
+
+# --- expert parallel -----------------------------------------------------------------------------
+
+
+def _moe_case(ref: MoE, ep_moe: MoE, x_all: torch.Tensor, gout_all: torch.Tensor, rank: int, what: str) -> None:
+    """Forward/backward of rank ``rank``'s slice x_all[rank] through ep_moe vs ref over all of x_all."""
+    ref.zero_grad()
+    ep_moe.zero_grad()
+    x_ref = x_all.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    (out_ref * gout_all).sum().backward()
+
+    x = x_all[rank].clone().requires_grad_()
+    out = ep_moe(x)
+    (out * gout_all[rank]).sum().backward()
+    _close(out, out_ref[rank], f"{what}: output")
+    _close(x.grad, x_ref.grad[rank], f"{what}: dx")
+    dist.all_reduce(ep_moe.router.weight.grad)  # replicated router: its tokens are split over the ranks
+    _close(ep_moe.router.weight.grad, ref.router.weight.grad, f"{what}: d router")
+    n_local = ref.experts // dist.get_world_size()
+    for name in ("w1", "w2", "w3"):
+        full = getattr(ref, name).grad[rank * n_local : (rank + 1) * n_local]
+        _close(getattr(ep_moe, name).grad, full, f"{what}: d {name}")
+
+
+def _ep_layer(rank: int, world: int) -> None:
+    spec = MODEL_PRESETS["tiny-moe"]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    gen = torch.Generator().manual_seed(0)
+    ref = MoE(spec)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    ep_moe = copy.deepcopy(ref)
+    apply_expert_parallel(ep_moe, mesh["ep"])
+    assert ep_moe.w1.shape[0] == spec.experts // world
+    assert {id(p) for p in expert_parameters(ep_moe)} == {id(ep_moe.w1), id(ep_moe.w2), id(ep_moe.w3)}
+
+    x_all = torch.randn(world, 2, 8, spec.hidden, generator=gen)
+    gout = torch.randn(world, 2, 8, spec.hidden, generator=gen)
+    # The case must send tokens across ranks both ways, or it would not test the all-to-all.
+    chosen = ref.router(x_all).topk(spec.top_k, dim=-1).indices // (spec.experts // world)
+    for r in range(world):
+        assert set(chosen[r].unique().tolist()) == set(range(world)), "routing does not cross ranks"
+    _moe_case(ref, ep_moe, x_all, gout, rank, "random routing")
+
+    # Skewed: every token of every rank picks experts 0 and 1 (rank 0's): rank 1's experts get no
+    # tokens at all and rank 0 sends nothing away (zero-sized splits).
+    with torch.no_grad():
+        for m in (ref, ep_moe):
+            m.router.weight.zero_()
+            m.router.weight[0, 0] = m.router.weight[1, 0] = 1.0
+            m.router.weight[0, 1] = 0.5
+    x_skew = torch.randn(world, 1, 3, spec.hidden, generator=gen)
+    x_skew[..., 0] = x_skew[..., 0].abs() + 1.0
+    _moe_case(ref, ep_moe, x_skew, gout[:, :1, :3], rank, "skewed routing")
+
+
+def test_ep2_moe_layer_forward_backward_matches_single_process(tmp_path):
+    _spawn(_ep_layer, 2, tmp_path)
+
+
+def _ep_dp_train(rank: int, world: int, steps: int) -> None:
+    spec = MODEL_PRESETS["tiny-moe"]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ep_rank, n_local = mesh["ep"].get_local_rank(), spec.experts // 2
+    data_rank = mesh["dp"].get_local_rank() * 2 + ep_rank
+    ref = Transformer(spec)
+    ref.init_weights(0)
+    model = copy.deepcopy(ref)
+    apply_expert_parallel(model, mesh["ep"])
+    experts = {id(p) for p in expert_parameters(model)}
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+    def mine(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:  # this rank's part of a reference tensor
+        return full[ep_rank * n_local : (ep_rank + 1) * n_local] if id(p) in experts else full
+
+    per_rank = 2
+    for step in range(steps):
+        tokens, targets = synthetic_batch(spec, batch=per_rank * world, step=step, seed=0)
+        loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten())
+        loss_ref.backward()
+
+        sl = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
+        loss = F.cross_entropy(model(tokens[sl]).flatten(0, 1), targets[sl].flatten())
+        loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        _close(loss / world, loss_ref.detach(), f"loss at step {step}")
+        for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+            # Same divisor (data ranks); experts sum over dp only: the all-to-all already summed over ep.
+            dist.all_reduce(p.grad, group=mesh["dp"].get_group() if id(p) in experts else None)
+            p.grad /= world
+            _close(p.grad, mine(p, pr.grad), f"grad {name} at step {step}")
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    for (name, p), pr, p0 in zip(model.named_parameters(), ref.parameters(), initial):
+        assert (p.detach() - p0).abs().max() > 100 * PARAM_ATOL, f"{name} was not trained"
+        _close(p.detach(), mine(p, pr.detach()), f"param {name} after {steps} AdamW steps", atol=PARAM_ATOL)
+
+
+def test_ep2_dp2_tiny_moe_adamw_steps_match_single_process(tmp_path):
+    _spawn(_ep_dp_train, 4, tmp_path, 3)

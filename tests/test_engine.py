@@ -1,0 +1,166 @@
+"""The sweep engine on the simulate backend (fast; results labelled simulated) and a scripted one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from engine_backends import ScriptedBackend
+
+import tuner
+from api import store
+from api.engine import SweepRunner
+from api.engine._runner import _SweepLoop
+from api.services import sweeps as svc
+from api.settings import Settings
+from api.spec import SweepSpec
+from workers.simulate import SimulateBackend
+
+TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}
+
+
+@pytest.fixture
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    engine, sessions = store.open_store(url)
+    yield Settings(database_url=url, home=tmp_path), sessions
+    engine.dispose()
+
+
+def _sweep(sessions, **spec):
+    with sessions() as s:
+        return svc.create_sweep(s, spec=SweepSpec.model_validate({"backend": "simulate", **TINY, **spec}), owner="t")
+
+
+def _rows(sessions, sweep_id):
+    with sessions() as s:
+        return store.all_trials(s, sweep_id=sweep_id)
+
+
+def test_memory_model_prunes_before_running(db):
+    settings, sessions = db
+    model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
+    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    peaks = sorted(tuner.estimate_memory(x, model=model, cluster=cluster, training=training).total for x in layouts)
+    cap = peaks[len(peaks) // 2]  # half the layouts cannot fit
+    sw = _sweep(sessions, cluster={"preset": "cpu-local", "device_memory": cap},
+                search={"sampler": "grid", "max_trials": 40, "warm_start_top_k": 0, "remeasure_top_k": 0})
+    backend = ScriptedBackend()
+    final = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: backend).run_sweep(sw.id)
+    rows = _rows(sessions, sw.id)
+    pruned = [t for t in rows if t.status == "pruned"]
+    ran = [t for t in rows if t.status == "completed"]
+    assert final.status == "completed" and len(rows) == 40 and pruned and ran
+    assert all(t.predicted_memory_bytes > cap and t.device_seconds == 0 and "memory model" in t.cause for t in pruned)
+    assert not {t.layout_key for t in pruned} & set(backend.calls)  # no device time for pruned layouts
+    assert all(t.predicted_memory_bytes <= cap and t.simulated for t in ran)
+    assert final.n_pruned == len(pruned)
+
+
+def test_measured_oom_is_infeasible_and_never_proposed_again(db):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": "tpe", "max_trials": 30, "warm_start_top_k": 0, "remeasure_top_k": 0},
+                trial={"options": {"oom_tp": 1}})
+    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend())
+    assert runner.run_sweep(sw.id).status == "completed"
+    rows = _rows(sessions, sw.id)
+    ooms = [t for t in rows if t.status == "oom"]
+    assert ooms and all(t.layout["tp"] == 1 and t.cause.startswith("oom:") for t in ooms)
+    keys = [t.layout_key for t in rows if t.phase == "search"]
+    assert len(keys) == len(set(keys)) == 30  # dedupe by layout key: nothing proposed twice
+    # What the sampler was told: every OOM is a COMPLETE trial with a violated constraint (not FAIL,
+    # which TPE ignores), rebuilt the same way on resume.
+    loop = _SweepLoop(runner, sw.id, threading.Event(), None)
+    loop._recover()
+    loop._rebuild()
+    told = loop.proposer.study.trials
+    infeasible = [t for t in told if t.constraints.get("memory", 0) > 0]
+    assert len(infeasible) == len(ooms) and all(t.state.name == "COMPLETE" and t.values[0] == 0.0 for t in infeasible)
+    assert all(t.params["tp"] == 1 for t in infeasible)
+    # TPE learns: after the start-up trials, tp=1 is proposed less often than at random.
+    late = [t for t in rows if t.number >= 15]
+    assert sum(t.layout["tp"] == 1 for t in late) < len(late) / 3
+
+
+def test_crash_is_a_failure_with_cause_and_budgets_stop_the_search(db):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": "random", "max_trials": 200, "patience": 5, "warm_start_top_k": 0,
+                                  "remeasure_top_k": 0}, trial={"options": {"crash_pp": 2}})
+    one_at_a_time = lambda spec: ScriptedBackend(capacity=4)  # noqa: E731 - patience counts in order
+    final = SweepRunner(settings, sessions=sessions, backend_factory=one_at_a_time).run_sweep(sw.id)
+    rows = _rows(sessions, sw.id)
+    assert final.status == "completed" and len(rows) < 200  # patience ended it
+    ran = [t for t in rows if t.status != "pruned"]
+    best_at = max(range(len(ran)), key=lambda i: ran[i].tokens_per_s_per_device or 0)
+    assert len(ran) - 1 - best_at == 5
+    crashes = [t for t in rows if t.status == "crash"]
+    assert all(t.cause == "crash: scripted crash" and t.error["rank"] == 0 for t in crashes)
+
+    sw = _sweep(sessions, search={"sampler": "random", "max_trials": 200, "max_device_seconds": 5,
+                                  "warm_start_top_k": 0, "remeasure_top_k": 0})
+    final = SweepRunner(settings, sessions=sessions, backend_factory=one_at_a_time).run_sweep(sw.id)
+    spent = [t.device_seconds for t in _rows(sessions, sw.id)]
+    assert sum(spent[:-1]) < 5 <= sum(spent) and final.device_seconds == pytest.approx(sum(spent))
+
+
+def test_warm_start_remeasure_calibration_and_ranking(db):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": "tpe", "max_trials": 10, "warm_start_top_k": 3, "remeasure_top_k": 2,
+                                  "repeats": 3})
+    final = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: SimulateBackend(seed=1)).run_sweep(sw.id)
+    rows = _rows(sessions, sw.id)
+    assert [t.source for t in rows[:3]] == ["warm_start"] * 3
+    remeasured = [t for t in rows if t.phase == "remeasure"]
+    assert len(rows) == 14 and len(remeasured) == 4 and {t.repeat for t in remeasured} == {1, 2}
+    assert sorted(t.number for t in rows) == list(range(14))
+    with sessions() as s:
+        rk = svc.ranking(s, sweep_id=sw.id)
+    assert rk.simulated and rk.rows[0].n == 3 and rk.rows[0].low <= rk.rows[0].median <= rk.rows[0].high
+    cal = final.calibration
+    assert cal["n_time_samples"] >= 2 and set(cal["fitted"]) <= set(cal["factors"])
+    assert cal["rms_log_error_after"] <= cal["rms_log_error_before"] + 1e-12
+
+
+@pytest.mark.parametrize("sampler", ["nsga2", "gp", "grid"])
+def test_every_sampler_runs_without_duplicates(db, sampler):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": sampler, "max_trials": 12, "warm_start_top_k": 1, "remeasure_top_k": 0})
+    final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
+    keys = [t.layout_key for t in _rows(sessions, sw.id)]
+    assert final.status == "completed" and len(keys) == len(set(keys)) == 12
+
+
+def test_concurrent_trials_when_capacity_allows(db):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": "random", "max_trials": 6, "remeasure_top_k": 0},
+                trial={"options": {"sleep_s": 0.4}})
+    t0 = time.monotonic()
+    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend(capacity=8))
+    assert runner.run_sweep(sw.id).status == "completed"
+    rows = sorted(_rows(sessions, sw.id), key=lambda t: t.started_at)
+    assert time.monotonic() - t0 < 6 * 0.4  # 8 devices / 4 per trial = 2 at once
+    assert any(b.started_at < a.finished_at for a, b in zip(rows, rows[1:]))
+
+
+def test_cancel_stops_a_running_sweep_and_bad_backend_fails_it(db):
+    settings, sessions = db
+    sw = _sweep(sessions, search={"sampler": "random", "max_trials": 50, "remeasure_top_k": 0},
+                trial={"options": {"sleep_s": 0.3}})
+    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend(capacity=4))
+    th = threading.Thread(target=runner.run_sweep, args=(sw.id,))
+    th.start()
+    while len(_rows(sessions, sw.id)) < 2:
+        time.sleep(0.05)
+    with sessions() as s:
+        svc.cancel_sweep(s, sweep_id=sw.id)
+    th.join(20)
+    rows = _rows(sessions, sw.id)
+    assert not th.is_alive() and len(rows) < 50
+    assert all(t.status != "running" for t in rows)  # the trial in flight was still recorded
+    with sessions() as s:
+        assert svc.get_sweep(s, sweep_id=sw.id).status == "cancelled"
+
+    sw = _sweep(sessions, backend="no_such_module:Backend")
+    final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
+    assert final.status == "failed" and "no_such_module" in final.error

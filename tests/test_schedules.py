@@ -1,0 +1,335 @@
+"""Schedules: bad input (API 422 / CLI exit 2), the misfire policy, re-measurement through the engine,
+no alert for plain noise, webhook delivery with retries that never lose an alert, trends."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api import store
+from api.engine import SweepRunner
+from api.schedules import DeliveryPolicy, Scheduler, _store
+from api.schedules.schemas import ScheduleIn
+from api.services import schedules as svc
+from api.settings import Settings
+
+UTC = timezone.utc
+SIM_TEMPLATE = {
+    "name": "nightly-sim", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 8},
+    "search": {"sampler": "random", "max_trials": 4, "repeats": 3, "remeasure_top_k": 1, "warm_start_top_k": 0},
+    "trial": {"warmup_steps": 1, "measure_steps": 3}, "backend": "simulate",
+}
+
+
+@pytest.fixture
+def db(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)  # Alembic upgrade to head, schedules migration included
+    yield url, sessions
+    engine.dispose()
+
+
+@pytest.fixture
+def client(db):
+    from api.main import create_app
+
+    url, _ = db
+    with TestClient(create_app(Settings(database_url=url, api_tokens={}), run_engine=False)) as c:
+        yield c
+
+
+def run_sweeps(url: str, sessions, sweep_ids: list[int]) -> None:
+    runner = SweepRunner(Settings(database_url=url), sessions=sessions)
+    for sweep_id in sweep_ids:
+        assert runner.run_sweep(sweep_id).status == "completed"
+
+
+def make_schedule(sessions, **fields) -> int:
+    data = {"name": "s", "cron": "0 2 * * *", "timezone": "UTC", "template": SIM_TEMPLATE, **fields}
+    with sessions() as s:
+        return svc.create_schedule(s, data=ScheduleIn.model_validate(data), owner="test").id
+
+
+def set_active_since(sessions, schedule_id: int, when: datetime) -> None:
+    with store.session_scope(sessions) as s:
+        _store.update_schedule(s, schedule_id=schedule_id, values={"active_since": when})
+
+
+def fires_by_status(sessions, schedule_id: int) -> dict[str, list[datetime]]:
+    out: dict[str, list[datetime]] = {}
+    with sessions() as s:
+        for f in _store.list_fires(s, schedule_id=schedule_id, limit=None)[0]:
+            out.setdefault(f.status, []).append(f.fire_time.replace(tzinfo=UTC))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, field, needle",
+    [
+        ({"cron": "61 2 * * *"}, "cron", "not a valid cron"),
+        ({"cron": "every night"}, "cron", "not a valid cron"),
+        ({"timezone": "Mars/Olympus_Mons"}, "timezone", "not an IANA time zone"),
+        ({"webhook_url": "ftp://example.com/hook"}, "webhook_url", "not an http:// or https:// URL"),
+        ({"webhook_url": "javascript:alert(1)"}, "webhook_url", "not an http:// or https:// URL"),
+        ({"template": {**SIM_TEMPLATE, "model": "no-such-model"}}, "template.model", "no-such-model"),
+        ({"template": None, "remeasure": {"sweep_id": 987654}}, "remeasure.sweep_id", "987654"),
+        ({"remeasure": {"sweep_id": 1}}, "template/remeasure", "exactly one"),
+        ({"regression": {"alpha": 2}}, "regression.alpha", "alpha"),
+    ],
+)
+def test_bad_schedule_is_422_naming_the_field(client, change, field, needle) -> None:
+    body = {"name": "bad", "cron": "0 2 * * *", "timezone": "UTC", "template": SIM_TEMPLATE, **change}
+    r = client.post("/api/schedules", json=body)
+    assert r.status_code == 422, r.text
+    text = json.dumps(r.json())
+    assert field in text and needle in text, text
+    assert client.get("/api/schedules").json()["total"] == 0  # nothing stored
+
+
+def test_unknown_ids_are_404_and_bad_queries_422(client) -> None:
+    assert client.get("/api/schedules/4242").status_code == 404
+    assert client.post("/api/schedules/4242/run-now").status_code == 404
+    assert client.delete("/api/schedules/4242").status_code == 404
+    assert client.get("/api/trends", params={"schedule_id": 4242}).status_code == 404
+    assert client.get("/api/alerts", params={"kind": "bogus"}).status_code == 422
+    created = client.post("/api/schedules", json={"name": "ok", "cron": "0 2 * * *", "template": SIM_TEMPLATE})
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    r = client.patch(f"/api/schedules/{sid}", json={"timezone": "Nowhere/Land"})
+    assert r.status_code == 422 and "timezone" in r.text
+    assert client.get(f"/api/schedules/{sid}").json()["timezone"] == "UTC"  # unchanged
+
+
+def test_crud_over_http(client) -> None:
+    body = {"name": "nightly", "cron": "30 2 * * *", "timezone": "Europe/Berlin", "template": SIM_TEMPLATE,
+            "webhook_url": "https://hooks.example.com/x"}
+    created = client.post("/api/schedules", json=body).json()
+    next_fire = datetime.fromisoformat(created["next_fire_at"])
+    assert next_fire.astimezone(ZoneInfo("Europe/Berlin")).strftime("%H:%M") in ("02:30", "03:00")  # DST gap
+    sid = created["id"]
+    assert client.patch(f"/api/schedules/{sid}", json={"enabled": False}).json()["next_fire_at"] is None
+    assert [s["id"] for s in client.get("/api/schedules", params={"enabled": False}).json()["items"]] == [sid]
+    fire = client.post(f"/api/schedules/{sid}/run-now").json()  # works while disabled
+    assert fire["trigger"] == "manual" and fire["status"] == "running" and len(fire["sweep_ids"]) == 1
+    sweep = client.get(f"/api/sweeps/{fire['sweep_ids'][0]}").json()
+    assert sweep["status"] == "queued" and sweep["owner"] == f"schedule:{sid}"
+    assert client.get(f"/api/schedules/{sid}/fires").json()["total"] == 1
+    assert client.delete(f"/api/schedules/{sid}").status_code == 204
+    assert client.get(f"/api/schedules/{sid}").status_code == 404
+    assert client.get(f"/api/sweeps/{fire['sweep_ids'][0]}").status_code == 200  # its sweeps are kept
+
+
+def test_cli_errors_exit_2_and_commands_work(db, monkeypatch, capsys, tmp_path) -> None:
+    from api.cli import main
+
+    url, _ = db
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
+    spec = tmp_path / "t.json"
+    spec.write_text(json.dumps(SIM_TEMPLATE))
+    base = ["schedule", "add", "--name", "n", "--template", str(spec)]
+    assert main([*base, "--cron", "0 25 * * *"]) == 2
+    assert "cron" in capsys.readouterr().err
+    assert main([*base, "--cron", "0 2 * * *", "--timezone", "Atlantis/Capital"]) == 2
+    assert "timezone" in capsys.readouterr().err
+    assert main([*base, "--cron", "0 2 * * *", "--webhook", "file:///etc/passwd"]) == 2
+    assert "webhook_url" in capsys.readouterr().err
+    assert main(["schedule", "add", "--name", "n", "--cron", "0 2 * * *", "--remeasure", "555"]) == 2
+    assert "remeasure.sweep_id=555" in capsys.readouterr().err
+    assert main(["schedule", "run-now", "777"]) == 2
+    assert "schedule 777" in capsys.readouterr().err
+    assert main([*base, "--cron", "0 2 * * *", "--timezone", "Asia/Tokyo", "--json"]) == 0
+    sid = json.loads(capsys.readouterr().out)["id"]
+    assert main(["schedule", "list", "--json"]) == 0
+    assert [s["timezone"] for s in json.loads(capsys.readouterr().out)["items"]] == ["Asia/Tokyo"]
+    assert main(["schedule", "run-now", str(sid)]) == 0
+    assert "queued sweep" in capsys.readouterr().out
+    assert main(["schedule", "rm", str(sid)]) == 0
+    assert main(["schedule", "rm", str(sid)]) == 2
+
+
+# --- misfire policy -------------------------------------------------------------------------------
+
+
+def test_misfire_policy_runs_latest_within_grace_once_and_records_the_rest(db) -> None:
+    """Nightly 02:00 Berlin, coordinator down from Jan 1 to Jan 4 03:30 Berlin, grace 2 h: the
+    Jan 4 fire runs (1.5 h late); Jan 2 and Jan 3 are recorded missed. A later tick adds nothing."""
+    url, sessions = db
+    sid = make_schedule(sessions, cron="0 2 * * *", timezone="Europe/Berlin", misfire_grace_s=7200)
+    berlin = ZoneInfo("Europe/Berlin")
+    set_active_since(sessions, sid, datetime(2026, 1, 1, 12, 0, tzinfo=berlin))
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    now = datetime(2026, 1, 4, 3, 30, tzinfo=berlin)
+    report = scheduler.tick(now)
+    fires = fires_by_status(sessions, sid)
+    assert fires["running"] == [datetime(2026, 1, 4, 1, 0, tzinfo=UTC)]  # 02:00 CET = 01:00 UTC
+    assert fires["missed"] == [datetime(2026, 1, 2, 1, 0, tzinfo=UTC), datetime(2026, 1, 3, 1, 0, tzinfo=UTC)]
+    assert len(report.launched) == 1 and "coalesced" not in fires
+    assert scheduler.tick(now + timedelta(minutes=5)).launched == []
+    assert fires_by_status(sessions, sid) == fires
+
+
+def test_misfire_policy_coalesces_fires_within_grace_and_runs_nothing_too_late(db) -> None:
+    url, sessions = db
+    every_10 = make_schedule(sessions, cron="*/10 * * * *", misfire_grace_s=3600)
+    hourly = make_schedule(sessions, cron="0 * * * *", misfire_grace_s=600)
+    start = datetime(2026, 3, 1, 9, 58, tzinfo=UTC)
+    for sid in (every_10, hourly):
+        set_active_since(sessions, sid, start)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    scheduler.tick(datetime(2026, 3, 1, 10, 45, 30, tzinfo=UTC))  # down 10:00-10:45
+    fires = fires_by_status(sessions, every_10)
+    assert fires["running"] == [datetime(2026, 3, 1, 10, 40, tzinfo=UTC)]  # the latest runs, once
+    assert fires["coalesced"] == [datetime(2026, 3, 1, 10, m, tzinfo=UTC) for m in (0, 10, 20, 30)]
+    late = fires_by_status(sessions, hourly)  # 10:00 is 45 min late, grace 10 min: missed, not run
+    assert late == {"missed": [datetime(2026, 3, 1, 10, 0, tzinfo=UTC)]}
+    with sessions() as s:
+        assert len(_store.fire_measurements(s, sweep_ids=[])) == 0
+        assert store.list_sweeps(s)[1] == 1  # exactly one sweep was created in all
+
+
+def test_disabled_time_is_not_owed_and_manual_runs_do_not_move_the_anchor(db) -> None:
+    url, sessions = db
+    sid = make_schedule(sessions, cron="0 * * * *", misfire_grace_s=7200, enabled=False)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    with sessions() as s:
+        svc.run_now(s, schedule_id=sid, by="me")  # manual fire while disabled
+    assert scheduler.tick(datetime.now(UTC) + timedelta(hours=5)).launched == []  # disabled: no cron fire
+    with store.session_scope(sessions) as s:
+        _store.update_schedule(s, schedule_id=sid, values={"enabled": True})  # active_since = now
+    fires = fires_by_status(sessions, sid)
+    assert list(fires) == ["running"] and len(fires["running"]) == 1  # only the manual one
+    report = scheduler.tick(datetime.now(UTC) + timedelta(hours=1, minutes=1))
+    assert len(report.launched) == 1 and report.recorded == []  # the next hour runs, nothing "missed"
+
+
+# --- re-measurement through the engine, and noise ---------------------------------------------------
+
+
+def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhook_receiver) -> None:
+    """Re-measure the top 2 layouts of a sweep 3 times per run, 4 runs with nothing changed (the
+    simulate backend's 3% lognormal noise is the only difference): every layout is compared with
+    its history, none is flagged, nothing is POSTed."""
+    url, sessions = db
+    with sessions() as s:
+        from api.services.sweeps import create_sweep
+        from api.spec import SweepSpec
+
+        source = create_sweep(s, spec=SweepSpec.model_validate({**SIM_TEMPLATE, "name": "source"}), owner="t").id
+    run_sweeps(url, sessions, [source])
+    with sessions() as s:
+        from api.services.sweeps import ranking
+
+        top2 = [r.layout_key for r in ranking(s, sweep_id=source).rows[:2]]
+    sid = make_schedule(sessions, template=None, remeasure={"sweep_id": source, "top_k": 2, "repeats": 3},
+                        webhook_url=webhook_receiver.url)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    for _ in range(4):
+        with sessions() as s:
+            fire = svc.run_now(s, schedule_id=sid, by="test")
+        assert len(fire.sweep_ids) == 2
+        run_sweeps(url, sessions, fire.sweep_ids)
+        assert scheduler.tick().finished == [fire.id]
+        with sessions() as s:
+            measured = _store.fire_measurements(s, sweep_ids=fire.sweep_ids)
+        assert sorted({t.layout_key for t in measured}) == sorted(top2)  # exactly those layouts ...
+        assert len(measured) == 6  # ... 3 times each
+    with sessions() as s:
+        fires = _store.list_fires(s, schedule_id=sid, limit=None)[0]
+        verdicts = [c["verdict"] for f in fires for c in f.comparisons]
+        assert verdicts.count("unchanged") == 6 and verdicts.count("insufficient") == 2  # first run: no history
+        assert _store.list_alerts(s, schedule_id=sid)[1] == 0
+        assert all(f.env and f.env["backend"] == "simulate" for f in fires)
+    assert webhook_receiver.received == []
+    trend = svc.trends(_open(sessions), schedule_id=sid)
+    assert len(trend["points"]) == 8 and set(trend["layouts"]) == set(top2)
+
+
+def _open(sessions):
+    return sessions()
+
+
+# --- alerts and webhooks ----------------------------------------------------------------------------
+
+
+def _failed_fire(sessions, url: str, webhook: str) -> tuple[int, int]:
+    """A schedule whose source sweep measured nothing: its fire fails with a failure alert."""
+    with sessions() as s:
+        from api.services.sweeps import create_sweep
+        from api.spec import SweepSpec
+
+        empty = create_sweep(s, spec=SweepSpec.model_validate({**SIM_TEMPLATE, "name": "never-run"}), owner="t").id
+    sid = make_schedule(sessions, template=None, remeasure={"sweep_id": empty, "top_k": 1, "repeats": 2},
+                        webhook_url=webhook)
+    with sessions() as s:
+        fire = svc.run_now(s, schedule_id=sid, by="test")
+    assert fire.status == "failed" and "no measured layout" in fire.error
+    return sid, fire.id
+
+
+def test_failing_webhook_is_retried_recorded_and_then_delivered(db, webhook_receiver) -> None:
+    url, sessions = db
+    sid, fire_id = _failed_fire(sessions, url, webhook_receiver.url)
+    webhook_receiver.statuses = [500, 503]  # two failures, then 200
+    scheduler = Scheduler(sessions=sessions, replica_id="r1",
+                          delivery=DeliveryPolicy(timeout_s=2, retry_base_s=60, max_attempts=5))
+    t0 = datetime.now(UTC)
+    assert [d.ok for d in scheduler.tick(t0).deliveries] == [False]
+    assert scheduler.tick(t0 + timedelta(seconds=30)).deliveries == []  # backoff: 60 s
+    assert [d.ok for d in scheduler.tick(t0 + timedelta(seconds=61)).deliveries] == [False]
+    assert scheduler.tick(t0 + timedelta(seconds=150)).deliveries == []  # backoff: 120 s
+    assert [d.ok for d in scheduler.tick(t0 + timedelta(seconds=190)).deliveries] == [True]
+    assert [r["status"] for r in webhook_receiver.received] == [500, 503, 200]
+    body = webhook_receiver.received[-1]["json"]
+    assert webhook_receiver.received[-1]["content_type"] == "application/json"
+    assert body["schedule"]["id"] == sid and body["fire"]["id"] == fire_id
+    assert body["alerts"][0]["kind"] == "failure" and "no measured layout" in body["alerts"][0]["message"]
+    with sessions() as s:
+        alerts = _store.list_alerts(s, schedule_id=sid)[0]
+        assert [(a.delivery_status, a.attempts) for a in alerts] == [("delivered", 3)]
+        log = _store.list_deliveries(s, fire_id=fire_id)
+        assert sorted((d.attempt, d.ok, d.status_code) for d in log) == [(1, False, 500), (2, False, 503), (3, True, 200)]
+
+
+def test_dead_webhook_gives_up_without_losing_the_alert(db, client) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/hook"
+    url, sessions = db
+    sid, fire_id = _failed_fire(sessions, url, dead)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1",
+                          delivery=DeliveryPolicy(timeout_s=1, retry_base_s=1, max_attempts=3))
+    t = datetime.now(UTC)
+    for _ in range(6):
+        t += timedelta(seconds=10)
+        scheduler.tick(t)
+    listed = client.get("/api/alerts", params={"schedule_id": sid}).json()
+    assert listed["total"] == 1
+    alert = listed["items"][0]
+    assert alert["delivery_status"] == "failed" and alert["attempts"] == 3
+    assert "ConnectError" in alert["last_error"] and alert["kind"] == "failure"
+    with sessions() as s:
+        assert len(_store.list_deliveries(s, fire_id=fire_id)) == 3
+
+
+def test_router_runs_the_scheduler_only_beside_the_engine(db) -> None:
+    from api.main import create_app
+
+    url, _ = db
+    for run_engine, enabled, expected in ((True, True, True), (True, False, False), (False, True, False)):
+        app = create_app(Settings(database_url=url, scheduler_enabled=enabled), run_engine=run_engine)
+        with TestClient(app):
+            assert (app.state.scheduler is not None) is expected
+            if expected:
+                assert app.state.scheduler._thread.is_alive()
+
+
+from zoneinfo import ZoneInfo  # noqa: E402 - used by several tests above

@@ -1,0 +1,155 @@
+"""One contract for the store, run against SQLite and a fresh PostgreSQL database each."""
+
+from __future__ import annotations
+
+import pytest
+
+from api import store
+from api.services import sweeps as svc
+from api.spec import SweepSpec
+from tuner import ConflictError, NotFoundError, SpecError
+from workers import TrialError, TrialResult
+
+SPEC = SweepSpec.model_validate(
+    {"name": "c", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}, "backend": "simulate"}
+)
+LAYOUT = {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "zero": 0, "mbs": 1, "ac": "none", "sp": False,
+          "schedule": "1f1b", "vpp": 1}
+
+
+def _result(tps: float, status: str = "completed") -> TrialResult:
+    if status != "completed":
+        return TrialResult(status=status, backend="test", error=TrialError(kind=status, message=f"{status}!"),
+                           peak_memory_bytes=5 * 2**30, device_seconds=3.0)
+    return TrialResult(status="completed", backend="test", step_time_s=0.1, tokens_per_s=tps * 4,
+                       tokens_per_s_per_device=tps, peak_memory_bytes=2**30, losses=[2.0, float("nan")],
+                       env={"torch": "x"}, device_seconds=2.0, simulated=True)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def sessions(request, tmp_path):
+    url = f"sqlite:///{tmp_path / 'c.db'}" if request.param == "sqlite" else request.getfixturevalue("fresh_pg_url")
+    engine, sessions = store.open_store(url)
+    yield sessions
+    engine.dispose()
+
+
+class TestStoreContract:
+    def test_sweep_lifecycle_and_listing(self, sessions):
+        with sessions() as s:
+            a = svc.create_sweep(s, spec=SPEC, owner="alice")
+            b = svc.create_sweep(s, spec=SPEC, owner="bob")
+            assert a.status == "queued" and a.spec["model"] == "tiny" and a.sampler == "tpe"
+            page = svc.list_sweeps(s, limit=1)
+            assert page.total == 2 and [x.id for x in page.items] == [b.id]  # newest first
+            assert svc.list_sweeps(s, owner="alice").total == 1
+            assert svc.list_sweeps(s, status="running").total == 0
+            with pytest.raises(SpecError, match="status='bogus'"):
+                svc.list_sweeps(s, status="bogus")
+            with pytest.raises(SpecError, match="limit"):
+                svc.list_sweeps(s, limit=0)
+            assert svc.cancel_sweep(s, sweep_id=a.id).status == "cancelled"
+            with pytest.raises(ConflictError, match="already cancelled"):
+                svc.cancel_sweep(s, sweep_id=a.id)
+            with pytest.raises(NotFoundError):
+                svc.cancel_sweep(s, sweep_id=999_999)
+            with pytest.raises(NotFoundError):
+                svc.get_sweep(s, sweep_id=999_999)
+            assert svc.counts(s).sweeps_by_status == {"cancelled": 1, "queued": 1}
+
+    def test_claim_is_exclusive_and_dead_runner_is_taken_over(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            got = store.claim_sweep(s, runner_id="thishost-not:1:a")
+            s.commit()
+            assert got.id == sw.id and got.status == "running"
+            # A live runner elsewhere with a fresh heartbeat keeps it.
+            assert store.claim_sweep(s, runner_id="other:2:b") is None
+            assert store.heartbeat(s, sweep_id=sw.id, runner_id="thishost-not:1:a") == "running"
+            # A silent runner is taken over after stale_after_s.
+            got = store.claim_sweep(s, runner_id="other:2:b", stale_after_s=0.0)
+            s.commit()
+            assert got.runner_id == "other:2:b"
+            assert store.heartbeat(s, sweep_id=sw.id, runner_id="thishost-not:1:a") is None
+
+    def test_result_reporting_is_idempotent(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            kw = dict(sweep_id=sw.id, layout=LAYOUT, layout_key="k1", world_size=4)
+            assert store.insert_trial(s, number=0, **kw)
+            assert not store.insert_trial(s, number=0, **kw)  # same (sweep, number, attempt)
+            assert store.record_result(s, sweep_id=sw.id, number=0, attempt=0, result=_result(100.0),
+                                       useful_fraction=0.5)
+            # A duplicate (or conflicting) report of the same trial changes nothing.
+            assert not store.record_result(s, sweep_id=sw.id, number=0, attempt=0, result=_result(1.0))
+            store.refresh_sweep_cache(s, sweep_id=sw.id)
+            s.commit()
+            t = store.get_trial_by_number(s, sweep_id=sw.id, number=0)
+            assert t.tokens_per_s_per_device == 100.0 and t.useful_tokens_per_s == 200.0
+            assert t.losses == [2.0, None] and t.env_fingerprint and t.simulated
+            sw = svc.get_sweep(s, sweep_id=sw.id)
+            assert (sw.n_trials, sw.n_completed, sw.best_layout_key, sw.device_seconds) == (1, 1, "k1", 2.0)
+            assert svc.get_trial(s, sweep_id=sw.id, trial_id=t.id).number == 0
+            with pytest.raises(NotFoundError):
+                svc.get_trial(s, sweep_id=sw.id, trial_id=t.id + 1000)
+
+    def test_interrupted_attempts_and_failures(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            kw = dict(sweep_id=sw.id, layout=LAYOUT, world_size=4)
+            store.insert_trial(s, number=0, layout_key="a", **kw)
+            store.insert_trial(s, number=1, layout_key="b", **kw)
+            store.insert_trial(s, number=2, layout_key="c", status="pruned", predicted_memory_bytes=9 * 2**30,
+                               cause="pruned", **kw)
+            store.record_result(s, sweep_id=sw.id, number=1, attempt=0, result=_result(0, "oom"))
+            stale = store.mark_interrupted(s, sweep_id=sw.id)
+            assert [t.number for t in stale] == [0]
+            store.insert_trial(s, number=0, attempt=1, layout_key="a", **kw)
+            store.refresh_sweep_cache(s, sweep_id=sw.id)
+            s.commit()
+            rows, total = store.list_trials(s, sweep_id=sw.id)
+            assert total == 4
+            assert [(t.number, t.attempt, t.status) for t in rows] == [
+                (0, 0, "interrupted"), (0, 1, "running"), (1, 0, "oom"), (2, 0, "pruned")]
+            assert rows[2].cause == "oom: oom!" and rows[2].error["kind"] == "oom"
+            sw = svc.get_sweep(s, sweep_id=sw.id)
+            assert (sw.n_trials, sw.n_failed, sw.n_pruned) == (3, 1, 1)  # interrupted attempts not counted
+            assert svc.list_trials(s, sweep_id=sw.id, status="pruned").total == 1
+            assert store.next_number(s, sweep_id=sw.id) == 3
+
+    def test_ranking_ties_pareto_and_csv(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            n = 0
+            for key, values, mem in (("a", [100, 102, 98], 3), ("b", [99, 101, 97], 1), ("c", [50], 2)):
+                for rep, v in enumerate(values):
+                    store.insert_trial(s, sweep_id=sw.id, number=n, layout=LAYOUT, layout_key=key, world_size=4,
+                                       repeat=rep, phase="search" if rep == 0 else "remeasure",
+                                       predicted_tokens_per_s_per_device=110.0)
+                    r = _result(float(v))
+                    r.peak_memory_bytes = mem * 2**30
+                    store.record_result(s, sweep_id=sw.id, number=n, attempt=0, result=r, useful_fraction=1.0)
+                    n += 1
+            s.commit()
+            rk = svc.ranking(s, sweep_id=sw.id)
+            assert [r.layout_key for r in rk.rows] == ["a", "b", "c"]
+            a, b, c = rk.rows
+            assert a.n == 3 and a.median == 100 and a.low < 100 < a.high
+            assert b.tied_with_best and b.tie_group == a.tie_group  # overlapping intervals
+            assert not c.tied_with_best and c.tie_group != a.tie_group
+            assert a.prediction_error == pytest.approx(0.1)
+            csv_text = svc.ranking_csv(rk)
+            assert csv_text.splitlines()[0].startswith("rank,layout_key") and len(csv_text.splitlines()) == 4
+            front = {p.layout_key: p.on_front for p in svc.pareto(s, sweep_id=sw.id)}
+            assert front == {"a": True, "b": True, "c": False}  # c: less throughput than b for more memory
+            with pytest.raises(SpecError, match="metric"):
+                svc.ranking(s, sweep_id=sw.id, metric="nope")
+
+    def test_metrics_counts(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            store.insert_trial(s, sweep_id=sw.id, number=0, layout=LAYOUT, layout_key="a", world_size=4)
+            store.record_result(s, sweep_id=sw.id, number=0, attempt=0, result=_result(10.0))
+            s.commit()
+            c = svc.counts(s)
+            assert c.trials_by_status == {"completed": 1} and c.device_seconds == 2.0

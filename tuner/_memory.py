@@ -1,0 +1,284 @@
+"""Memory per device of a layout: model states under ZeRO, activations per schedule, overhead.
+
+Every pp rank holds different things (the first the embedding and the most micro-batches in flight,
+the last the output head and the logits), so each rank is costed and the costliest one reported.
+Formulas are short pure functions, each with its source; all results are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tuner._layout import Layout, microbatches
+from tuner._partition import partition_stages
+from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
+
+MiB = 2**20
+
+# Framework allowance per device, beyond what the model's tensors need. CUDA: context and kernels
+# (~0.5-1 GiB), NCCL communicator buffers, cuBLAS/cuDNN workspaces and allocator slack. CPU: the
+# Python interpreter plus torch libraries, which the CPU peak (VmHWM) includes (~360 MB measured per
+# Ray rank, FIELD-NOTES).
+OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
+
+# Bytes per parameter for (weights, gradients, optimizer states) of AdamW.
+# bf16 mixed precision: 2 + 2 + 12 (fp32 master, momentum, variance), Rajbhandari et al. 2020 Sec. 3.1.
+# fp32: 4 + 4 + 8 (momentum, variance).
+STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+def zero_model_state_bytes(
+    psi: float, nd: int, stage: int, precision: str = "bf16"
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of Ψ params under ZeRO ``stage`` over Nd ranks (Rajbhandari
+    et al. 2020, Fig. 1: 16Ψ, 4Ψ+12Ψ/Nd, 2Ψ+14Ψ/Nd, 16Ψ/Nd for bf16 Adam)."""
+    p, g, k = STATE_BYTES[precision]
+    return (
+        p * psi / (nd if stage >= 3 else 1),
+        g * psi / (nd if stage >= 2 else 1),
+        k * psi / (nd if stage >= 1 else 1),
+    )
+
+
+def korthikanti_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, *, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Activation bytes of one GPT layer, 16-bit, with dropout (Korthikanti et al. 2022, Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    score = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + score)
+    return s * b * h * (10 + 24 / t + score / t)
+
+
+def layer_activation_bytes(
+    *,
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    kv_dim: int,
+    ffn: int,
+    mlp: str = "swiglu",
+    t: int = 1,
+    sp: bool = False,
+    ac: str = "none",
+    elt: int = 2,
+    dropout: bool = False,
+    flash: bool = True,
+    moe_top_k: int = 0,
+    experts: int = 0,
+) -> float:
+    """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
+    share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
+
+    With ``mlp='gelu', ffn=4h, kv_dim=h, dropout, not flash, elt=2`` it is exactly their Table 2.
+    """
+    sbh = s * b * h
+    if ac == "full":  # only the layer input is kept (Korthikanti Table 2, "full recompute")
+        return elt * sbh / (t if sp else 1)
+    # Outside the TP region: two norm inputs, attention input, MLP input (+ 1-byte dropout masks).
+    outside = elt * 4 * sbh + (2 * sbh if dropout else 0)
+    # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
+    attn = elt * (2 * sbh + 2 * s * b * kv_dim)
+    if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
+        attn += 4 * a * s * b
+    elif ac != "selective":  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
+        attn += (elt + (3 if dropout else 0)) * a * s * s * b
+    # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); a fused SwiGLU keeps its input
+    # (gate and up) and its output (Megatron's bias_swiglu; eager torch also keeps silu(gate)).
+    per_token = (3 if mlp == "swiglu" else 2) * ffn
+    if moe_top_k:  # routed tokens: each of top_k copies keeps its input, expert activations, output
+        mlp_bytes = elt * moe_top_k * s * b * (per_token + 2 * h) + 4 * s * b * experts
+    else:
+        mlp_bytes = elt * s * b * per_token
+    inside = attn + mlp_bytes
+    return (outside + inside) / t if sp else outside + inside / t
+
+
+def microbatches_in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> float:
+    """Micro-batches whose activations pp ``rank`` holds at its peak, in units of its whole layer set.
+
+    gpipe: all m; 1F1B: min(p - rank, m) (Narayanan et al. 2021 Sec. 2.2.1); interleaved: Megatron's
+    2(p-rank-1) + (v-1)p + 1 warm-up chunks of 1/v of the layers, p + (p-1)/v on rank 0 (Korthikanti
+    et al. 2022 Sec. 4.2.3).
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, m * vpp) / vpp
+    return float(min(pp - rank, m))
+
+
+def logits_bytes(s: int, b: int, h: int, vocab: int, t: int, sp: bool, elt: int) -> float:
+    """Last stage per micro-batch: fp32 cross-entropy logits 4sbv/t (Korthikanti et al. 2022 Sec. 4.3),
+    the low-precision logits when training in bf16, and the final norm's and the head's inputs."""
+    return s * b * vocab / t * (4 + (elt if elt < 4 else 0)) + elt * 2 * s * b * h / (t if sp else 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak bytes per device on the costliest pp rank (``stage``)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    overhead: int
+    total: int
+    stage: int
+    device_memory: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "overhead": self.overhead,
+            "total": self.total,
+            "stage": self.stage,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameter counts one device of each pp rank holds, before ZeRO sharding."""
+
+    dense: tuple[float, ...]  # sharded by tp only (replicated over dp*ep*cp)
+    expert: tuple[float, ...]  # sharded by tp*ep (replicated over dp*cp)
+    layers: tuple[int, ...]
+    layer_dense: float  # one layer's dense weights on one device (ZeRO-3 gather buffer)
+    layer_expert: float
+
+
+@lru_cache(maxsize=8192)
+def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int) -> RankParams:
+    """Per pp rank: layers held (stage s on rank s % pp) and parameter counts per device."""
+    layers = partition_stages(model, pp * vpp).rank_layers(pp) if pp > 1 else (model.layers,)
+    mats = 3 if model.mlp == "swiglu" else 2
+    expert = model.experts * mats * model.hidden * model.expert_ffn / (tp * ep) if model.is_moe else 0.0
+    dense = (
+        model.attention_params_per_layer / tp
+        + 2 * model.hidden
+        + (model.hidden * model.experts if model.is_moe else model.mlp_params_per_layer / tp)
+    )
+    emb = model.embedding_params / tp  # vocab-parallel embedding (Shoeybi et al. 2019 Sec. 3)
+    dense_r = [n * dense for n in layers]
+    dense_r[0] += emb
+    # The last stage holds the final norm and the head; a tied head is a copy when it is on another
+    # rank than the embedding (Megatron keeps both and all-reduces their gradients).
+    dense_r[-1] += model.hidden + (emb if (not model.tied_embeddings or pp > 1) else 0)
+    return RankParams(tuple(dense_r), tuple(n * expert for n in layers), layers, dense, expert)
+
+
+def candidate_ranks(rp: RankParams) -> tuple[int, ...]:
+    """The pp ranks that can be the costliest: first, last, and among the middle ranks the first one
+    of each layer count (in-flight micro-batches never grow with the rank, Narayanan et al. 2021)."""
+    pp = len(rp.layers)
+    out = {0, pp - 1}
+    seen: set[int] = set()
+    for r in range(1, pp - 1):
+        if rp.layers[r] not in seen:
+            seen.add(rp.layers[r])
+            out.add(r)
+    return tuple(sorted(out))
+
+
+class MeshMemory:
+    """The memory model of one mesh (degrees and vpp) of one problem, prepared so that each layout
+    of it (zero, mbs, ac, sp, schedule) costs a few float operations. ``plan`` builds one per mesh;
+    ``estimate_memory`` builds one per call."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
+                 ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None) -> None:
+        self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
+        self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
+        rp = rank_params(model, tp, ep, pp, vpp)
+        self.ranks = candidate_ranks(rp)
+        precision = training.precision
+        pbytes, gbytes, _ = STATE_BYTES[precision]
+        nd_dense, nd_expert = dp * ep * cp, dp * cp  # ZeRO shards over every rank holding a replica
+        # Model states per zero stage and candidate rank: (params, grads, optimizer).
+        self.states: list[list[tuple[float, float, float]]] = []
+        layer_w = rp.layer_dense + rp.layer_expert
+        for zero in range(4):
+            # FSDP keeps the current and the prefetched layer unsharded, and one layer's gradients.
+            gp, gg = (2 * pbytes * layer_w, gbytes * layer_w) if zero == 3 else (0.0, 0.0)
+            row = []
+            for r in self.ranks:
+                d = zero_model_state_bytes(rp.dense[r], nd_dense, zero, precision)
+                e = zero_model_state_bytes(rp.expert[r], nd_expert, zero, precision)
+                row.append((d[0] + e[0] + gp, d[1] + e[1] + gg, d[2] + e[2]))
+            self.states.append(row)
+        self.layers = [rp.layers[r] for r in self.ranks]
+        elt = 2 if precision == "bf16" else 4
+        s = model.seq_len // cp
+        common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
+                      ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
+                      flash=flash, moe_top_k=model.top_k, experts=model.experts)
+        # Per sequence of a micro-batch (everything is linear in mbs): (per layer, working set, logits).
+        self.act: dict[tuple[str, bool], tuple[float, float, float]] = {}
+        for sp in (False, True):
+            logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt)
+            for ac in ("none", "selective", "full"):
+                layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
+                # Full recompute re-materialises one layer's activations during its backward.
+                working = layer_activation_bytes(sp=sp, ac="none", **common) if ac == "full" else 0.0  # type: ignore[arg-type]
+                self.act[ac, sp] = (layer, working, logits)
+
+    def inflight(self, schedule: str, m: int) -> list[float]:
+        """Layer-micro-batches in flight on each candidate rank, and on the last rank's logits."""
+        return [n * microbatches_in_flight(schedule, self.pp, self.vpp, m, r) for n, r in zip(self.layers, self.ranks, strict=True)]
+
+    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int,
+                 inflight: list[float] | None = None) -> tuple[float, float, float, float, float, int]:
+        """(params, grads, optimizer, activations, total, pp rank) of the costliest candidate rank."""
+        if inflight is None:
+            inflight = self.inflight(schedule, m)
+        layer, working, logits = self.act[ac, sp]
+        # The last rank keeps logits for every micro-batch in flight there: m under GPipe, else one.
+        logits *= m if (schedule == "gpipe" and self.pp > 1) else 1
+        last = self.pp - 1
+        best = None
+        for (p, g, o), lm, r in zip(self.states[zero], inflight, self.ranks, strict=True):
+            act = mbs * (layer * lm + working + (logits if r == last else 0.0))
+            total = p + g + o + act
+            if best is None or total > best[4]:
+                best = (p, g, o, act, total, r)
+        assert best is not None
+        return best
+
+    def wrap(self, est: tuple[float, float, float, float, float, int]) -> MemoryEstimate:
+        p, g, o, a, _, r = est
+        p, g, o, a = int(p), int(g), int(o), int(a)
+        obj = object.__new__(MemoryEstimate)  # the values are checked by construction; skip __init__
+        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, overhead=self.overhead,
+                            total=p + g + o + a + self.overhead, stage=r, device_memory=self.device_memory)
+        return obj
+
+
+def estimate_memory(
+    layout: Layout,
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    overhead_bytes: int | None = None,
+    flash_attention: bool = True,
+) -> MemoryEstimate:
+    """Peak bytes per device of ``layout`` on its costliest pp rank (``overhead_bytes`` replaces the
+    framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores)."""
+    m = microbatches(layout, training)
+    mm = MeshMemory(model, cluster, training, tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp,
+                    pp=layout.pp, vpp=layout.vpp, flash=flash_attention, overhead=overhead_bytes)
+    return mm.wrap(mm.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, layout.schedule, m))

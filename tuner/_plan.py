@@ -1,0 +1,171 @@
+"""Plan: enumerate the layouts, place them, drop what does not fit, rank the rest by predicted speed.
+
+The field's procedure, memory first and efficiency second: a layout whose predicted peak exceeds
+device memory is reported as infeasible before any device time is spent on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tuner._layout import AXES, Layout, check_layout
+from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory
+from tuner._placement import Placement, _place, check_order, place
+from tuner._space import Enumeration, SearchSpace, enumerate_layouts
+from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, to_dict
+from tuner._timing import CalibrationFactors, MeshTime, TimeEstimate, estimate_time
+
+R_TP_NODES = "tp crosses nodes"
+R_MEMORY = "memory exceeds device"
+
+
+class PlannedLayout:
+    """One layout with its micro-batch count, placement, memory and time estimates. Inside ``plan``
+    the two estimates are kept as the prepared models' raw numbers and wrapped on first access."""
+
+    __slots__ = ("layout", "microbatches", "placement", "_mem", "_time", "_memory", "_time_est")
+
+    def __init__(self, *, layout: Layout, microbatches: int, placement: Placement, memory: MemoryEstimate,
+                 time: TimeEstimate) -> None:
+        self.layout, self.microbatches, self.placement = layout, microbatches, placement
+        self._memory, self._time_est = memory, time
+
+    @property
+    def memory(self) -> MemoryEstimate:
+        try:
+            return self._memory
+        except AttributeError:
+            mm, raw = self._mem
+            self._memory = mm.wrap(raw)
+            return self._memory
+
+    @property
+    def time(self) -> TimeEstimate:
+        try:
+            return self._time_est
+        except AttributeError:
+            mt, raw, ac = self._time
+            self._time_est = mt.wrap(raw, ac)
+            return self._time_est
+
+    def __repr__(self) -> str:
+        return f"PlannedLayout({self.layout.key}, m={self.microbatches}, {self.placement.summary})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.layout.key,
+            "layout": to_dict(self.layout),
+            "microbatches": self.microbatches,
+            "placement": {
+                "summary": self.placement.summary,
+                "order": list(self.placement.order),
+                "mesh_dim_names": list(self.placement.mesh_dim_names),
+                "mesh_shape": list(self.placement.mesh_shape),
+            },
+            "memory": self.memory.to_dict(),
+            "time": self.time.to_dict(),
+        }
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    entries: list[PlannedLayout] = field(default_factory=list)  # feasible, best first
+    infeasible: list[PlannedLayout] = field(default_factory=list)  # memory does not fit
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> PlannedLayout | None:
+        return self.entries[0] if self.entries else None
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        entries = self.entries if top is None else self.entries[:top]
+        return {
+            "model": to_dict(self.model),
+            "cluster": to_dict(self.cluster),
+            "training": to_dict(self.training),
+            "feasible": len(self.entries),
+            "infeasible": len(self.infeasible),
+            "rejected": dict(sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "entries": [e.to_dict() for e in entries],
+        }
+
+
+def plan(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    space: SearchSpace | None = None,
+    factors: CalibrationFactors | None = None,
+    allow_tp_across_nodes: bool = False,
+    order: tuple[str, ...] = AXES,
+    enumeration: Enumeration | None = None,
+) -> Plan:
+    """Every valid layout placed and estimated; feasible ones sorted by tokens/s per device."""
+    order = check_order(order)
+    f = factors or CalibrationFactors()
+    enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+    result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected))
+    rejected = result.rejected
+    per_node = cluster.devices_per_node
+    meshes: dict[tuple[int, ...], tuple[Placement, MeshMemory, MeshTime] | None] = {}
+    feasible: list[PlannedLayout] = []
+    infeasible = result.infeasible
+    new = object.__new__
+    valid, ms = enum.valid, enum.microbatches
+    for start, stop in enum.groups:
+        first = valid[start]
+        tp, cp, ep, dp, pp, vpp = first.tp, first.cp, first.ep, first.dp, first.pp, first.vpp
+        key = (tp, cp, ep, dp, pp, vpp)
+        if key not in meshes:
+            placement = _place((tp, cp, ep, dp, pp), order, per_node)
+            if not allow_tp_across_nodes and not placement.axes["tp"].intra_node:
+                meshes[key] = None
+            else:
+                degrees = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp, "vpp": vpp}
+                meshes[key] = (placement, MeshMemory(model, cluster, training, **degrees),
+                               MeshTime(model, cluster, training, f, placement, **degrees))
+        prepared = meshes[key]
+        if prepared is None:
+            rejected[R_TP_NODES] = rejected.get(R_TP_NODES, 0) + (stop - start)
+            continue
+        placement, mm, mt = prepared
+        m, mbs, schedule = ms[start], first.mbs, first.schedule
+        inflight = mm.inflight(schedule, m)
+        budget = mm.device_memory - mm.overhead
+        for i in range(start, stop):
+            layout = valid[i]
+            zero, ac, sp = layout.zero, layout.ac, layout.sp
+            mem = mm.estimate(zero, mbs, ac, sp, schedule, m, inflight)
+            entry = new(PlannedLayout)
+            entry.layout, entry.microbatches, entry.placement = layout, m, placement
+            entry._mem, entry._time = (mm, mem), (mt, mt.estimate(zero, mbs, ac, sp, m), ac)
+            (feasible if mem[4] <= budget else infeasible).append(entry)
+    if infeasible:
+        rejected[R_MEMORY] = rejected.get(R_MEMORY, 0) + len(infeasible)
+    # Best first: shortest step (= most tokens/s per device: same batch and devices), then least
+    # memory; the sort is stable, so ties keep the enumeration order.
+    feasible.sort(key=lambda e: (e._time[1][0], e._mem[1][4]))
+    result.entries = feasible
+    return result
+
+
+def plan_one(
+    layout: Layout,
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    factors: CalibrationFactors | None = None,
+    allow_tp_across_nodes: bool = False,
+) -> PlannedLayout:
+    """Check, place and estimate a single layout (raises LayoutError if it is invalid)."""
+    m = check_layout(layout, model=model, cluster=cluster, training=training)
+    placement = place(layout, cluster, allow_tp_across_nodes=allow_tp_across_nodes)
+    mem = estimate_memory(layout, model=model, cluster=cluster, training=training)
+    t = estimate_time(layout, model=model, cluster=cluster, training=training, factors=factors, placement=placement)
+    return PlannedLayout(layout=layout, microbatches=m, placement=placement, memory=mem, time=t)

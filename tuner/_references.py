@@ -1,0 +1,116 @@
+"""Published layouts of large training runs, with what their authors reported.
+
+Usable as sweep seeds and to sanity-check the analytical model: it must find each one feasible and
+predict a utilisation near the reported one. ``mfu_kind`` says which utilisation a paper reports:
+"model" (PaLM-style model FLOPs, no recompute) or "hardware" (Megatron's formula, which counts the
+recomputed forward). Knobs a paper does not state (schedule, ZeRO stage, recompute) are marked as
+assumptions in ``notes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tuner._layout import Layout, check_layout
+from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec, cluster_spec, model_spec
+
+
+@dataclass(frozen=True)
+class ReferenceLayout:
+    name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    layout: Layout
+    reported_mfu: float  # fraction of peak, of the kind ``mfu_kind``
+    mfu_kind: str  # "model" or "hardware"
+    reported_tflops_per_device: float
+    source: str
+    notes: str = ""
+
+    @property
+    def reported_tokens_per_s_per_device(self) -> float:
+        """Derived from the reported FLOP rate and the paper's own FLOPs-per-token convention."""
+        from tuner._timing import model_flops_per_token, recompute_flops_per_token_per_layer
+
+        per_token = model_flops_per_token(self.model)
+        if self.mfu_kind == "hardware":
+            per_token += self.model.layers * recompute_flops_per_token_per_layer(self.model, self.layout.ac)
+        return self.reported_tflops_per_device * 1e12 / per_token
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """The GPT shapes of Narayanan et al. 2021: vocab 51200, sequence 2048, 4h GeLU MLP, tied head."""
+    return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden,
+                     vocab=51200, seq_len=2048, tied_embeddings=True, mlp="gelu")
+
+
+def _selene(nodes: int) -> ClusterSpec:
+    # Selene: DGX A100 80GB nodes, NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node (Narayanan 2021 Sec. 5).
+    return cluster_spec({"preset": "a100-80g", "name": "selene", "nodes": nodes})
+
+
+_NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters (SC'21), Table 1"
+_MEGATRON_NOTES = "assumed: 1F1B, mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer)"
+
+_REFS = (
+    ReferenceLayout(
+        name="megatron-18b-256-a100",
+        model=_gpt("gpt-18.4b", 40, 6144, 48),
+        cluster=_selene(32),
+        training=TrainingSpec(global_batch=1024),
+        layout=Layout(tp=8, pp=1, dp=32, mbs=1, ac="full"),
+        reported_mfu=0.43, mfu_kind="hardware", reported_tflops_per_device=135.0,
+        source=_NARAYANAN + ", 18.4B row", notes=_MEGATRON_NOTES,
+    ),
+    ReferenceLayout(
+        name="megatron-145b-1536-a100",
+        model=_gpt("gpt-145.6b", 80, 12288, 96),
+        cluster=_selene(192),
+        training=TrainingSpec(global_batch=2304),
+        layout=Layout(tp=8, pp=8, dp=24, mbs=1, ac="full"),
+        reported_mfu=0.47, mfu_kind="hardware", reported_tflops_per_device=148.0,
+        source=_NARAYANAN + ", 145.6B row", notes=_MEGATRON_NOTES,
+    ),
+    ReferenceLayout(
+        name="megatron-1t-3072-a100",
+        model=_gpt("gpt-1t", 128, 25600, 160),
+        cluster=_selene(384),
+        training=TrainingSpec(global_batch=3072),
+        layout=Layout(tp=8, pp=64, dp=6, mbs=1, ac="full"),
+        reported_mfu=0.52, mfu_kind="hardware", reported_tflops_per_device=163.0,
+        source=_NARAYANAN + ", 1T row", notes=_MEGATRON_NOTES,
+    ),
+    ReferenceLayout(
+        name="llama3-405b-16k-h100",
+        model=model_spec("llama3-405b"),
+        # 2,048 nodes of 8 H100 (80 GB, 700 W), 400 Gb/s RoCE per GPU (Dubey et al. 2024, Sec. 3.3.1).
+        cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": 2048}),
+        training=TrainingSpec(global_batch=2048),  # 16M tokens of 8,192
+        layout=Layout(tp=8, cp=1, pp=16, dp=128, mbs=1, zero=2, sp=True, ac="none",
+                      schedule="interleaved", vpp=7),
+        reported_mfu=0.41, mfu_kind="model", reported_tflops_per_device=400.0,
+        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row 2: 16,384 GPUs, seq 8,192)",
+        notes=("stated: tp8 cp1 pp16 dp128, 16M-token batch, no activation checkpointing at 8K (Sec. 3.3.2); "
+               "assumed: interleaved with vpp 7 (the paper's ~8 chunks per rank count the embedding and the "
+               "head as chunks of their own), FSDP without resharding after forward as ZeRO-2, "
+               "sequence parallel"),
+    ),
+    ReferenceLayout(
+        name="bloom-176b-384-a100",
+        model=model_spec("bloom-176b"),
+        # Jean Zay: 48 nodes of 8 A100 80GB with NVLink; 4 x 100 Gb/s Omni-Path per node = 6.25 GB/s per GPU.
+        cluster=ClusterSpec("jean-zay", nodes=48, devices_per_node=8, device_memory=80 * GiB,
+                            peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=6.25e9),
+        training=TrainingSpec(global_batch=2048),
+        layout=Layout(tp=4, pp=12, dp=8, mbs=2, zero=1, ac="full"),
+        reported_mfu=0.50, mfu_kind="hardware", reported_tflops_per_device=156.0,
+        source="BigScience 2022, BLOOM (arXiv:2211.05100), Sec. 3.4: tp4 pp12 dp8, ZeRO-1, 156 TFLOP/s of 312",
+        notes="assumed: 1F1B, mbs 2, full recompute (Megatron-DeepSpeed's FLOP count includes it)",
+    ),
+)
+
+REFERENCE_LAYOUTS: dict[str, ReferenceLayout] = {r.name: r for r in _REFS}
+
+for _r in _REFS:  # every reference must be a valid layout of its own problem
+    check_layout(_r.layout, model=_r.model, cluster=_r.cluster, training=_r.training)

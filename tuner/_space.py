@@ -1,0 +1,263 @@
+"""The layout search space and the enumeration of every valid layout in it.
+
+Enumeration applies the rules of ``check_layout`` (same reasons, same order: mesh degrees, sp,
+stages, batch, schedule) but checks each rule once at the level it depends on, so a rejected mesh
+counts all of its knob combinations without building them. Every divisor of the device count is a
+candidate degree, not only powers of two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tuner._errors import SpecError
+from tuner._layout import (
+    CHECKPOINTING,
+    R_BATCH,
+    R_FEW_MICROBATCHES,
+    R_INTERLEAVED,
+    R_SP_SEQ,
+    R_STAGES,
+    R_WORLD,
+    SCHEDULES,
+    Layout,
+    degree_violation,
+)
+from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+
+R_MAX_LAYOUTS = "beyond space.max_layouts"
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
+
+
+def _int_tuple(name: str, value: Any, *, allow_none: bool, lo: int = 1) -> tuple[int, ...] | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise SpecError(f"space.{name} must be a list of integers, got None")
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise SpecError(f"space.{name} must be a list of integers, got {value!r}")
+    out = tuple(items)
+    if not out:
+        raise SpecError(f"space.{name} must not be empty")
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise SpecError(f"space.{name} values must be integers >= {lo}, got {v!r}")
+    return tuple(sorted(set(out)))
+
+
+def _choice_tuple(name: str, value: Any, allowed: tuple[Any, ...]) -> tuple[Any, ...]:
+    items = (value,) if isinstance(value, (str, bool)) else value
+    if not hasattr(items, "__iter__"):
+        raise SpecError(f"space.{name} must be a list of {allowed}, got {value!r}")
+    out = tuple(items)
+    if not out:
+        raise SpecError(f"space.{name} must not be empty")
+    for v in out:
+        if not any(v is a or (type(v) is type(a) and v == a) for a in allowed):
+            raise SpecError(f"space.{name} values must be among {allowed}, got {v!r}")
+    return tuple(a for a in allowed if a in out)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values enumeration considers. ``None`` degrees mean every divisor of the device count;
+    ``vpp`` applies to the interleaved schedule only (gpipe/1F1B run one stage per rank)."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    ac: tuple[str, ...] = CHECKPOINTING
+    sp: tuple[bool, ...] = (False, True)
+    schedules: tuple[str, ...] = SCHEDULES
+    vpp: tuple[int, ...] = (2, 4)
+    max_layouts: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("tp", "pp", "cp", "ep"):
+            set_(self, name, _int_tuple(name, getattr(self, name), allow_none=True))
+        zero = _int_tuple("zero", self.zero, allow_none=False, lo=0)
+        if zero and max(zero) > 3:
+            raise SpecError(f"space.zero values must be among (0, 1, 2, 3), got {max(zero)}")
+        set_(self, "zero", zero)
+        set_(self, "mbs", _int_tuple("mbs", self.mbs, allow_none=False))
+        set_(self, "vpp", _int_tuple("vpp", self.vpp, allow_none=False))
+        set_(self, "ac", _choice_tuple("ac", self.ac, CHECKPOINTING))
+        set_(self, "sp", _choice_tuple("sp", self.sp, (False, True)))
+        set_(self, "schedules", _choice_tuple("schedules", self.schedules, SCHEDULES))
+        if self.max_layouts is not None and (
+            isinstance(self.max_layouts, bool) or not isinstance(self.max_layouts, int) or self.max_layouts < 1
+        ):
+            raise SpecError(f"space.max_layouts must be a positive integer, got {self.max_layouts!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> SearchSpace:
+        """A space from user data (spec file ``space:`` section); errors name ``space.<field>``."""
+        if data is None:
+            return cls()
+        if isinstance(data, SearchSpace):
+            return data
+        if not isinstance(data, Mapping):
+            raise SpecError(f"space must be a mapping, got {data!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"space.{unknown[0]} is not a known field (known: {', '.join(sorted(known))})")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+@dataclass
+class Enumeration:
+    """Valid layouts (with their micro-batch counts) and rejected ones counted by reason."""
+
+    valid: list[Layout] = field(default_factory=list)
+    microbatches: list[int] = field(default_factory=list)
+    rejected: dict[str, int] = field(default_factory=dict)
+    # [start, stop) ranges of ``valid`` that share mesh, schedule, vpp and mbs (plan shares work).
+    groups: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def considered(self) -> int:
+        return len(self.valid) + sum(self.rejected.values())
+
+
+def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(schedule, vpp) variants for a pp degree; one variant without pipelining."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in space.schedules if s != "interleaved"]
+    if "interleaved" in space.schedules:
+        out += [("interleaved", v) for v in space.vpp]
+    return out
+
+
+def iter_meshes(
+    *, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, rejected: dict[str, int]
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """Yield valid (tp, cp, ep, dp, pp); count every knob combination of a rejected mesh.
+
+    A degree left open (None) ranges over the divisors of what the degrees before it leave (ep only
+    for MoE models), so it never causes a world-size mismatch; explicit values may, and are counted
+    once per explicit combination (open degrees after them count as one).
+    """
+    world = cluster.devices
+    n_knobs = len(space.zero) * len(space.mbs) * len(space.ac)
+
+    def knobs(tp: int, pp: int | None) -> int:
+        n_sp = sum(1 for s in space.sp if not s or tp > 1)
+        n_sched = len(_schedules(pp, space)) if pp is not None else 1
+        return n_knobs * n_sp * n_sched
+
+    def explicit_after(*names: str) -> int:
+        n = 1
+        for name in names:
+            vals = getattr(space, name)
+            n *= len(vals) if vals is not None else 1
+        return n
+
+    def mismatch(n: int) -> None:
+        rejected[R_WORLD] = rejected.get(R_WORLD, 0) + n
+
+    for tp in space.tp or divisors(world):
+        if world % tp:
+            mismatch(knobs(tp, None) * explicit_after("cp", "ep", "pp"))
+            continue
+        for cp in space.cp or divisors(world // tp):
+            if (world // tp) % cp:
+                mismatch(knobs(tp, None) * explicit_after("ep", "pp"))
+                continue
+            rest = world // (tp * cp)
+            for ep in space.ep or (divisors(rest) if model.is_moe else (1,)):
+                if rest % ep:
+                    mismatch(knobs(tp, None) * explicit_after("pp"))
+                    continue
+                for pp in space.pp or divisors(rest // ep):
+                    if (rest // ep) % pp:
+                        mismatch(knobs(tp, pp))
+                        continue
+                    dp = rest // (ep * pp)
+                    bad = degree_violation(tp, cp, ep, dp, pp, model=model, cluster=cluster)
+                    if bad:
+                        rejected[bad[0]] = rejected.get(bad[0], 0) + knobs(tp, pp)
+                        continue
+                    yield tp, cp, ep, dp, pp
+
+
+def enumerate_layouts(
+    *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace | None = None
+) -> Enumeration:
+    """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted."""
+    space = space or SearchSpace()
+    out = Enumeration()
+    rejected = out.rejected
+    valid, ms, groups = out.valid, out.microbatches, out.groups
+    limit = space.max_layouts if space.max_layouts is not None else float("inf")
+    gb = training.global_batch
+    n_zero_ac = len(space.zero) * len(space.ac)
+    knobs = [(z, a) for z in space.zero for a in space.ac]
+    new = object.__new__
+
+    def count(reason: str, n: int) -> None:
+        if n:
+            rejected[reason] = rejected.get(reason, 0) + n
+
+    for tp, cp, ep, dp, pp in iter_meshes(model=model, cluster=cluster, space=space, rejected=rejected):
+        scheds = _schedules(pp, space)
+        sp_ok = [s for s in space.sp if not s or tp > 1]
+        if True in sp_ok and model.seq_len % (tp * cp):
+            sp_ok.remove(True)
+            count(R_SP_SEQ, n_zero_ac * len(space.mbs) * len(scheds))
+        n_per = n_zero_ac * len(sp_ok)
+        for schedule, vpp in scheds:
+            if pp * vpp > model.layers:
+                count(R_STAGES, n_per * len(space.mbs))
+                continue
+            for mbs in space.mbs:
+                per_rank = dp * ep * mbs
+                if gb % per_rank:
+                    count(R_BATCH, n_per)
+                    continue
+                m = gb // per_rank
+                if pp > 1 and schedule != "gpipe" and m < pp:
+                    count(R_FEW_MICROBATCHES, n_per)
+                    continue
+                if schedule == "interleaved" and m % pp:
+                    count(R_INTERLEAVED, n_per)
+                    continue
+                if len(valid) + n_per > limit:
+                    keep = max(0, int(limit) - len(valid))
+                    count(R_MAX_LAYOUTS, n_per - keep)
+                else:
+                    keep = n_per
+                if not keep:
+                    continue
+                # The space validated every field: build the Layouts without re-running __post_init__
+                # (a 16k-device cluster has ~10^5 of them).
+                base = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "mbs": mbs, "schedule": schedule, "vpp": vpp}
+                start = len(valid)
+                for zero, ac in knobs:
+                    for sp in sp_ok:
+                        layout = new(Layout)
+                        d = layout.__dict__
+                        d.update(base)
+                        d["zero"] = zero
+                        d["ac"] = ac
+                        d["sp"] = sp
+                        valid.append(layout)
+                del valid[start + keep:]
+                ms.extend([m] * keep)
+                groups.append((start, start + keep))
+    return out

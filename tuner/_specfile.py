@@ -1,0 +1,95 @@
+"""Problem specs from YAML/TOML/JSON files or mappings: sections ``model``, ``cluster``, ``training``
+(and optionally ``space``); other sections (e.g. a sweep's ``search``) are left to their owners.
+
+Errors are SpecError naming the file and the field: ``x.yaml: training.global_batch must be ...``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+try:  # Python >= 3.11
+    import tomllib
+except ImportError:  # pragma: no cover - Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+from tuner._errors import SpecError
+from tuner._space import SearchSpace
+from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, cluster_spec, model_spec, training_spec
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+@dataclass(frozen=True)
+class Problem:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    space: SearchSpace = field(default_factory=SearchSpace)
+
+
+def read_spec_file(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a .yaml/.yml/.toml/.json file (SpecError naming the file otherwise)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in SPEC_SUFFIXES:
+        raise SpecError(f"{p}: spec file must end in one of {', '.join(SPEC_SUFFIXES)}, got {suffix or 'no suffix'!r}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{p}: spec file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{p}: cannot read spec file ({exc.__class__.__name__}: {exc})") from None
+    try:
+        if suffix == ".toml":
+            if tomllib is None:  # pragma: no cover
+                raise SpecError(f"{p}: reading TOML needs Python 3.11 or newer; use YAML or JSON")
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except ValueError as exc:  # tomllib.TOMLDecodeError
+        if isinstance(exc, SpecError):
+            raise
+        if isinstance(exc, json.JSONDecodeError):
+            raise SpecError(f"{p}: invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        raise SpecError(f"{p}: invalid TOML: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise SpecError(f"{p}: invalid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{p}: spec file must hold a mapping with sections model, cluster, training; got {type(data).__name__}")
+    return data
+
+
+def problem_from_mapping(data: Mapping[str, Any]) -> Problem:
+    """A Problem from a mapping with sections ``model``, ``cluster``, ``training`` (``space`` optional)."""
+    if not isinstance(data, Mapping):
+        raise SpecError(f"spec must be a mapping with sections model, cluster, training; got {data!r}")
+    for section in ("model", "cluster", "training"):
+        if section not in data or data[section] is None:
+            raise SpecError(f"{section} is required ({'a mapping' if section == 'training' else 'a preset name or a mapping'})")
+    model = model_spec(data["model"])
+    cluster = cluster_spec(data["cluster"])
+    training = training_spec(data["training"], seq_len=model.seq_len)
+    space = SearchSpace.from_mapping(data.get("space"))
+    return Problem(model=model, cluster=cluster, training=training, space=space)
+
+
+def load_problem(source: str | Path | Mapping[str, Any]) -> Problem:
+    """A Problem from a spec file path or a mapping; file errors are prefixed with the file name."""
+    if isinstance(source, Mapping):
+        return problem_from_mapping(source)
+    data = read_spec_file(source)
+    try:
+        return problem_from_mapping(data)
+    except SpecError as exc:  # keep the subclass (UnknownPresetError, LayoutError)
+        raise type(exc)(f"{source}: {exc}") from None

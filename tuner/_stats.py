@@ -1,0 +1,145 @@
+"""Ranking statistics over measurements: median + 95% interval, ties, Pareto front, prediction error,
+and the calibration of the time model from measurements. Pure functions: no database, no torch.
+
+Short real runs are noisy (a few % on a shared machine; layouts of one model differ by 1.5-2x), so a
+ranking shows for each layout the median of its measurements and a 95% interval, and marks layouts
+whose intervals overlap as tied: measurement cannot separate them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Median of ``n`` measurements and a 95% interval (low == high == median when n == 1)."""
+
+    n: int
+    median: float
+    low: float
+    high: float
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+
+def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
+    """Median and a Student-t interval of the mean, widened to contain the median (Student 1908).
+
+    With the 3-5 repeats a sweep affords, t is the honest choice (a bootstrap of 3 values has only
+    10 distinct resamples and under-covers)."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        raise ValueError("interval() needs at least one finite value")
+    med = statistics.median(vals)
+    if len(vals) == 1:
+        return Interval(1, med, med, med)
+    from scipy.stats import t
+
+    mean = statistics.fmean(vals)
+    half = float(t.ppf(0.5 + confidence / 2, len(vals) - 1)) * statistics.stdev(vals) / math.sqrt(len(vals))
+    return Interval(len(vals), med, min(mean - half, med), max(mean + half, med))
+
+
+@dataclass(frozen=True)
+class RankedLayout:
+    rank: int  # 1 = best
+    key: str
+    interval: Interval
+    tie_group: int  # rows whose intervals overlap the group leader's share its number
+    tied_with_best: bool
+
+
+def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True) -> list[RankedLayout]:
+    """Rank measurement groups (layout key -> values) by median; a row joins the tie group of the
+    leader above it when their intervals overlap, otherwise it leads a new group."""
+    intervals = {k: interval(v) for k, v in groups.items() if any(x is not None for x in v)}
+    sign = -1.0 if higher_is_better else 1.0
+    order = sorted(intervals, key=lambda k: (sign * intervals[k].median, k))
+    out: list[RankedLayout] = []
+    group, leader = 0, None
+    for i, key in enumerate(order):
+        iv = intervals[key]
+        if leader is None or not iv.overlaps(intervals[leader]):
+            group, leader = group + 1, key
+        out.append(RankedLayout(i + 1, key, iv, group, iv.overlaps(intervals[order[0]])))
+    return out
+
+
+def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
+    """Keys of (key, throughput, memory) points that no other point dominates (higher-or-equal
+    throughput and lower-or-equal memory, one strictly), sorted by memory."""
+    front = []
+    for key, thr, mem in points:
+        dominated = any(
+            (t2 >= thr and m2 <= mem) and (t2 > thr or m2 < mem) for k2, t2, m2 in points if k2 != key
+        )
+        if not dominated:
+            front.append((mem, -thr, key))
+    return [k for _, _, k in sorted(set(front))]
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or measured is 0."""
+    if predicted is None or measured is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def fit_calibration(
+    samples: Sequence[tuple[Any, float]],
+    *,
+    predict: Callable[[Any, Any], float],
+    base: Any,
+    fields: Sequence[str] | None = None,
+    bounds: tuple[float, float] = (1e-3, 1e3),
+) -> tuple[Any, float]:
+    """Fit the float fields of ``base`` (a frozen dataclass such as tuner.CalibrationFactors) so that
+    ``predict(layout, factors)`` (a step time) matches the measured step times of ``samples``
+    ((layout, measured_step_time_s) pairs) in the least-squares sense on log time (errors are
+    relative). Returns (fitted factors, root-mean-square log error after the fit).
+
+    Fields are fitted in log space with Nelder-Mead; with fewer samples than fields only the first
+    ``len(samples)`` fields move, so the fit is never under-determined."""
+    from scipy.optimize import minimize
+
+    samples = [(lay, float(t)) for lay, t in samples if t and t > 0]
+    if not samples:
+        return base, float("nan")
+    names = list(fields) if fields is not None else [
+        f.name for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), float)
+    ]
+    names = names[: len(samples)]
+    x0 = [math.log(getattr(base, n)) for n in names]
+    lo, hi = math.log(bounds[0]), math.log(bounds[1])
+
+    def build(x: Sequence[float]) -> Any:
+        return dataclasses.replace(base, **{n: math.exp(min(max(v, lo), hi)) for n, v in zip(names, x, strict=True)})
+
+    def loss(x: Sequence[float]) -> float:
+        try:
+            factors = build(x)
+        except ValueError:
+            return 1e9
+        errs = []
+        for layout, measured in samples:
+            pred = predict(layout, factors)
+            if not pred or pred <= 0 or not math.isfinite(pred):
+                return 1e9
+            errs.append(math.log(pred / measured) ** 2)
+        return statistics.fmean(errs)
+
+    start = loss(x0)
+    if not names:
+        return base, math.sqrt(start)
+    res = minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 200 * len(names), "xatol": 1e-3, "fatol": 1e-6})
+    best = res.x if res.fun <= start else x0
+    return build(best), math.sqrt(min(res.fun, start))

@@ -1,0 +1,218 @@
+"""One rank of one trial: environment, process group, memory cap, the rank program, clean-up.
+
+``run_rank`` is what every launcher calls in the rank's process (a reused Ray actor, or a process of
+plain ``torchrun``). It never raises for a failed trial: it returns ``{"report": {...}}`` or
+``{"error": {...}}`` (``RankReport``/``TrialError`` as plain dicts, so the driver needs no torch to
+read them). Order of work:
+
+1. rendezvous env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for code that reads it;
+2. the optional per-rank memory cap (``request.options["memory_cap_bytes"]``, see ``memory_cap``);
+3. ``init_process_group`` — gloo on CPU, NCCL on CUDA — on a fresh TCP port with a short timeout
+   (``group_timeout_s``: longer than the step watchdog so the watchdog, not gloo, names a hang);
+4. a global optimizer-step hook that beats ``Progress`` (the launcher's per-step watchdog reads it);
+5. ``workers.train.train_trial(request, device=...)``;
+6. always: remove the hook, destroy the process group, lift the cap, so a reused process starts
+   the next trial clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from workers._contract import TrialRequest
+from workers.failures import classify, install_oom_observer, reset_oom_record
+
+# The group timeout is the backstop for a peer that died; it must exceed the step watchdog.
+GROUP_TIMEOUT_FLOOR_S = 30.0
+
+
+def group_timeout_s(request: TrialRequest, init_timeout_s: float) -> float:
+    return max(GROUP_TIMEOUT_FLOOR_S, 2.0 * request.step_timeout_s + 10.0, init_timeout_s + 10.0)
+
+
+class Progress:
+    """What a rank is doing, for a watchdog in another thread (or, via Ray, another process).
+
+    ``phase``: "idle" -> "init" (process group, model build, first step) -> "steps" -> "idle".
+    ``beat()`` is called after every optimizer step; ``idle_s`` is the time since the last beat
+    (or since the phase began), measured on this process's clock so clocks never mix.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.phase = "idle"
+        self.steps = 0
+        self._last = time.monotonic()
+        self.thread_id: int | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            self.phase, self.steps, self._last = "init", 0, time.monotonic()
+            self.thread_id = threading.get_ident()
+
+    def beat(self) -> None:
+        with self._lock:
+            self.phase = "steps"
+            self.steps += 1
+            self._last = time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.phase, self._last = "idle", time.monotonic()
+
+    def snapshot(self, *, with_stack: bool = False) -> dict[str, Any]:
+        with self._lock:
+            snap: dict[str, Any] = {
+                "phase": self.phase,
+                "steps": self.steps,
+                "idle_s": time.monotonic() - self._last,
+            }
+            tid = self.thread_id
+        if with_stack and tid is not None:
+            frame = sys._current_frames().get(tid)
+            if frame is not None:
+                snap["stack"] = "".join(traceback.format_stack(frame)[-8:])
+        return snap
+
+
+def _vm_data_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no VmData in /proc/self/status")
+
+
+@contextlib.contextmanager
+def memory_cap(cap_bytes: int | None, device: Any) -> Iterator[None]:
+    """A real per-rank memory cap for the duration of a trial (a test and diagnosis hook).
+
+    CUDA: ``torch.cuda.set_per_process_memory_fraction(cap / device total)`` — the caching
+    allocator then raises ``torch.OutOfMemoryError`` past the cap.
+    CPU: the soft ``RLIMIT_DATA`` is lowered to (the process's VmData now + cap) and restored after;
+    since Linux 4.7 RLIMIT_DATA counts every private writable mapping, so an allocation past it
+    fails with ENOMEM and torch's ``DefaultCPUAllocator`` raises its "can't allocate memory: you
+    tried to allocate N bytes" error (classified ``oom``). The cap counts from the trial's start:
+    what the reused process already held (interpreter, torch, Ray) is not charged to the trial.
+    """
+    if not cap_bytes:
+        yield
+        return
+    if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0:
+        raise ValueError(f"options.memory_cap_bytes must be a non-negative integer, got {cap_bytes!r}")
+    import torch
+
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = _vm_data_bytes() + cap_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def set_rendezvous_env(*, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+
+
+def _report_dict(report: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        return dataclasses.asdict(report)
+    if isinstance(report, dict):
+        return dict(report)
+    raise TypeError(f"train_trial returned {type(report).__name__}, expected a RankReport dataclass")
+
+
+def run_rank(
+    request: TrialRequest,
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    master_addr: str,
+    master_port: int,
+    device: str,
+    progress: Progress | None = None,
+    init_timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Run ``request`` as ``rank`` of ``world_size``; ``{"report": ...}`` or ``{"error": ...}``."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from workers.env import fingerprint
+
+    progress = progress or Progress()
+    progress.start()
+    set_rendezvous_env(
+        rank=rank, world_size=world_size, local_rank=local_rank, master_addr=master_addr, master_port=master_port
+    )
+    dev = torch.device(device)
+    hook = None
+    failed = True
+    try:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            install_oom_observer()
+            reset_oom_record()
+        with memory_cap(request.options.get("memory_cap_bytes"), dev):
+            dist.init_process_group(
+                "nccl" if dev.type == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=group_timeout_s(request, init_timeout_s)),
+                **({"device_id": dev} if dev.type == "cuda" else {}),
+            )
+            hook = register_optimizer_step_post_hook(lambda *_: progress.beat())
+            from workers.train import train_trial
+
+            report = _report_dict(train_trial(request, device=dev))
+        report["env"] = fingerprint(dev.type)
+        failed = False
+        return {"report": report}
+    except BaseException as exc:  # noqa: BLE001 - every failure of the rank program is a result
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        return {"error": dataclasses.asdict(classify(exc, rank=rank))}
+    finally:
+        if hook is not None:
+            hook.remove()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        if failed:
+            # A traceback kept in a reference cycle (e.g. ``oom = ...; raise oom from exc`` leaves the
+            # frame and its exception pointing at each other) keeps the mesh and so the gloo/NCCL
+            # communicators alive after destroy_process_group: peers then block in their collective
+            # until the group timeout instead of failing at once. Collect the cycles now.
+            gc.collect()
+        progress.stop()

@@ -1,0 +1,136 @@
+"""The failure taxonomy: a rank's exception -> ``TrialError`` (oom, nan, crash); timeouts come from
+the launcher's watchdog. Classification looks at exception *types* and their structured fields,
+never at logs.
+
+- ``oom``: ``torch.OutOfMemoryError``. The bytes asked for come from the exception's
+  ``bytes_requested`` attribute when the rank program set one (workers.train does, for the
+  allocations it knows), else from the CUDA allocator's out-of-memory observer (``torch._C._cuda_attach_out_of_memory_observer``, installed
+  by ``install_oom_observer``), which hands over the exact request size; without it, from the
+  "Tried to allocate X GiB" figure of the message (rounded by torch to two decimals).
+  On CPU torch raises no OutOfMemoryError: ``DefaultCPUAllocator`` fails an allocation with a plain
+  ``RuntimeError`` whose message is fixed by c10 (alloc_cpu.cpp): "DefaultCPUAllocator: can't
+  allocate memory: you tried to allocate N bytes". That message is the allocator's only structured
+  output, so it is matched exactly and classified ``oom`` with the exact N. A Python
+  ``MemoryError`` (the interpreter's own allocation failing under a memory cap) is ``oom`` too.
+- ``nan``: ``workers.train.NonFiniteLoss`` (the rank program checks every loss).
+- ``timeout``: not an exception; ``timeout_error`` builds it for the watchdog.
+- ``crash``: anything else, with rank, exception type and the last lines of the traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+from workers._contract import TrialError
+
+TRACEBACK_TAIL_LINES = 25
+CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
+CUDA_OOM = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB|PiB)")
+
+# Set by the CUDA allocator's OOM observer in this process: the size of the request that failed.
+_last_cuda_oom_bytes: int | None = None
+
+
+def install_oom_observer() -> bool:
+    """Record the exact byte count of every CUDA allocation failure in this process (idempotent)."""
+    import torch
+
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not torch.cuda.is_available():
+        return False
+
+    def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        global _last_cuda_oom_bytes
+        _last_cuda_oom_bytes = int(alloc)
+
+    attach(observer)
+    return True
+
+
+def reset_oom_record() -> None:
+    global _last_cuda_oom_bytes
+    _last_cuda_oom_bytes = None
+
+
+def traceback_tail(exc: BaseException, lines: int = TRACEBACK_TAIL_LINES) -> str:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _is_torch_oom(exc: BaseException) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")  # a rank that never imported torch cannot raise its OOM
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom_type is not None and isinstance(exc, oom_type)
+
+
+def _is_non_finite_loss(exc: BaseException) -> bool:
+    try:
+        from workers.train import NonFiniteLoss
+    except ImportError:  # pragma: no cover - the rank program is always present in a release
+        return False
+    return isinstance(exc, NonFiniteLoss)
+
+
+def oom_bytes(exc: BaseException) -> int | None:
+    """The bytes the failed allocation asked for, from the most exact source available."""
+    attr = getattr(exc, "bytes_requested", None)
+    if isinstance(attr, int) and not isinstance(attr, bool):
+        return attr
+    if _is_torch_oom(exc):
+        if _last_cuda_oom_bytes is not None:
+            return _last_cuda_oom_bytes
+        m = CUDA_OOM.search(str(exc))
+        return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+    m = CPU_OOM.search(str(exc))
+    if m is None and exc.__cause__ is not None:
+        return oom_bytes(exc.__cause__)
+    return int(m.group(1)) if m else None
+
+
+def classify(exc: BaseException, *, rank: int | None) -> TrialError:
+    """The ``TrialError`` for an exception raised on ``rank``."""
+    kind = "crash"
+    nbytes = None
+    if _is_non_finite_loss(exc):
+        kind = "nan"
+    elif _is_torch_oom(exc) or isinstance(exc, MemoryError):
+        kind = "oom"
+        nbytes = oom_bytes(exc)
+    elif isinstance(exc, RuntimeError) and CPU_OOM.search(str(exc)):
+        kind = "oom"
+        nbytes = oom_bytes(exc)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TrialError(
+        kind=kind,  # type: ignore[arg-type]
+        message=message[:500],
+        rank=rank,
+        exception_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        traceback_tail=traceback_tail(exc),
+        bytes_requested=nbytes,
+    )
+
+
+def timeout_error(*, rank: int | None, seconds: float, what: str, steps_done: int | None = None) -> TrialError:
+    """The watchdog's verdict: ``rank`` made no progress for ``seconds`` while doing ``what``."""
+    done = "" if steps_done is None else f" after {steps_done} optimizer steps"
+    return TrialError(
+        kind="timeout",
+        message=f"rank {rank} made no progress for {seconds:.1f} s ({what}){done}; trial killed",
+        rank=rank,
+    )
+
+
+def died_error(*, rank: int | None, exc: BaseException) -> TrialError:
+    """A rank whose process died (segfault, os._exit, killed by the OS) — a crash without a Python
+    exception of its own; Ray's ``ActorDiedError`` carries the cause."""
+    return TrialError(
+        kind="crash",
+        message=f"rank {rank} process died: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500],
+        rank=rank,
+        exception_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        traceback_tail="\n".join(str(exc).strip().splitlines()[-TRACEBACK_TAIL_LINES:]),
+    )

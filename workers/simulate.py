@@ -1,0 +1,114 @@
+"""The ``simulate`` backend: answers a trial from the tuner's analytical model, with seeded noise.
+
+For planning beyond the hardware at hand (a 70B model on 64 GPUs from a laptop). It starts no
+process and imports no torch, so a benchmark can call it thousands of times. Every result is
+``simulated=True`` with ``backend="simulate"``: it is a prediction, never a measurement.
+
+How a result is made:
+- the layout is validated exactly as a real backend does (``check_layout``: LayoutError before
+  anything "runs");
+- ``tuner.estimate_memory`` predicts the peak bytes per device; above ``cluster.device_memory`` the
+  trial is an ``oom`` with ``bytes_requested`` = the predicted peak;
+- otherwise ``tuner.estimate_time`` predicts the step time; each measured step is that time times
+  lognormal noise (sigma ``noise``, default 3% — the spread of short real runs on a shared
+  machine), and tokens/s and MFU follow from the median, as for a real measurement;
+- memory is reported without noise (the model's figure for the fullest device; no per-rank list);
+  there are no losses (nothing is trained);
+- ``wall_s`` is the real time the call took; ``device_seconds`` is what the trial would have held
+  on the real cluster, (warm-up + measured steps) x step time x devices, so budgets in
+  device-seconds mean the same thing under both backends.
+
+The noise is seeded from (backend seed, request seed, layout, trial id): the same request gives the
+same answer, two trials of one layout in a sweep (different trial ids) give different draws.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+import time
+
+import tuner
+from tuner import check_layout
+from workers._contract import TrialError, TrialRequest, TrialResult
+
+MEMORY_MEASURE = "simulate.estimate_memory"
+
+
+class SimulateBackend:
+    """``Backend`` answering from ``tuner.estimate_time``/``tuner.estimate_memory`` with noise."""
+
+    name = "simulate"
+
+    def __init__(self, *, seed: int = 0, noise: float = 0.03, factors: object | None = None) -> None:
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
+            raise ValueError(f"simulate noise must be a non-negative number, got {noise!r}")
+        self.seed = seed
+        self.noise = float(noise)
+        self.factors = factors  # tuner.CalibrationFactors, or None for the tuner's defaults
+
+    def capacity(self) -> int:
+        # Nothing is held: any number of simulated trials can run side by side.
+        return 1_000_000
+
+    def close(self) -> None:
+        return None
+
+    def _rng(self, request: TrialRequest) -> random.Random:
+        key = f"{self.seed}|{request.seed}|{request.layout.key}|{request.trial_id}|{request.model.name}"
+        return random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big"))
+
+    def run(self, request: TrialRequest) -> TrialResult:
+        t0 = time.perf_counter()
+        model, cluster, training, layout = request.model, request.cluster, request.training, request.layout
+        check_layout(layout, model=model, cluster=cluster, training=training)
+        env = {"backend": "simulate", "source": "tuner analytical model", "noise_sigma": self.noise}
+
+        memory = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
+        peak = int(memory.total)
+        if peak > cluster.device_memory:
+            return TrialResult(
+                status="oom",
+                backend=self.name,
+                simulated=True,
+                peak_memory_bytes=peak,
+                memory_measure=MEMORY_MEASURE,
+                env=env,
+                error=TrialError(
+                    kind="oom",
+                    message=(
+                        f"predicted peak memory {peak} bytes exceeds device_memory={cluster.device_memory}"
+                        f" bytes of cluster {cluster.name!r} (simulated)"
+                    ),
+                    bytes_requested=peak,
+                ),
+                wall_s=time.perf_counter() - t0,
+                device_seconds=0.0,
+            )
+
+        kwargs = {} if self.factors is None else {"factors": self.factors}
+        est = tuner.estimate_time(layout, model=model, cluster=cluster, training=training, **kwargs)
+        rng = self._rng(request)
+        # lognormvariate(0, s) has median 1: the noisy median stays centred on the model's figure.
+        steps = [est.step_time_s * rng.lognormvariate(0.0, self.noise) for _ in range(request.measure_steps)]
+        step = statistics.median(steps)
+        tokens = training.global_batch * model.seq_len
+        mfu = None
+        if cluster.device_kind == "cuda" and est.mfu is not None:
+            mfu = est.mfu * est.step_time_s / step
+        return TrialResult(
+            status="completed",
+            backend=self.name,
+            simulated=True,
+            step_times_s=steps,
+            step_time_s=step,
+            tokens_per_s=tokens / step,
+            tokens_per_s_per_device=tokens / step / layout.world_size,
+            mfu=mfu,
+            peak_memory_bytes=peak,
+            memory_measure=MEMORY_MEASURE,
+            env=env,
+            wall_s=time.perf_counter() - t0,
+            device_seconds=(request.warmup_steps + request.measure_steps) * step * layout.world_size,
+        )

@@ -1,0 +1,355 @@
+"""The rank program of a trial: build, parallelise and train the model for W + M real steps, measured.
+
+``train_trial(request, device=...)`` runs on every rank of an already initialised process group
+(gloo on CPU, NCCL on CUDA) and returns this rank's ``RankReport``; the launcher merges the reports
+into a ``TrialResult``. Every layout trains the same model on the same global batch with the same
+loss (mean cross-entropy over all tokens of the global batch), so losses are comparable with the
+single-process ``reference_losses``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from tuner import LayoutError, TrainingSpec, microbatches
+from workers import measure
+from workers._contract import TrialRequest
+from workers.model import Transformer, synthetic_batch
+from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model, zero1_micro_batch
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss of ``step`` is NaN or infinite (the launcher classifies the trial as ``nan``)."""
+
+    def __init__(self, step: int, value: float) -> None:
+        super().__init__(f"non-finite loss {value} at step {step}")
+        self.step, self.value = step, value
+
+    def __reduce__(self):  # picklable across Ray / multiprocessing with its own arguments
+        return (type(self), (self.step, self.value))
+
+
+@dataclass
+class RankReport:
+    """One rank's measurement. ``losses`` and ``warmup_times_s`` include warm-up; ``step_times_s``
+    and ``stage_compute_s`` are the measured steps only. ``step_times_s`` are the maximum over
+    ranks of each step's wall time (every rank reports the same list). ``stage_compute_s`` is this
+    rank's own forward+backward compute per measured step (all its pipeline chunks together).
+    ``memory_measure`` "cpu.VmHWM" is the whole process's resident-set high-water mark since the
+    trial started; "cuda.max_memory_allocated" is torch's caching allocator only."""
+
+    rank: int
+    world_size: int
+    pp_stage: int | None
+    losses: list[float]
+    step_times_s: list[float]
+    stage_compute_s: list[float]
+    peak_memory_bytes: int | None
+    peak_reserved_bytes: int | None
+    memory_measure: str
+    tokens_per_step: int
+    warmup_times_s: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # only with options["grad_norm"]
+    dtype: str = "float32"
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (logits may be bf16)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def reference_losses(request: TrialRequest, *, steps: int | None = None) -> tuple[list[float], list[float]]:
+    """The single-process, non-distributed reference: whole global batch, one device, fp32.
+    Returns (loss per step, global gradient norm per step)."""
+    spec, training = request.model, request.training
+    torch.manual_seed(training.seed)
+    model = Transformer(spec)
+    model.init_weights(training.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=training.lr)
+    losses, norms = [], []
+    for step in range(steps if steps is not None else request.warmup_steps + request.measure_steps):
+        tokens, targets = synthetic_batch(spec, batch=training.global_batch, step=step, seed=training.seed)
+        loss = cross_entropy(model(tokens), targets)
+        loss.backward()
+        norms.append(math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms
+
+
+# --- injected failures (request.options) ---------------------------------------------------------
+
+_CPU_ALLOC = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def as_out_of_memory(exc: RuntimeError) -> torch.OutOfMemoryError | None:
+    """torch's CPU allocator fails with a plain RuntimeError: turn it into torch.OutOfMemoryError
+    (with ``bytes_requested``) here, at the source, so the launcher classifies by type."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return exc
+    m = _CPU_ALLOC.search(str(exc))
+    if m is None:
+        return None
+    oom = torch.OutOfMemoryError(str(exc))
+    oom.bytes_requested = int(m.group(1))  # type: ignore[attr-defined]
+    return oom
+
+
+def _inject_before_step(options: dict[str, Any], step: int, rank: int, device: torch.device) -> None:
+    fail = options.get("fail")
+    if fail is None or step != int(options.get("fail_step", 1)) or rank != int(options.get("fail_rank", 0)):
+        return
+    if fail == "crash":
+        raise RuntimeError(f"injected crash on rank {rank} at step {step}")
+    if fail == "hang":
+        while True:  # the launcher's watchdog must kill this process
+            time.sleep(3600)
+    if fail == "oom":
+        nbytes = 2**50  # 1 PiB: more than any device or address space, so the real allocator fails
+        try:
+            torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            exc.bytes_requested = nbytes  # type: ignore[attr-defined]
+            raise
+    elif fail != "nan":
+        raise ValueError(f"options.fail must be one of crash, hang, oom, nan; got {fail!r}")
+
+
+def _nan_hook(options: dict[str, Any], state: dict[str, int]):
+    """Forward hook on the embedding: multiply its output by inf on ``fail_step`` (fail='nan')."""
+
+    def hook(module, args, output):
+        if state["step"] == int(options.get("fail_step", 1)):
+            return output * float("inf")
+        return output
+
+    return hook
+
+
+# --- the trial -----------------------------------------------------------------------------------
+
+
+def _precision(training: TrainingSpec, device: torch.device, notes: list[str]) -> torch.dtype:
+    if training.precision == "bf16" and device.type == "cuda":
+        return torch.bfloat16
+    if training.precision == "bf16":
+        notes.append("precision bf16 requested; CPU ranks run fp32")
+    return torch.float32
+
+
+def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_group, timer):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+    from torch.distributed.pipelining.microbatch import _Replicate
+
+    stages = []
+    for s, chunk in par.chunks:
+        stage = PipelineStage(chunk, s, layout.stages, device, group=pp_group)
+        for name in ("forward_one_chunk", "backward_one_chunk"):  # this rank's compute, for imbalance
+            orig = getattr(stage, name)
+
+            def timed(*a, _orig=orig, **kw):
+                with timer.span():
+                    return _orig(*a, **kw)
+
+            setattr(stage, name, timed)
+        stages.append(stage)
+    # Positions (context parallel) are the same for every micro-batch: replicate, do not split.
+    kw = {"loss_fn": cross_entropy, "kwargs_chunk_spec": {"positions": _Replicate()}}
+    if layout.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, m, **kw)
+    cls = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], m, **kw)
+
+
+def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
+    """Run ``request`` on this rank (process group already initialised); see the module docstring."""
+    layout, spec, training = request.layout, request.model, request.training
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != layout.world_size:
+        raise LayoutError(f"layout world size {layout.world_size} != process group size {world}")
+    m = microbatches(layout, training)
+    options = dict(request.options)
+    notes: list[str] = []
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    measure.reset_peak_memory(device)
+    dtype = _precision(training, device, notes)
+
+    # 1. Mesh and the model, built identically on every rank before any sharding.
+    mesh = build_mesh(layout, request.cluster, device.type)
+    torch.manual_seed(training.seed)
+    with torch.device(device):
+        model = Transformer(spec)
+    model.init_weights(training.seed)
+    # 2.-7. Parallelisms, in the order documented in workers/parallelize.py.
+    par = parallelize_model(model, mesh, layout, param_dtype=dtype)
+    notes += par.notes
+    autocast = dtype != torch.float32 and not par.fsdp  # FSDP casts itself (MixedPrecisionPolicy)
+
+    stage_ids = [s for s, _ in par.chunks]
+    has_first, has_last = 0 in stage_ids, layout.stages - 1 in stage_ids
+    tp_rank, cp_mesh = coordinate(mesh, "tp"), mesh["cp"]
+    data_index = coordinate(mesh, "dp") * layout.ep + coordinate(mesh, "ep")
+    local_batch = training.global_batch // layout.data_ranks
+    # Each (dp, cp, ep) rank's loss is the mean over its tokens; the global loss is their mean.
+    loss_share = 1.0 / (layout.dp * layout.cp * layout.ep)
+    reports_loss = has_last and tp_rank == 0
+
+    step_state = {"step": -1}
+    if options.get("fail") == "nan":
+        for _, chunk in par.chunks:
+            if chunk.tok_embeddings is not None:
+                chunk.tok_embeddings.register_forward_hook(_nan_hook(options, step_state))
+
+    params = [p for _, c in par.chunks for p in c.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=training.lr)
+    timer = measure.ComputeTimer(device)
+    schedule = (
+        _build_schedule(par, layout, m, device, mesh["pp"].get_group(), timer) if layout.pp > 1 else None
+    )
+    sleep_s = float(options.get("sleep_per_step_s", 0.0))
+
+    # options.grad_norm: record the global gradient norm of every step (a diagnostic for the numerics
+    # tests: Adam is invariant to the scale of the gradient, so losses alone would not show a wrong
+    # 1/m or 1/dp factor). Its all-gathers then count in the step time.
+    record_grad_norm = bool(options.get("grad_norm", False))
+    grad_norms: list[float] = []
+    losses, warm_times, step_times, compute_times = [], [], [], []
+    total = request.warmup_steps + request.measure_steps
+    for step in range(total):
+        step_state["step"] = step
+        tokens, targets = synthetic_batch(spec, batch=training.global_batch, step=step, seed=training.seed)
+        rows = slice(data_index * local_batch, (data_index + 1) * local_batch)
+        tokens, targets = tokens[rows].to(device), targets[rows].to(device)
+        # Explicit positions: a later pipeline stage under sequence parallelism sees only a shard.
+        positions = torch.arange(spec.seq_len, device=device)
+        if layout.cp > 1:
+            from workers._cp import shard_sequence
+
+            tokens, targets, positions = shard_sequence(tokens, targets, cp_mesh)
+
+        measure.start_barrier(device)
+        t0 = time.perf_counter()
+        try:
+            _inject_before_step(options, step, rank, device)
+            if sleep_s:
+                time.sleep(sleep_s)
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+                if schedule is None:
+                    local_loss = _accumulate(par, layout, tokens, targets, positions, m, timer)
+                else:
+                    local_loss = _pipeline_step(schedule, has_first, has_last, tokens, targets, positions)
+            if par.grad_sync is not None:
+                par.grad_sync()
+            if record_grad_norm:
+                grad_norms.append(_global_grad_norm(par, layout))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            measure.synchronize(device)
+        except RuntimeError as exc:
+            oom = as_out_of_memory(exc)
+            if oom is not None and oom is not exc:
+                raise oom from exc
+            raise
+        elapsed = measure.agreed_max(time.perf_counter() - t0, device)
+        compute = timer.take()
+
+        # The global loss on every rank: the last stage's tp-rank-0 replicas hold the shares.
+        share = local_loss * loss_share if reports_loss and local_loss is not None else torch.zeros((), device=device)
+        total_loss = share.detach().float().reshape(1).clone()
+        dist.all_reduce(total_loss)
+        value = float(total_loss.item())
+        losses.append(value)
+        if not math.isfinite(value):
+            raise NonFiniteLoss(step, value)
+        if step < request.warmup_steps:
+            warm_times.append(elapsed)
+        else:
+            step_times.append(elapsed)
+            compute_times.append(compute)
+
+    peak, reserved, how = measure.peak_memory(device)
+    return RankReport(
+        rank=rank,
+        world_size=world,
+        pp_stage=min(stage_ids) if layout.pp > 1 else None,
+        losses=losses,
+        step_times_s=step_times,
+        stage_compute_s=compute_times,
+        peak_memory_bytes=peak,
+        peak_reserved_bytes=reserved,
+        memory_measure=how,
+        tokens_per_step=training.global_batch * spec.seq_len,
+        warmup_times_s=warm_times,
+        grad_norms=grad_norms,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        notes=notes,
+    )
+
+
+def _global_grad_norm(par: Parallelized, layout) -> float:
+    """L2 norm of the whole model's gradient, gathered (diagnostic; dense models: with ep > 1 the
+    local experts' shares are not de-duplicated). Every stage lives on world/pp ranks."""
+    sq = torch.zeros((), dtype=torch.float64)
+    seen: set[int] = set()
+    for _, chunk in par.chunks:
+        for p in chunk.parameters():
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            sq += g.detach().double().pow(2).sum().cpu()
+    device = next(iter(par.chunks[0][1].parameters())).device
+    t = (sq / (layout.world_size // layout.pp)).to(device)
+    dist.all_reduce(t)
+    return float(t.sqrt().item())
+
+
+def _accumulate(par, layout, tokens, targets, positions, m: int, timer) -> torch.Tensor:
+    """pp == 1: gradient accumulation over m micro-batches of mbs sequences; returns the local mean loss."""
+    model = par.chunks[0][1]
+    total = torch.zeros((), device=tokens.device)
+    with timer.span():
+        for i in range(m):
+            rows = slice(i * layout.mbs, (i + 1) * layout.mbs)
+            if par.fsdp and layout.zero == 1:
+                zero1_micro_batch(par.chunks, last=i == m - 1)
+            loss = cross_entropy(model(tokens[rows], positions), targets[rows]) / m
+            loss.backward()
+            total += loss.detach().float()
+    return total
+
+
+def _pipeline_step(schedule, has_first, has_last, tokens, targets, positions) -> torch.Tensor | None:
+    """pp > 1: the schedule splits the local batch into m micro-batches and scales gradients by 1/m."""
+    losses: list[torch.Tensor] = []
+    args = (tokens,) if has_first else ()
+    kwargs = {"positions": positions}
+    schedule.step(
+        *args,
+        target=targets if has_last else None,
+        losses=losses if has_last else None,
+        return_outputs=False,
+        **kwargs,
+    )
+    if not has_last:
+        return None
+    return torch.stack([x.detach().float() for x in losses]).mean()
