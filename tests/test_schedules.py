@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api import store
 from api.engine import SweepRunner
-from api.schedules import DeliveryPolicy, Scheduler, _store
+from api.schedules import DeliveryPolicy, Scheduler, ScheduleFire, _store
 from api.schedules.schemas import ScheduleIn
 from api.services import schedules as svc
 from api.settings import Settings
@@ -78,7 +80,7 @@ def fires_by_status(sessions, schedule_id: int) -> dict[str, list[datetime]]:
         ({"timezone": "Mars/Olympus_Mons"}, "timezone", "not an IANA time zone"),
         ({"webhook_url": "ftp://example.com/hook"}, "webhook_url", "not an http:// or https:// URL"),
         ({"webhook_url": "javascript:alert(1)"}, "webhook_url", "not an http:// or https:// URL"),
-        ({"template": {**SIM_TEMPLATE, "model": "no-such-model"}}, "template.model", "no-such-model"),
+        ({"template": {**SIM_TEMPLATE, "model": "no-such-model"}}, "template", "model.preset='no-such-model'"),
         ({"template": None, "remeasure": {"sweep_id": 987654}}, "remeasure.sweep_id", "987654"),
         ({"remeasure": {"sweep_id": 1}}, "template/remeasure", "exactly one"),
         ({"regression": {"alpha": 2}}, "regression.alpha", "alpha"),
@@ -247,12 +249,10 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
         assert _store.list_alerts(s, schedule_id=sid)[1] == 0
         assert all(f.env and f.env["backend"] == "simulate" for f in fires)
     assert webhook_receiver.received == []
-    trend = svc.trends(_open(sessions), schedule_id=sid)
+    with sessions() as s:
+        trend = svc.trends(s, schedule_id=sid)
     assert len(trend["points"]) == 8 and set(trend["layouts"]) == set(top2)
-
-
-def _open(sessions):
-    return sessions()
+    assert {p["verdict"] for p in trend["points"]} == {"insufficient", "unchanged"}
 
 
 # --- alerts and webhooks ----------------------------------------------------------------------------
@@ -332,4 +332,47 @@ def test_router_runs_the_scheduler_only_beside_the_engine(db) -> None:
                 assert app.state.scheduler._thread.is_alive()
 
 
-from zoneinfo import ZoneInfo  # noqa: E402 - used by several tests above
+
+def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends(db, client, webhook_receiver) -> None:
+    """Simulated runs (labelled so): the cluster's peak FLOP/s doubles on night 3, the layout's
+    tokens/s doubles; the alert is an improvement that names the changed fingerprint key."""
+    from api.schedules._launch import pinned_space
+    from tuner import Layout
+
+    url, sessions = db
+    one_rank = {**SIM_TEMPLATE, "cluster": {"preset": "cpu-local", "devices_per_node": 1},
+                "space": pinned_space(Layout()),
+                "search": {"sampler": "grid", "max_trials": 1, "warm_start_top_k": 0, "repeats": 3,
+                           "remeasure_top_k": 1}}
+    sid = make_schedule(sessions, template=one_rank, webhook_url=webhook_receiver.url)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    fire_ids = []
+    for night in range(3):
+        if night == 2:
+            faster = {**one_rank, "cluster": {**one_rank["cluster"], "peak_flops": 1e11}}
+            with store.session_scope(sessions) as s:
+                _store.update_schedule(s, schedule_id=sid, values={"template": faster})
+                # the previous run's stored fingerprint differs in one key (as after an upgrade)
+                prev = _store.get_fire(s, fire_id=fire_ids[-1])
+                s.execute(sa.update(ScheduleFire).where(ScheduleFire.id == prev.id)
+                          .values(env={**prev.env, "source": "model v0"}))
+        with sessions() as s:
+            fire = svc.run_now(s, schedule_id=sid, by="test")
+        run_sweeps(url, sessions, fire.sweep_ids)
+        assert scheduler.tick().finished == [fire.id]
+        fire_ids.append(fire.id)
+
+    alerts = client.get("/api/alerts", params={"schedule_id": sid}).json()["items"]
+    assert [a["kind"] for a in alerts] == ["improvement"]
+    (alert,) = alerts
+    assert alert["layout_key"] == Layout().key and alert["fire_id"] == fire_ids[2]
+    assert 1.8 < alert["ratio_low"] < alert["ratio"] < alert["ratio_high"] < 2.2
+    assert alert["detail"]["env_changes"] == {"source": {"before": "model v0", "after": "tuner analytical model"}}
+    assert "faster" in alert["message"] and "source: 'model v0' -> 'tuner analytical model'" in alert["message"]
+    assert alert["detail"]["simulated"] is True and alert["delivery_status"] == "delivered"
+    assert webhook_receiver.received[0]["json"]["alerts"][0]["kind"] == "improvement"
+
+    trend = client.get("/api/trends", params={"schedule_id": sid}).json()
+    assert [p["verdict"] for p in trend["points"]] == ["insufficient", "unchanged", "improvement"]
+    assert trend["points"][2]["alert_id"] == alert["id"] and trend["points"][2]["simulated"] is True
+    assert trend["points"][2]["best_tokens_per_s"] > 1.8 * trend["points"][1]["median_tokens_per_s"]

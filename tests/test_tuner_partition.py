@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -13,7 +13,7 @@ from tuner._partition import embedding_cost_per_token, head_flops_per_token, lay
 def optimal_max_cost(layers: int, stages: int, layer: float, emb: float, head: float) -> float:
     """Exhaustive minimum over every split of the most expensive stage (contiguous, >= 1 layer)."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(s: int, left: int) -> float:
         if s == stages - 1:
             return left * layer + head + (emb if s == 0 else 0)

@@ -144,3 +144,17 @@ def test_space_accepts_scalars_and_lists() -> None:
     assert (space.tp, space.mbs, space.ac, space.sp) == ((8,), (1, 2), ("full",), (True,))
     assert SearchSpace.from_mapping(None) == SearchSpace()
     assert SearchSpace.from_mapping(space.to_dict()) == space
+
+
+def test_tp_across_nodes_is_rejected_per_mesh_unless_allowed() -> None:
+    model, cluster, training = model_spec("tiny"), cpu(8, per_node=2), training_spec({"global_batch": 8})
+    space = SearchSpace(tp=(4,), cp=(1,), pp=(1,), zero=(0, 1), mbs=(1,), ac=("none",), sp=(False, True))
+    enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+    assert enum.valid == [] and enum.rejected == {"tp crosses nodes": 4}  # 2 zero x 2 sp
+    allowed = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
+                                allow_tp_across_nodes=True)
+    assert len(allowed.valid) == 4 and allowed.rejected == {}
+    # With dp innermost, tp=4 has stride 2 and still spans nodes; tp=2 with stride 4 would too.
+    inner_dp = enumerate_layouts(model=model, cluster=cluster, training=training,
+                                 space=SearchSpace(tp=(2,), cp=(1,), pp=(1,)), order=("dp", "tp", "cp", "ep", "pp"))
+    assert inner_dp.valid == [] and inner_dp.rejected["tp crosses nodes"] > 0

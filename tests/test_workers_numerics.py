@@ -26,6 +26,11 @@ from tuner import Layout, cluster_spec, model_spec, training_spec
 from workers import TrialRequest
 
 RTOL = 1e-5
+# bf16 mixed precision (options.cpu_bf16: the GPU path on CPU ranks) against the fp32 reference:
+# bf16 rounds each activation/weight copy by up to 2^-9 = 2e-3 relative; the loss averages
+# 512 tokens' errors, measured <= 1e-4. 2e-3 is one bf16 rounding step: it catches a wrong
+# cast or scale (>= 1e-2 on the loss) without pretending bf16 is fp32.
+BF16_RTOL = 2e-3
 STEPS = 4
 
 LAYOUTS = {
@@ -42,18 +47,25 @@ LAYOUTS = {
     "dp4-ac-full": Layout(dp=4, ac="full"),
     "dp4-ac-selective-zero3": Layout(dp=4, ac="selective", zero=3),
     "tp2-dp2-sp-ac-full-zero2": Layout(tp=2, dp=2, sp=True, ac="full", zero=2),
+    "tp4-sp-ac-selective": Layout(tp=4, sp=True, ac="selective"),  # tp > kv_heads=2: ReplicatedKV
+}
+BF16_LAYOUTS = {  # FSDP's MixedPrecisionPolicy; autocast (no FSDP) through a pipeline with TP
+    "bf16-dp4-zero3": Layout(dp=4, zero=3),
+    "bf16-tp2-pp2": Layout(tp=2, pp=2),
 }
 
 
-def make_request(layout: Layout) -> TrialRequest:
+def make_request(layout: Layout, *, bf16: bool = False) -> TrialRequest:
     return TrialRequest(
         model=model_spec("tiny"),
         cluster=cluster_spec({"preset": "cpu-local", "devices_per_node": layout.world_size}),
-        training=training_spec({"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}),
+        training=training_spec(
+            {"global_batch": 8, "precision": "bf16" if bf16 else "fp32", "lr": 1e-3, "seed": 7}
+        ),
         layout=layout,
         warmup_steps=1,
         measure_steps=STEPS - 1,
-        options={"grad_norm": True},
+        options={"grad_norm": True, "cpu_bf16": bf16},
     )
 
 
@@ -78,7 +90,10 @@ def reference() -> tuple[list[float], list[float]]:
 
 @pytest.fixture(scope="module")
 def four_rank_results() -> list[dict[str, object]]:
-    return run_ranks(4, _run_layouts, {k: make_request(v) for k, v in LAYOUTS.items()}, timeout_s=280)
+    # Generous: the machine is shared; ~70 s when it is quiet.
+    requests = {k: make_request(v) for k, v in LAYOUTS.items()}
+    requests.update({k: make_request(v, bf16=True) for k, v in BF16_LAYOUTS.items()})
+    return run_ranks(4, _run_layouts, requests, timeout_s=540)
 
 
 def test_reference_learns(reference):
@@ -89,6 +104,7 @@ def test_reference_learns(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first case also runs the shared 4-rank fixture
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_reference(name, reference, four_rank_results):
     ref_losses, ref_norms = reference
@@ -105,3 +121,15 @@ def test_layout_matches_reference(name, reference, four_rank_results):
     if LAYOUTS[name].pp > 1:
         stages = sorted({r.pp_stage for r in reports})
         assert stages == list(range(LAYOUTS[name].pp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BF16_LAYOUTS))
+def test_bf16_mixed_precision_layout_tracks_reference(name, reference, four_rank_results):
+    ref_losses, _ = reference
+    for per_rank in four_rank_results:
+        r = per_rank[name]
+        assert not isinstance(r, str), f"{name} failed:\n{r}"
+        assert r.dtype == "bfloat16"
+        assert r.losses == pytest.approx(ref_losses, rel=BF16_RTOL), name
+        assert r.losses != pytest.approx(ref_losses, rel=1e-7)  # it really ran in bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tuner._errors import LayoutError, SpecError
 from tuner._layout import Layout, microbatches
 from tuner._partition import partition_stages
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
@@ -196,8 +197,8 @@ def candidate_ranks(rp: RankParams) -> tuple[int, ...]:
 
 class MeshMemory:
     """The memory model of one mesh (degrees and vpp) of one problem, prepared so that each layout
-    of it (zero, mbs, ac, sp, schedule) costs a few float operations. ``plan`` builds one per mesh;
-    ``estimate_memory`` builds one per call."""
+    of it (zero, mbs, ac, sp, schedule) costs a few float operations. ``plan`` and
+    ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
                  ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None) -> None:
@@ -220,6 +221,7 @@ class MeshMemory:
                 e = zero_model_state_bytes(rp.expert[r], nd_expert, zero, precision)
                 row.append((d[0] + e[0] + gp, d[1] + e[1] + gg, d[2] + e[2]))
             self.states.append(row)
+        self.state_totals = [[sum(x) for x in row] for row in self.states]
         self.layers = [rp.layers[r] for r in self.ranks]
         elt = 2 if precision == "bf16" else 4
         s = model.seq_len // cp
@@ -237,26 +239,37 @@ class MeshMemory:
                 self.act[ac, sp] = (layer, working, logits)
 
     def inflight(self, schedule: str, m: int) -> list[float]:
-        """Layer-micro-batches in flight on each candidate rank, and on the last rank's logits."""
-        return [n * microbatches_in_flight(schedule, self.pp, self.vpp, m, r) for n, r in zip(self.layers, self.ranks, strict=True)]
+        """Layer-micro-batches in flight on each candidate rank."""
+        return [n * microbatches_in_flight(schedule, self.pp, self.vpp, m, r)
+                for n, r in zip(self.layers, self.ranks, strict=True)]
 
-    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int,
-                 inflight: list[float] | None = None) -> tuple[float, float, float, float, float, int]:
-        """(params, grads, optimizer, activations, total, pp rank) of the costliest candidate rank."""
+    def activations(self, ac: str, sp: bool, mbs: int, schedule: str, m: int,
+                    inflight: list[float] | None = None) -> list[float]:
+        """Activation bytes on each candidate rank."""
         if inflight is None:
             inflight = self.inflight(schedule, m)
         layer, working, logits = self.act[ac, sp]
         # The last rank keeps logits for every micro-batch in flight there: m under GPipe, else one.
         logits *= m if (schedule == "gpipe" and self.pp > 1) else 1
         last = self.pp - 1
-        best = None
-        for (p, g, o), lm, r in zip(self.states[zero], inflight, self.ranks, strict=True):
-            act = mbs * (layer * lm + working + (logits if r == last else 0.0))
-            total = p + g + o + act
-            if best is None or total > best[4]:
-                best = (p, g, o, act, total, r)
-        assert best is not None
-        return best
+        return [mbs * (layer * n + working + (logits if r == last else 0.0))
+                for n, r in zip(inflight, self.ranks, strict=True)]
+
+    def peak(self, zero: int, acts: list[float]) -> tuple[float, float, float, float, float, int]:
+        """(params, grads, optimizer, activations, total without overhead, pp rank) of the costliest
+        candidate rank, given its activations."""
+        totals = self.state_totals[zero]
+        best, top = 0, totals[0] + acts[0]
+        for c in range(1, len(acts)):
+            t = totals[c] + acts[c]
+            if t > top:
+                best, top = c, t
+        p, g, o = self.states[zero][best]
+        return p, g, o, acts[best], top, self.ranks[best]
+
+    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int) -> tuple[float, float, float, float, float, int]:
+        """(params, grads, optimizer, activations, total without overhead, pp rank) of the costliest rank."""
+        return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
     def wrap(self, est: tuple[float, float, float, float, float, int]) -> MemoryEstimate:
         p, g, o, a, _, r = est
@@ -265,6 +278,14 @@ class MeshMemory:
         obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, overhead=self.overhead,
                             total=p + g + o + a + self.overhead, stage=r, device_memory=self.device_memory)
         return obj
+
+
+@lru_cache(maxsize=4096)
+def mesh_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, cp: int, ep: int,
+                dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None) -> MeshMemory:
+    """The prepared (and shared: never mutate it) memory model of one mesh of one problem."""
+    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
+                      overhead=overhead)
 
 
 def estimate_memory(
@@ -279,6 +300,11 @@ def estimate_memory(
     """Peak bytes per device of ``layout`` on its costliest pp rank (``overhead_bytes`` replaces the
     framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores)."""
     m = microbatches(layout, training)
-    mm = MeshMemory(model, cluster, training, tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp,
-                    pp=layout.pp, vpp=layout.vpp, flash=flash_attention, overhead=overhead_bytes)
+    if overhead_bytes is not None and (isinstance(overhead_bytes, bool) or not isinstance(overhead_bytes, int)
+                                       or overhead_bytes < 0):
+        raise SpecError(f"overhead_bytes must be a non-negative integer, got {overhead_bytes!r}")
+    if layout.world_size != cluster.devices:
+        raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
+    mm = mesh_memory(model, cluster, training, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
+                     flash_attention, overhead_bytes)
     return mm.wrap(mm.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, layout.schedule, m))

@@ -10,13 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuner._layout import AXES, Layout, check_layout
-from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory
+from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory, mesh_memory
 from tuner._placement import Placement, _place, check_order, place
-from tuner._space import Enumeration, SearchSpace, enumerate_layouts
+from tuner._space import R_TP_NODES, Enumeration, SearchSpace, enumerate_layouts
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, to_dict
-from tuner._timing import CalibrationFactors, MeshTime, TimeEstimate, estimate_time
+from tuner._timing import CalibrationFactors, MeshTime, TimeEstimate, estimate_time, mesh_time
 
-R_TP_NODES = "tp crosses nodes"
 R_MEMORY = "memory exceeds device"
 
 
@@ -108,7 +107,8 @@ def plan(
     """Every valid layout placed and estimated; feasible ones sorted by tokens/s per device."""
     order = check_order(order)
     f = factors or CalibrationFactors()
-    enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+    enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
+                                            allow_tp_across_nodes=allow_tp_across_nodes, order=order)
     result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected))
     rejected = result.rejected
     per_node = cluster.devices_per_node
@@ -126,9 +126,8 @@ def plan(
             if not allow_tp_across_nodes and not placement.axes["tp"].intra_node:
                 meshes[key] = None
             else:
-                degrees = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp, "vpp": vpp}
-                meshes[key] = (placement, MeshMemory(model, cluster, training, **degrees),
-                               MeshTime(model, cluster, training, f, placement, **degrees))
+                meshes[key] = (placement, mesh_memory(model, cluster, training, *key),
+                               mesh_time(model, cluster, training, f, *key, order))
         prepared = meshes[key]
         if prepared is None:
             rejected[R_TP_NODES] = rejected.get(R_TP_NODES, 0) + (stop - start)
@@ -136,15 +135,21 @@ def plan(
         placement, mm, mt = prepared
         m, mbs, schedule = ms[start], first.mbs, first.schedule
         inflight = mm.inflight(schedule, m)
+        acts: dict[tuple[str, bool], list[float]] = {}  # per (ac, sp), shared by the zero stages
         budget = mm.device_memory - mm.overhead
         for i in range(start, stop):
             layout = valid[i]
             zero, ac, sp = layout.zero, layout.ac, layout.sp
-            mem = mm.estimate(zero, mbs, ac, sp, schedule, m, inflight)
+            row = acts.get((ac, sp))
+            if row is None:
+                row = acts[ac, sp] = mm.activations(ac, sp, mbs, schedule, m, inflight)
+            mem = mm.peak(zero, row)
             entry = new(PlannedLayout)
             entry.layout, entry.microbatches, entry.placement = layout, m, placement
             entry._mem, entry._time = (mm, mem), (mt, mt.estimate(zero, mbs, ac, sp, m), ac)
-            (feasible if mem[4] <= budget else infeasible).append(entry)
+            # Compare exactly what MemoryEstimate.fits will (whole bytes per part).
+            fits = int(mem[0]) + int(mem[1]) + int(mem[2]) + int(mem[3]) <= budget
+            (feasible if fits else infeasible).append(entry)
     if infeasible:
         rejected[R_MEMORY] = rejected.get(R_MEMORY, 0) + len(infeasible)
     # Best first: shortest step (= most tokens/s per device: same batch and devices), then least

@@ -14,6 +14,7 @@ from typing import Any
 
 from tuner._errors import SpecError
 from tuner._layout import (
+    AXES,
     CHECKPOINTING,
     R_BATCH,
     R_FEW_MICROBATCHES,
@@ -25,9 +26,11 @@ from tuner._layout import (
     Layout,
     degree_violation,
 )
+from tuner._placement import _place, check_order
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 R_MAX_LAYOUTS = "beyond space.max_layouts"
+R_TP_NODES = "tp crosses nodes"
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -145,15 +148,22 @@ def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
 
 
 def iter_meshes(
-    *, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, rejected: dict[str, int]
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    space: SearchSpace,
+    rejected: dict[str, int],
+    allow_tp_across_nodes: bool = False,
+    order: tuple[str, ...] = AXES,
 ) -> Iterator[tuple[int, int, int, int, int]]:
     """Yield valid (tp, cp, ep, dp, pp); count every knob combination of a rejected mesh.
+    Unless allowed, a mesh whose TP groups would leave a node (placed in ``order``) is rejected.
 
     A degree left open (None) ranges over the divisors of what the degrees before it leave (ep only
     for MoE models), so it never causes a world-size mismatch; explicit values may, and are counted
     once per explicit combination (open degrees after them count as one).
     """
-    world = cluster.devices
+    world, per_node = cluster.devices, cluster.devices_per_node
     n_knobs = len(space.zero) * len(space.mbs) * len(space.ac)
 
     def knobs(tp: int, pp: int | None) -> int:
@@ -193,14 +203,26 @@ def iter_meshes(
                     if bad:
                         rejected[bad[0]] = rejected.get(bad[0], 0) + knobs(tp, pp)
                         continue
+                    if (tp > 1 and not allow_tp_across_nodes
+                            and not _place((tp, cp, ep, dp, pp), order, per_node).axes["tp"].intra_node):
+                        rejected[R_TP_NODES] = rejected.get(R_TP_NODES, 0) + knobs(tp, pp)
+                        continue
                     yield tp, cp, ep, dp, pp
 
 
 def enumerate_layouts(
-    *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace | None = None
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    space: SearchSpace | None = None,
+    allow_tp_across_nodes: bool = False,
+    order: tuple[str, ...] = AXES,
 ) -> Enumeration:
-    """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted."""
+    """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted.
+    TP groups stay inside a node (placed in ``order``) unless ``allow_tp_across_nodes``."""
     space = space or SearchSpace()
+    order = check_order(order)
     out = Enumeration()
     rejected = out.rejected
     valid, ms, groups = out.valid, out.microbatches, out.groups
@@ -214,7 +236,8 @@ def enumerate_layouts(
         if n:
             rejected[reason] = rejected.get(reason, 0) + n
 
-    for tp, cp, ep, dp, pp in iter_meshes(model=model, cluster=cluster, space=space, rejected=rejected):
+    for tp, cp, ep, dp, pp in iter_meshes(model=model, cluster=cluster, space=space, rejected=rejected,
+                                          allow_tp_across_nodes=allow_tp_across_nodes, order=order):
         scheds = _schedules(pp, space)
         sp_ok = [s for s in space.sp if not s or tp > 1]
         if True in sp_ok and model.seq_len % (tp * cp):

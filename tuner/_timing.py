@@ -8,12 +8,13 @@ measured runs can fit them later. Everything here is per optimiser step, in seco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from tuner._errors import SpecError
-from tuner._layout import Layout, microbatches
+from tuner._errors import LayoutError, SpecError
+from tuner._layout import AXES, Layout, microbatches
 from tuner._memory import rank_params
-from tuner._partition import EMBEDDING_COST, head_flops_per_token
-from tuner._placement import Placement, place
+from tuner._partition import EMBEDDING_COST, head_flops_per_token, layer_flops_per_token
+from tuner._placement import Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 
@@ -151,8 +152,7 @@ class MeshTime:
         seq_local = seq // cp  # tokens of one sequence on this device (before TP)
         rate = cluster.peak_flops * f.compute_efficiency
         rp = rank_params(model, tp, ep, pp, vpp)
-        layer_flops = 6.0 * (model.attention_params_per_layer + model.active_mlp_params_per_layer)
-        layer_flops += 12.0 * h * seq  # PaLM App. B attention term
+        layer_flops = layer_flops_per_token(model)  # PaLM App. B, per layer
         head = head_flops_per_token(model)
         emb = EMBEDDING_COST * head
 
@@ -251,6 +251,14 @@ class MeshTime:
         return obj
 
 
+@lru_cache(maxsize=4096)
+def mesh_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors, tp: int,
+              cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES) -> MeshTime:
+    """The prepared (and shared: never mutate it) time model of one mesh placed in ``order``."""
+    placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node)
+    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
+
+
 def estimate_time(
     layout: Layout,
     *,
@@ -261,11 +269,14 @@ def estimate_time(
     placement: Placement | None = None,
 ) -> TimeEstimate:
     """Predicted step time of ``layout`` and what follows from it (tokens/s, MFU, useful tokens/s).
-    Without ``placement`` the default one is used (TP across nodes allowed, so it always places)."""
+
+    ``placement`` (from ``place``) chooses the axis order; without it the default order is used
+    (TP across nodes allowed here: ``place``/``plan`` are where that is refused)."""
     f = factors or CalibrationFactors()
     m = microbatches(layout, training)
-    if placement is None:
-        placement = place(layout, cluster, allow_tp_across_nodes=True)
-    mt = MeshTime(model, cluster, training, f, placement, tp=layout.tp, cp=layout.cp, ep=layout.ep,
-                  dp=layout.dp, pp=layout.pp, vpp=layout.vpp)
+    if layout.world_size != cluster.devices:
+        raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
+    order = placement.order if placement is not None else AXES
+    mt = mesh_time(model, cluster, training, f, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
+                   order)
     return mt.wrap(mt.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, m), layout.ac)

@@ -15,6 +15,8 @@ axis (dp*cp ranks with equal token counts -> the mean over them is the global to
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,6 +49,14 @@ def _global_chunk_order(cp: int) -> list[int]:
     return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
 
 
+def chunk_positions(seq: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global token positions held by cp ``rank``: its two chunks of length seq / (2*cp), in order."""
+    if seq % (2 * cp):
+        raise ValueError(f"seq_len={seq} is not divisible by 2*cp={2 * cp} (load-balanced context parallel)")
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(g * c, (g + 1) * c, device=device) for g in chunk_ids(cp, rank)])
+
+
 def shard_sequence(
     tokens: torch.Tensor, targets: torch.Tensor, cp_mesh: DeviceMesh | ProcessGroup
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,13 +65,9 @@ def shard_sequence(
     Positions are the global token indices (for RoPE), shape [seq / cp].
     """
     _, cp, rank = group_of(cp_mesh)
-    seq = tokens.shape[1]
     if targets.shape[:2] != tokens.shape[:2]:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match tokens {tuple(tokens.shape)}")
-    if seq % (2 * cp):
-        raise ValueError(f"seq_len={seq} is not divisible by 2*cp={2 * cp} (load-balanced context parallel)")
-    c = seq // (2 * cp)
-    positions = torch.cat([torch.arange(g * c, (g + 1) * c, device=tokens.device) for g in chunk_ids(cp, rank)])
+    positions = chunk_positions(tokens.shape[1], cp, rank, tokens.device)
     return tokens[:, positions], targets[:, positions], positions
 
 
@@ -83,6 +89,41 @@ class _GatherSeq(torch.autograd.Function):
         return out, None, None
 
 
+@functools.lru_cache(maxsize=64)
+def _bool_mask(c: int, g: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(c, (g + 1) * c, dtype=torch.bool, device=device).tril(diagonal=g * c)
+
+
+def chunk_mask(c: int, g: int, device: torch.device) -> torch.Tensor | object:
+    """Causal mask of chunk g's c queries against the keys [0, (g+1)c): query i sees key <= g*c+i."""
+    if device.type == "cuda":  # lets SDPA use flash / memory-efficient kernels with lower-right alignment
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(c, (g + 1) * c)
+    return _bool_mask(c, g, device)
+
+
+def attend_local_chunks(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, chunks: tuple[int, int]
+) -> torch.Tensor:
+    """Causal attention of the local queries (global chunks ``chunks``, c rows each) against the whole
+    sequence's keys/values in global order. Keys after chunk g are masked for all of its queries, so
+    they are not even passed: both ranks' work is c*c*(2cp+1) score entries."""
+    c = q.shape[2] // 2
+    outs = []
+    for j, g in enumerate(chunks):
+        n_keys = (g + 1) * c
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, j * c : (j + 1) * c],
+                k_all[:, :, :n_keys],
+                v_all[:, :, :n_keys],
+                attn_mask=chunk_mask(c, g, q.device),
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
 class ContextParallelAttention:
     """``Attention.attn_fn`` under context parallelism; q, k, v: [batch, heads, seq/cp, head_dim]
     holding this rank's chunks ``chunk_ids(cp, rank)`` (as cut by ``shard_sequence``)."""
@@ -91,18 +132,6 @@ class ContextParallelAttention:
         self.group, self.cp, self.rank = group, cp, rank
         self.chunks = chunk_ids(cp, rank)
         self._order = _global_chunk_order(cp)
-        self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-    def _mask(self, c: int, g: int, device: torch.device) -> torch.Tensor | object:
-        """Causal mask of chunk g's c queries against the keys [0, (g+1)c): query i sees key <= g*c+i."""
-        if device.type == "cuda":  # lets SDPA use flash / memory-efficient kernels with lower-right alignment
-            from torch.nn.attention.bias import causal_lower_right
-
-            return causal_lower_right(c, (g + 1) * c)
-        key = (c, g, device)
-        if key not in self._masks:
-            self._masks[key] = torch.ones(c, (g + 1) * c, dtype=torch.bool, device=device).tril(diagonal=g * c)
-        return self._masks[key]
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the whole sequence in global order: [batch, heads, seq, head_dim] each."""
@@ -114,22 +143,9 @@ class ContextParallelAttention:
         return kv[0], kv[1]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s_local = q.shape[2]
-        assert s_local % 2 == 0 and k.shape[2] == s_local, (q.shape, k.shape)
-        c = s_local // 2
+        assert q.shape[2] % 2 == 0 and k.shape[2] == q.shape[2], (q.shape, k.shape)
         k_all, v_all = self.gather_kv(k, v)
-        outs = []
-        for j, g in enumerate(self.chunks):  # keys after chunk g are masked out for all its queries: skip them
-            n_keys = (g + 1) * c
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, j * c : (j + 1) * c],
-                    k_all[:, :, :n_keys],
-                    v_all[:, :, :n_keys],
-                    attn_mask=self._mask(c, g, q.device),
-                )
-            )
-        return torch.cat(outs, dim=2)
+        return attend_local_chunks(q, k_all, v_all, self.chunks)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh | ProcessGroup) -> None:
@@ -138,7 +154,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh | ProcessGroup)
     it only swaps the attention kernel."""
     from workers.model import Attention
 
-    attn_fn = ContextParallelAttention(*group_of(cp_mesh))  # stateless but for its mask cache: share it
+    attn_fn = ContextParallelAttention(*group_of(cp_mesh))  # stateless: one for every layer
     for module in model.modules():
         if isinstance(module, Attention):
             module.attn_fn = attn_fn

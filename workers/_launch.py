@@ -2,7 +2,7 @@
 
 ``run_rank`` is what every launcher calls in the rank's process (a reused Ray actor, or a process of
 plain ``torchrun``). It never raises for a failed trial: it returns ``{"report": {...}}`` or
-``{"error": {...}}`` (``RankReport``/``TrialError`` as plain dicts, so the driver needs no torch to
+``{"error": {...}, "in_collective": bool}`` (``RankReport``/``TrialError`` as plain dicts, so the driver needs no torch to
 read them). Order of work:
 
 1. rendezvous env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for code that reads it;
@@ -83,7 +83,7 @@ class Progress:
         if with_stack and tid is not None:
             frame = sys._current_frames().get(tid)
             if frame is not None:
-                snap["stack"] = "".join(traceback.format_stack(frame)[-8:])
+                snap["stack"] = "".join(traceback.format_stack(frame)[-5:])
         return snap
 
 
@@ -151,6 +151,16 @@ def _report_dict(report: Any) -> dict[str, Any]:
     raise TypeError(f"train_trial returned {type(report).__name__}, expected a RankReport dataclass")
 
 
+def _in_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a torch.distributed call (a peer's failure seen by this rank,
+    e.g. gloo's "Connection closed by peer"), judged by the frame that raised it."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in last.tb_frame.f_code.co_filename
+
+
 def run_rank(
     request: TrialRequest,
     *,
@@ -162,8 +172,13 @@ def run_rank(
     device: str,
     progress: Progress | None = None,
     init_timeout_s: float = 120.0,
+    init_method: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``request`` as ``rank`` of ``world_size``; ``{"report": ...}`` or ``{"error": ...}``."""
+    """Run ``request`` as ``rank`` of ``world_size``; ``{"report": ...}`` or ``{"error": ...}``.
+
+    ``init_method`` defaults to ``tcp://master_addr:master_port`` (rank 0 hosts the store on the
+    fresh port); under torchrun pass ``"env://"`` to use the agent's store.
+    """
     import torch
     import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -186,7 +201,7 @@ def run_rank(
         with memory_cap(request.options.get("memory_cap_bytes"), dev):
             dist.init_process_group(
                 "nccl" if dev.type == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
+                init_method=init_method or f"tcp://{master_addr}:{master_port}",
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=group_timeout_s(request, init_timeout_s)),
@@ -202,7 +217,7 @@ def run_rank(
     except BaseException as exc:  # noqa: BLE001 - every failure of the rank program is a result
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        return {"error": dataclasses.asdict(classify(exc, rank=rank))}
+        return {"error": dataclasses.asdict(classify(exc, rank=rank)), "in_collective": _in_collective(exc)}
     finally:
         if hook is not None:
             hook.remove()

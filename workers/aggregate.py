@@ -63,10 +63,10 @@ def aggregate(
 
     stages = [_get(r, "pp_stage") for r in reports]
     last_stage = max((s for s in stages if s is not None), default=None)
-    loss_rank = next(r for r, s in zip(reports, stages) if s == last_stage)
+    loss_rank = next(r for r, s in zip(reports, stages, strict=True) if s == last_stage)
 
     by_stage: dict[int, list[list[float]]] = defaultdict(list)
-    for r, s in zip(reports, stages):
+    for r, s in zip(reports, stages, strict=True):
         by_stage[s or 0].append(list(_get(r, "stage_compute_s") or []))
     stage_times = []
     for s in sorted(by_stage):

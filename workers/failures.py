@@ -97,10 +97,7 @@ def classify(exc: BaseException, *, rank: int | None) -> TrialError:
     nbytes = None
     if _is_non_finite_loss(exc):
         kind = "nan"
-    elif _is_torch_oom(exc) or isinstance(exc, MemoryError):
-        kind = "oom"
-        nbytes = oom_bytes(exc)
-    elif isinstance(exc, RuntimeError) and CPU_OOM.search(str(exc)):
+    elif _is_torch_oom(exc) or isinstance(exc, MemoryError) or bool(CPU_OOM.search(str(exc))):
         kind = "oom"
         nbytes = oom_bytes(exc)
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

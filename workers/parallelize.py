@@ -21,6 +21,8 @@ order (torchtitan's ``parallelize_llama`` is the model). Realisations worth know
   SDPA) and keeps the MLP's activations: the attention part is what Korthikanti et al. 2022
   (Sec. 4.2) recompute selectively, widened to the whole sub-layer so that it works with any
   attention kernel.
+- Tensor parallel with tp > kv_heads (tp % kv_heads == 0): wk/wv stay whole and each tp rank keeps
+  the kv head its query heads use (``ReplicatedKV``), as Megatron replicates kv heads for GQA.
 - Gradients are averaged over the data group dp*cp*ep (dense weights) so every layout trains the
   same model as the single-process reference; expert weights (ep > 1) are reduced over dp*cp with
   the same divide factor dp*cp*ep, since all-to-all backward already sums the ep group's shares.
@@ -137,26 +139,62 @@ def split_stages(model: Transformer, counts: list[int], pp: int, pp_rank: int) -
 def check_tp_supported(spec: ModelSpec, layout: Layout) -> None:
     if layout.tp == 1:
         return
-    if spec.kv_heads % layout.tp:
-        raise LayoutError(
-            f"tp={layout.tp} > kv_heads={spec.kv_heads}: replicated kv heads under tensor parallelism "
-            "are not implemented by the workers; use tp <= kv_heads"
-        )
+    if spec.kv_heads % layout.tp and layout.tp % spec.kv_heads:
+        raise LayoutError(f"tp={layout.tp} and kv_heads={spec.kv_heads}: neither divides the other")
     if spec.is_moe:
         raise LayoutError(f"tp={layout.tp} with a MoE model is not implemented by the workers; use tp=1")
 
 
-def block_tp_plan(sp: bool, mlp_has_w3: bool) -> dict[str, object]:
-    """Megatron-style plan of one block (Shoeybi et al. 2019, Sec. 3; SP: Korthikanti et al. 2022)."""
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's "f" operator)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReplicatedKV(nn.Module):
+    """A k or v projection when tp > kv_heads (tp % kv_heads == 0): the weight stays whole on every tp
+    rank, each rank computes all kv heads and keeps the one its query heads use (head
+    ``tp_rank // (tp / kv_heads)``, as ``repeat_interleave`` pairs them on one device). The
+    projection's output gradient is summed over the tp group before the matmul's backward, so every
+    rank gets the full weight gradient (identical replicas) and a complete, replicated input
+    gradient."""
+
+    def __init__(self, linear: nn.Linear, *, head_dim: int, kv_heads: int, tp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.linear = linear
+        self.head_dim, self.kv_heads = head_dim, kv_heads
+        self.head = tp_mesh.get_local_rank() // (tp_mesh.size() // kv_heads)
+        self.group = tp_mesh.get_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):  # sequence parallel hands attention a replicated DTensor
+            x = x.to_local()
+        out = _SumGradOverGroup.apply(self.linear(x), self.group)
+        return out.unflatten(-1, (self.kv_heads, self.head_dim))[..., self.head, :]
+
+
+def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True) -> dict[str, object]:
+    """Megatron-style plan of one block (Shoeybi et al. 2019, Sec. 3; SP: Korthikanti et al. 2022).
+    ``shard_kv=False`` (tp > kv_heads) leaves wk/wv to ``ReplicatedKV``."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {
         "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if shard_kv:
+        plan["attention.wk"] = ColwiseParallel()
+        plan["attention.wv"] = ColwiseParallel()
     if mlp_has_w3:
         plan["feed_forward.w3"] = ColwiseParallel()
     if sp:
@@ -186,8 +224,15 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     parallelize_module(model, tp_mesh, root)
     if tied:  # both shard the vocab dim: re-tie the embedding's DTensor into the head
         model.output.weight = model.tok_embeddings.weight
+    kv_heads, tp = model.spec.kv_heads, tp_mesh.size()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_tp_plan(sp, block.feed_forward.w3 is not None))
+        parallelize_module(block, tp_mesh, block_tp_plan(sp, block.feed_forward.w3 is not None,
+                                                          shard_kv=kv_heads % tp == 0))
+        if kv_heads % tp:
+            attn = block.attention
+            for name in ("wk", "wv"):
+                setattr(attn, name, ReplicatedKV(getattr(attn, name), head_dim=model.spec.head_dim,
+                                                 kv_heads=kv_heads, tp_mesh=tp_mesh))
 
 
 # --- 4. activation checkpointing -----------------------------------------------------------------
@@ -206,7 +251,7 @@ def apply_ac(model: Transformer, mode: str) -> None:
 # --- 5. data parallel ----------------------------------------------------------------------------
 
 
-def _is_expert_param(module: nn.Module, name: str) -> bool:
+def is_expert_param(module: nn.Module, name: str) -> bool:
     return isinstance(module, MoE) and name in ("w1", "w2", "w3")
 
 
@@ -217,19 +262,17 @@ def apply_fsdp(
     *,
     zero: int,
     param_dtype: torch.dtype,
-    divide_factor: int,
 ) -> None:
     """FSDP2 over the 1-D data meshes (ZeRO-1/2/3, see the module docstring)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     raf = zero == 3
     experts_apart = expert_mesh is not dense_mesh
     for block in model.layers.values():
-        if experts_apart:
+        if experts_apart:  # experts on their own (smaller) data mesh; ExpertGradScale fixes the divisor
             for mod in block.modules():
                 if isinstance(mod, MoE):
                     fully_shard(mod.router, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
                     fully_shard(mod, mesh=expert_mesh, reshard_after_forward=raf, mp_policy=mp)
-                    mod.set_gradient_divide_factor(float(divide_factor))
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
 
@@ -253,7 +296,7 @@ class GradSync:
                 for name, p in mod.named_parameters(recurse=False):
                     if id(p) not in seen:
                         seen.add(id(p))
-                        sync.params.append((p, _is_expert_param(mod, name)))
+                        sync.params.append((p, is_expert_param(mod, name)))
         return sync
 
     def __call__(self) -> None:
@@ -275,6 +318,27 @@ class GradSync:
                 offset += g.numel()
 
 
+@dataclass
+class ExpertGradScale:
+    """FSDP averages expert gradients over their dp*cp mesh; the global mean needs a further 1/ep
+    (see the module docstring). FSDP's ``set_gradient_divide_factor`` would do it inside the
+    reduce-scatter, but it needs ReduceOp.PREMUL_SUM, which gloo lacks: scale the local shards."""
+
+    params: list[nn.Parameter]
+    factor: float
+
+    @classmethod
+    def for_modules(cls, chunks: list[nn.Module], factor: float) -> ExpertGradScale:
+        params = [p for c in chunks for mod in c.modules() for name, p in mod.named_parameters(recurse=False)
+                  if is_expert_param(mod, name)]
+        return cls(params, factor)
+
+    def __call__(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(self.factor)
+
+
 # --- the composition -----------------------------------------------------------------------------
 
 
@@ -283,7 +347,8 @@ class Parallelized:
     """This rank's share of the model after ``parallelize_model``."""
 
     chunks: list[tuple[int, Transformer]]  # (pipeline stage index, module); one (0, model) when pp == 1
-    grad_sync: Callable[[], None] | None  # ZeRO-0 gradient all-reduce, None when FSDP reduces
+    # Called after the last backward of a step: the ZeRO-0 all-reduce, or the expert-gradient scale.
+    grad_sync: Callable[[], None] | None
     fsdp: bool
     notes: list[str]
 
@@ -336,8 +401,9 @@ def parallelize_model(
             if expert_mesh is None:  # experts have no data replicas: shard dense only, reduce experts by hand
                 raise LayoutError("ZeRO>0 with ep>1 and dp*cp=1 is not implemented by the workers; use zero=0")
             for _, chunk in chunks:
-                apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype,
-                           divide_factor=divide)
+                apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype)
+            if layout.ep > 1:
+                grad_sync = ExpertGradScale.for_modules([c for _, c in chunks], 1.0 / layout.ep)
         else:
             grad_sync = GradSync.for_modules(
                 [c for _, c in chunks],

@@ -24,7 +24,14 @@ from tuner import LayoutError, TrainingSpec, microbatches
 from workers import measure
 from workers._contract import TrialRequest
 from workers.model import Transformer, synthetic_batch
-from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model, zero1_micro_batch
+from workers.parallelize import (
+    Parallelized,
+    build_mesh,
+    coordinate,
+    is_expert_param,
+    parallelize_model,
+    zero1_micro_batch,
+)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -141,8 +148,10 @@ def _nan_hook(options: dict[str, Any], state: dict[str, int]):
 # --- the trial -----------------------------------------------------------------------------------
 
 
-def _precision(training: TrainingSpec, device: torch.device, notes: list[str]) -> torch.dtype:
-    if training.precision == "bf16" and device.type == "cuda":
+def _precision(training: TrainingSpec, device: torch.device, notes: list[str], options: dict) -> torch.dtype:
+    if training.precision == "bf16" and (device.type == "cuda" or options.get("cpu_bf16")):
+        # options.cpu_bf16: run the GPU's mixed-precision path (FSDP MixedPrecisionPolicy or
+        # autocast, fp32 master weights) on CPU ranks, so CI exercises it.
         return torch.bfloat16
     if training.precision == "bf16":
         notes.append("precision bf16 requested; CPU ranks run fp32")
@@ -179,7 +188,21 @@ def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_
 
 
 def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
-    """Run ``request`` on this rank (process group already initialised); see the module docstring."""
+    """Run ``request`` on this rank (process group already initialised); see the module docstring.
+
+    Raises what the trial raised, typed for the launcher's classification: ``NonFiniteLoss`` (nan),
+    ``torch.OutOfMemoryError`` with ``bytes_requested`` where known (oom, CPU allocator failures
+    included), ``LayoutError`` for a layout this code cannot run, anything else (crash)."""
+    try:
+        return _run_trial(request, device)
+    except RuntimeError as exc:
+        oom = as_out_of_memory(exc)
+        if oom is not None and oom is not exc:
+            raise oom from exc
+        raise
+
+
+def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
     layout, spec, training = request.layout, request.model, request.training
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
@@ -190,7 +213,7 @@ def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     measure.reset_peak_memory(device)
-    dtype = _precision(training, device, notes)
+    dtype = _precision(training, device, notes, options)
 
     # 1. Mesh and the model, built identically on every rank before any sharding.
     mesh = build_mesh(layout, request.cluster, device.type)
@@ -247,27 +270,21 @@ def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
 
         measure.start_barrier(device)
         t0 = time.perf_counter()
-        try:
-            _inject_before_step(options, step, rank, device)
-            if sleep_s:
-                time.sleep(sleep_s)
-            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-                if schedule is None:
-                    local_loss = _accumulate(par, layout, tokens, targets, positions, m, timer)
-                else:
-                    local_loss = _pipeline_step(schedule, has_first, has_last, tokens, targets, positions)
-            if par.grad_sync is not None:
-                par.grad_sync()
-            if record_grad_norm:
-                grad_norms.append(_global_grad_norm(par, layout))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            measure.synchronize(device)
-        except RuntimeError as exc:
-            oom = as_out_of_memory(exc)
-            if oom is not None and oom is not exc:
-                raise oom from exc
-            raise
+        _inject_before_step(options, step, rank, device)
+        if sleep_s:
+            time.sleep(sleep_s)
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            if schedule is None:
+                local_loss = _accumulate(par, layout, tokens, targets, positions, m, timer)
+            else:
+                local_loss = _pipeline_step(schedule, has_first, has_last, tokens, targets, positions)
+        if par.grad_sync is not None:
+            par.grad_sync()
+        if record_grad_norm:
+            grad_norms.append(_global_grad_norm(par, layout))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measure.synchronize(device)
         elapsed = measure.agreed_max(time.perf_counter() - t0, device)
         compute = timer.take()
 
@@ -306,19 +323,25 @@ def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
 
 
 def _global_grad_norm(par: Parallelized, layout) -> float:
-    """L2 norm of the whole model's gradient, gathered (diagnostic; dense models: with ep > 1 the
-    local experts' shares are not de-duplicated). Every stage lives on world/pp ranks."""
-    sq = torch.zeros((), dtype=torch.float64)
+    """L2 norm of the whole model's gradient, gathered (a diagnostic for the numerics tests)."""
+    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     seen: set[int] = set()
     for _, chunk in par.chunks:
-        for p in chunk.parameters():
-            if p.grad is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            sq += g.detach().double().pow(2).sum().cpu()
+        for mod in chunk.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if p.grad is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                sq = g.detach().double().pow(2).sum().cpu()
+                if is_expert_param(mod, name):
+                    experts += sq
+                else:
+                    dense += sq
     device = next(iter(par.chunks[0][1].parameters())).device
-    t = (sq / (layout.world_size // layout.pp)).to(device)
+    # A stage's dense weights are replicated over world/pp ranks, its expert shards over world/(pp*ep).
+    replicas = layout.world_size // layout.pp
+    t = (dense / replicas + experts / (replicas // layout.ep)).to(device)
     dist.all_reduce(t)
     return float(t.sqrt().item())
 

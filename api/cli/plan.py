@@ -17,10 +17,12 @@ from rich.table import Table
 
 from tuner import (
     PRECISIONS,
+    LayoutError,
     Plan,
     SearchSpace,
     SpecError,
     cluster_spec,
+    enumerate_layouts,
     model_spec,
     plan,
     read_spec_file,
@@ -93,8 +95,16 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
     model, cluster, training, space = _problem(args)
+    enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
+                             allow_tp_across_nodes=args.allow_tp_across_nodes)
+    if not enum.valid:  # nothing to rank: the problem (or the space) admits no layout at all
+        reasons = ", ".join(f"{r} ({n:,})" for r, n in sorted(enum.rejected.items(), key=lambda kv: -kv[1])[:3])
+        raise LayoutError(
+            f"no valid layout of model {model.name} on {cluster.devices} devices with "
+            f"training.global_batch={training.global_batch}: {reasons or 'the space is empty'}"
+        )
     result = plan(model=model, cluster=cluster, training=training, space=space,
-                  allow_tp_across_nodes=args.allow_tp_across_nodes)
+                  allow_tp_across_nodes=args.allow_tp_across_nodes, enumeration=enum)
     if args.json:
         json.dump(result.to_dict(top=args.top), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -103,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f}"
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def _print(result: Plan, top: int) -> None:
@@ -113,28 +126,33 @@ def _print(result: Plan, top: int) -> None:
         console = Console(width=200)
     m, c, t = result.model, result.cluster, result.training
     console.print(
-        f"[bold]{m.name}[/] ({m.params / 1e9:.3g}B params) on [bold]{c.name}[/] "
+        f"[bold]{m.name}[/] ({_count(m.params)} params) on [bold]{c.name}[/] "
         f"{c.nodes}x{c.devices_per_node} ({c.devices} devices, {c.device_memory / GiB:.0f} GiB each); "
         f"global batch {t.global_batch} x {m.seq_len} tokens, {t.precision}"
     )
-    table = Table(box=box.SIMPLE_HEAD, title=f"Top {min(top, len(result.entries))} of {len(result.entries)} feasible layouts")
+    shown = result.entries[:top]
+    # One memory unit per table: GiB for real devices, MiB when everything is small (CPU models).
+    unit, size = ("GiB", GiB) if any(e.memory.total >= GiB for e in shown) else ("MiB", 2**20)
+    table = Table(box=box.SIMPLE_HEAD, title=f"Top {len(shown)} of {len(result.entries)} feasible layouts")
     for col, justify in (
         ("#", "right"), ("tp·cp·ep·dp·pp", "left"), ("zero", "right"), ("mbs", "right"), ("m", "right"),
         ("ac", "left"), ("sp", "left"), ("schedule", "left"), ("placement", "left"),
-        ("GiB p/g/o/act", "right"), ("GiB total", "right"), ("step s", "right"), ("tok/s/dev", "right"),
+        (f"{unit} p/g/o/act", "right"), (f"{unit} total", "right"), ("step s", "right"), ("tok/s/dev", "right"),
         ("MFU", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for i, e in enumerate(result.entries[:top], 1):
+    for i, e in enumerate(shown, 1):
         lay, mem, tm = e.layout, e.memory, e.time
         sched = "-" if lay.pp == 1 else (f"interleaved v{lay.vpp}" if lay.schedule == "interleaved" else lay.schedule)
         table.add_row(
             str(i), "·".join(str(getattr(lay, a)) for a in ("tp", "cp", "ep", "dp", "pp")), str(lay.zero),
             str(lay.mbs), str(e.microbatches), lay.ac, "y" if lay.sp else "n", sched, e.placement.summary,
-            "/".join(_gib(x) for x in (mem.params, mem.grads, mem.optimizer, mem.activations)),
-            _gib(mem.total), f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
+            "/".join(f"{x / size:.1f}" for x in (mem.params, mem.grads, mem.optimizer, mem.activations)),
+            f"{mem.total / size:.1f}", f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
         )
-    console.print(table)
+    if shown:
+        console.print(table)
+        console.print(f"totals include a framework allowance of {shown[0].memory.overhead / size:.1f} {unit} per device")
     considered = len(result.entries) + sum(result.rejected.values())
     if result.rejected:
         rej = Table(box=box.SIMPLE_HEAD, title=f"Rejected: {sum(result.rejected.values()):,} of {considered:,} layouts")
@@ -144,4 +162,4 @@ def _print(result: Plan, top: int) -> None:
             rej.add_row(reason, f"{n:,}")
         console.print(rej)
     if not result.entries:
-        console.print("[bold red]No layout fits[/]: see the rejected reasons above.")
+        console.print("[bold red]No layout fits in device memory[/]: see the rejected reasons above.")

@@ -16,7 +16,6 @@ import sys
 from typing import Any
 
 from tuner import Layout, LayoutError, SpecError, check_layout, cluster_spec, model_spec, training_spec
-
 from workers._contract import TrialRequest, TrialResult
 
 INT_FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "mbs", "vpp")

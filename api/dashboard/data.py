@@ -8,6 +8,8 @@ few hundred kB of rows.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -87,6 +89,7 @@ def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: in
     return {
         "id": t.id, "number": t.number, "attempt": t.attempt, "phase": t.phase, "source": t.source,
         "repeat": t.repeat, "status": t.status, "layout": dict(t.layout), "key": t.layout_key,
+        "label": views.layout_label(t.layout), "tokens": t.tokens_per_s_per_device, "step_time": t.step_time_s,
         "world_size": t.world_size, "microbatches": _m(t.layout, training), "cause": t.cause, "error": t.error,
         "tokens_per_s_per_device": t.tokens_per_s_per_device, "tokens_per_s": t.tokens_per_s,
         "useful_tokens_per_s": t.useful_tokens_per_s, "mfu": t.mfu,
@@ -107,7 +110,14 @@ def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: in
         "created_at": t.created_at,
         "started_at": t.started_at, "finished_at": t.finished_at or (t.created_at if t.status == "pruned" else None),
         "reference": t.source == "reference",
+        "nodes": _nodes(t.env),
     }
+
+
+def _nodes(env: dict[str, Any] | None) -> int | None:
+    """Hosts the trial's ranks ran on (the workers record their sorted host names)."""
+    hosts = (env or {}).get("hosts")
+    return len(hosts) if isinstance(hosts, list) and hosts else None
 
 
 def sweep_list_row(s: Any) -> dict[str, Any]:
@@ -149,16 +159,42 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# A finished sweep no longer changes: its state is kept (a few MB for 2,000 trials) so that page
+# reloads, table pages and the importance fetch do not read every trial again. Keyed on the
+# sweep's counters too, so a re-opened or re-measured sweep is read afresh.
+_finished: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+_finished_lock = threading.Lock()
+_FINISHED_KEEP = 8
+
+
 def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     """Sweep header, trial rows, ranking rows and chart bundle of one sweep (raises NotFoundError)."""
     sweep = service.get_sweep(session, sweep_id=sweep_id)
+    if sweep.status in LIVE_STATUSES:
+        return _read_state(session, sweep)
+    key = (sweep.id, sweep.status, sweep.finished_at, sweep.n_trials, sweep.n_completed, sweep.device_seconds)
+    with _finished_lock:
+        if key in _finished:
+            _finished.move_to_end(key)
+            return _finished[key]
+    state = _read_state(session, sweep)
+    with _finished_lock:
+        _finished[key] = state
+        while len(_finished) > _FINISHED_KEEP:
+            _finished.popitem(last=False)
+    return state
+
+
+def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
+    sweep_id = sweep.id
     prob = problem(sweep)
     cap = prob["device_memory"]
     trials = [trial_row(t, training=prob["training"], device_memory=cap) for t in all_trials(session, sweep_id=sweep_id)]
-    first_id = {}
+    first_id, nodes = {}, {}
     for t in trials:  # the first measurement of each layout is the one a ranking row links to
         if t["status"] == "completed":
             first_id.setdefault(t["key"], t["id"])
+            nodes.setdefault(t["key"], t["nodes"])
     by_key_mfu: dict[str, list[float]] = {}
     for t in trials:
         if t["status"] == "completed" and t["mfu"] is not None:
@@ -185,7 +221,7 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     points = [
         {"layout_key": r.layout_key, "layout": r.layout, "tokens_per_s_per_device": r.tokens_per_s_per_device,
          "peak_memory_bytes": r.peak_memory_bytes, "on_front": r.layout_key in front,
-         "trial_id": first_id.get(r.layout_key)}
+         "trial_id": first_id.get(r.layout_key), "nodes": nodes.get(r.layout_key)}
         for r in measured
     ]
     bundle = views.chart_bundle(trials, points=points, device_memory=cap)
@@ -197,4 +233,6 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     bundle["live"] = sweep.status in LIVE_STATUSES
     header = sweep_header(sweep, prob)
     header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
+    results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
+    header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)
     return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}

@@ -1,6 +1,5 @@
 """The dashboard's submit form: form fields -> the same ``SweepSpec`` the API validates, and the same
-error messages (``api.errors.field_errors``, rendered as ``field=value: message`` like the API's
-422 ``detail``)."""
+error messages (``api.errors.field_errors`` rendered by the API's own ``detail`` formatter)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ import yaml
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+# The API's own formatter of a 422 "detail" line, so the form can never drift from the API's wording.
+from api.errors import _summary as detail_line
 from api.errors import field_errors
 from api.spec import SweepSpec
 
@@ -88,13 +89,6 @@ def spec_data(values: dict[str, str]) -> dict[str, Any]:
     return data
 
 
-def _summary(item: dict[str, Any]) -> str:
-    # Same shape as the API's 422 "detail" line.
-    if "value" in item and not isinstance(item["value"], (dict, list)):
-        return f"{item['field']}={item['value']!r}: {item['message']}"
-    return f"{item['field']}: {item['message']}"
-
-
 def validate(values: dict[str, str]) -> tuple[SweepSpec | None, FormState]:
     """(spec, state): spec is None when the form is invalid; state carries the messages."""
     state = FormState(values={k: values.get(k, DEFAULTS[k]) for k in FIELDS})
@@ -110,6 +104,6 @@ def validate(values: dict[str, str]) -> tuple[SweepSpec | None, FormState]:
         # Re-located under "body" exactly as FastAPI reports a request body, then the API's formatter.
         errs = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         items = field_errors(RequestValidationError(errs, body=data), data)
-        state.errors.extend(_summary(i) for i in items)
+        state.errors.extend(detail_line(i) for i in items)
         state.fields.update(i["field"] for i in items)
         return None, state

@@ -16,18 +16,21 @@ http-only cookie set by /login. Submitting needs a token whenever tokens are con
 
 from __future__ import annotations
 
+import gzip
 import math
 from datetime import datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from jinja2 import pass_context
 
-from api.auth import match_token
+from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
 from api.deps import SessionDep, SettingsDep
@@ -64,6 +67,13 @@ def _when(v: Any) -> str:
     return v.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+@pass_context
+def _path_for(context: dict[str, Any], name: str, /, **params: Any) -> str:
+    """A root-relative URL: pages work behind a proxy whatever host and scheme it presents."""
+    return context["request"].url_for(name, **params).path
+
+
+templates.env.globals["path_for"] = _path_for
 templates.env.filters.update(
     num=_num,
     pct=lambda v: "—" if v is None else f"{100 * v:.1f}%",
@@ -76,16 +86,26 @@ templates.env.filters.update(
 )
 
 
-def _plotly_js() -> Path:
+@lru_cache(maxsize=1)
+def _plotly_js() -> tuple[bytes, bytes, str]:
+    """plotly.js as shipped inside the installed plotly package (raw, gzipped once, ETag)."""
     import plotly
 
-    return Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+    raw = (Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js").read_bytes()
+    return raw, gzip.compress(raw, compresslevel=6), f'"plotly-{plotly.__version__}-{len(raw)}"'
 
 
 @router.get("/dashboard/vendor/plotly.min.js", name="dashboard_plotly")
-def plotly_js() -> FileResponse:
-    """plotly.js as shipped inside the installed plotly package: no CDN, cached for a day."""
-    return FileResponse(_plotly_js(), media_type="text/javascript", headers={"Cache-Control": "public, max-age=86400"})
+def plotly_js(request: Request) -> Response:
+    """plotly.js served by the coordinator (no CDN): gzipped when the browser accepts it (4.8 MB ->
+    ~1.4 MB for clusters reached over a slow link), cached for a day, revalidated by ETag."""
+    raw, packed, etag = _plotly_js()
+    headers = {"Cache-Control": "public, max-age=86400", "ETag": etag, "Vary": "Accept-Encoding"}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        return Response(packed, media_type="text/javascript", headers=headers | {"Content-Encoding": "gzip"})
+    return Response(raw, media_type="text/javascript", headers=headers)
 
 
 # --- auth ------------------------------------------------------------------------------------------
@@ -142,7 +162,7 @@ def _sweeps_page(
         state.values["backend"] = settings.backend
 
     def page_url(p: int) -> str:
-        return str(request.url_for("dashboard_sweeps")) + "?" + urlencode({"status": status or "", "page": p})
+        return request.url_for("dashboard_sweeps").path + "?" + urlencode({"status": status or "", "page": p})
 
     ctx = {
         **listing, "status": status, "page": page, "page_url": page_url, "sweep_statuses": SWEEP_STATUSES,
@@ -167,7 +187,7 @@ async def submit(request: Request, session: SessionDep, settings: SettingsDep) -
     raw = await request.form()
     values = {k: str(raw.get(k, form.DEFAULTS[k])) for k in form.FIELDS}
     spec, state = form.validate(values)
-    owner = None
+    owner: str | None = ANONYMOUS  # as POST /api/sweeps records a sweep when auth is off
     code = 422
     if settings.api_tokens:  # the same rule as POST /api/sweeps: a valid token, its name is the owner
         token = str(raw.get("token", ""))
@@ -183,7 +203,7 @@ async def submit(request: Request, session: SessionDep, settings: SettingsDep) -
         except ValueError as exc:  # e.g. an unknown reference layout, named by the service
             state.errors.append(str(exc))
         else:
-            return RedirectResponse(request.url_for("dashboard_sweep", sweep_id=sweep.id), status_code=303)
+            return RedirectResponse(request.url_for("dashboard_sweep", sweep_id=sweep.id).path, status_code=303)
     return _sweeps_page(request, session, settings, status=None, page=1, state=state, status_code=code)
 
 
@@ -191,21 +211,18 @@ async def submit(request: Request, session: SessionDep, settings: SettingsDep) -
 
 def _tables_ctx(request: Request, state: dict[str, Any], *, rank_page: int, trial_page: int, trial_status: str):
     sweep_id = state["sweep"]["id"]
+    trial_status = trial_status if trial_status in views.OUTCOMES else ""
     trials = [t for t in state["trials"] if not trial_status or t["status"] == trial_status]
     ranking = state["ranking"]
     rank_pages = max(1, -(-len(ranking) // RANK_PAGE))
     trial_pages = max(1, -(-len(trials) // TRIAL_PAGE))
     rank_page, trial_page = min(rank_page, rank_pages), min(trial_page, trial_pages)
-    base = str(request.url_for("dashboard_sweep", sweep_id=sweep_id))
+    base = request.url_for("dashboard_sweep", sweep_id=sweep_id).path
     q = {"rank_page": rank_page, "trial_page": trial_page, "trial_status": trial_status}
 
     def url(**changes: Any) -> str:
         return base + "?" + urlencode(q | changes)
 
-    for t in trials:
-        t["label"] = views.layout_label(t["layout"])
-        t["tokens"] = t["tokens_per_s_per_device"]
-        t["step_time"] = t["step_time_s"]
     return {
         "sweep": state["sweep"],
         "ranking": ranking[(rank_page - 1) * RANK_PAGE: rank_page * RANK_PAGE],
@@ -280,7 +297,7 @@ def sweep_importance(request: Request, sweep_id: int, session: SessionDep, setti
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
     def load() -> list[dict[str, Any]]:
-        return [data.trial_row(t) for t in data.all_trials(session, sweep_id=sweep_id)]
+        return data.sweep_state(session, sweep_id=sweep_id)["trials"]
 
     # The listing counters change with every recorded result, so they key the cache.
     key = (sweep_id, sweep.n_trials, sweep.n_completed, sweep.best_tokens_per_s_per_device)

@@ -115,7 +115,8 @@ def pareto_chart(points: Sequence[dict[str, Any]], *, device_memory: int | None)
     for i, tp in enumerate(tps):
         group = [p for p in points if p["layout"].get("tp", 1) == tp]
         traces.append({
-            "type": "scattergl" if len(points) > 1500 else "scatter",
+            # SVG up to a few thousand points; WebGL beyond (headless browsers without a GPU fall back to software GL).
+            "type": "scattergl" if len(points) > 5000 else "scatter",
             "mode": "markers",
             "name": f"TP={tp}",
             "x": [sig(p["peak_memory_bytes"] / GiB) for p in group],
@@ -153,7 +154,8 @@ def pareto_chart(points: Sequence[dict[str, Any]], *, device_memory: int | None)
 
 def heatmaps(layouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Best tokens/s per device over TP (x) x PP (y) of the measured layouts (medians); one heatmap
-    per node count when the layouts differ in it (a ``nodes`` key)."""
+    per node count (``nodes``: hosts the ranks ran on) when the layouts were measured on different
+    numbers of nodes."""
     by_nodes: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for p in layouts:
         by_nodes[p.get("nodes")].append(p)
@@ -167,7 +169,7 @@ def heatmaps(layouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             k = (p["layout"].get("tp", 1), p["layout"].get("pp", 1))
             best[k] = max(best.get(k, 0.0), p["tokens_per_s_per_device"])
         out.append({
-            "title": "best tokens/s per device" + (f" — {nodes} node(s)" if nodes is not None else ""),
+            "title": "best tokens/s per device" + (f" — on {nodes} node(s)" if nodes is not None else ""),
             "x": [f"TP={tp}" for tp in tps],
             "y": [f"PP={pp}" for pp in pps],
             "z": [[sig(best.get((tp, pp))) for tp in tps] for pp in pps],
@@ -187,35 +189,36 @@ def timeline(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Trials with no device time (pruned by the model, queued) are drawn as markers at the time they
     were recorded.
     """
-    traces = []
-    for outcome in OUTCOMES:
+    bar_traces, mark_traces = [], []
+    small = len(trials) <= 300
+    for rank, outcome in enumerate(OUTCOMES):
         group = [t for t in trials if t["status"] == outcome]
-        bars = [t for t in group if t.get("started_at") and t.get("finished_at")]
-        marks = [t for t in group if t not in bars and (t.get("started_at") or t.get("finished_at"))]
-        if outcome == "running":
-            bars, marks = [], [t for t in group if t.get("started_at")]
+        bars = [t for t in group if t.get("started_at") and t.get("finished_at") and outcome != "running"]
+        in_bars = {t["id"] for t in bars}
+        marks = [t for t in group if t["id"] not in in_bars and (t.get("started_at") or t.get("finished_at"))]
+        colour = OUTCOME_COLOURS[outcome]
         if bars:
-            traces.append({
-                "type": "bar", "orientation": "h", "name": outcome, "legendgroup": outcome,
+            bar_traces.append({
+                "type": "bar", "orientation": "h", "name": outcome, "legendgroup": outcome, "legendrank": rank,
                 "base": [_iso(t["started_at"]) for t in bars],
                 "x": [round((t["finished_at"] - t["started_at"]).total_seconds() * 1000) for t in bars],
                 "y": [t["number"] for t in bars],
                 "customdata": [t["id"] for t in bars],
-                "marker": {"color": OUTCOME_COLOURS[outcome]},
+                "marker": {"color": colour},
                 "hovertemplate": f"trial %{{y}} — {outcome}<br>%{{x}} ms<extra></extra>",
             })
         if marks:
-            traces.append({
-                "type": "scatter", "mode": "markers", "name": outcome, "legendgroup": outcome,
+            mark_traces.append({
+                "type": "scatter", "mode": "markers", "name": outcome, "legendgroup": outcome, "legendrank": rank,
                 "showlegend": not bars,
                 "x": [_iso(t.get("started_at") or t.get("finished_at")) for t in marks],
                 "y": [t["number"] for t in marks],
                 "customdata": [t["id"] for t in marks],
-                "marker": {"color": OUTCOME_COLOURS[outcome], "symbol": "x-thin-open", "size": 10,
-                           "line": {"width": 2, "color": OUTCOME_COLOURS[outcome]}},
+                "marker": {"color": colour, "symbol": "x-thin-open", "size": 10 if small else 5,
+                           "line": {"width": 2 if small else 1, "color": colour}},
                 "hovertemplate": f"trial %{{y}} — {outcome}<extra></extra>",
             })
-    return {"traces": traces}
+    return {"traces": mark_traces + bar_traces}  # bars drawn over the markers
 
 
 def stage_bars(trials: Sequence[dict[str, Any]], *, limit: int = 6) -> dict[str, Any]:

@@ -46,7 +46,12 @@ def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
     from workers.backends import get_backend
 
     name = spec.backend or settings.backend
-    kwargs: dict[str, Any] = {"seed": spec.search.seed} if name == "simulate" else {}
+    kwargs: dict[str, Any] = {}
+    if name == "simulate":
+        kwargs = {"seed": spec.search.seed}
+    elif name == "ray":
+        # A local Ray (no RAY_ADDRESS) gets a logical CPU per rank even on a 2-core machine.
+        kwargs = {"address": settings.ray_address, "num_cpus": spec.to_problem()[1].devices}
     return get_backend(name, **kwargs)
 
 
@@ -354,7 +359,14 @@ class _SweepLoop:
     def _collect(self, done: list[Future]) -> None:
         for fut in done:
             ticket = self.in_flight.pop(fut)
-            result = fut.result()  # BackendError propagates: the sweep fails with it
+            try:
+                result = fut.result()
+            except BackendError as exc:  # the backend cannot run anything: record, then fail the sweep
+                result = TrialResult(status="crash", backend=getattr(self.backend, "name", "?"),
+                                     error=TrialError(kind="crash", message=f"backend error: {exc}",
+                                                      exception_type="BackendError"))
+                self._record_failure(ticket, result)
+                raise
             with store.session_scope(self.r.sessions) as s:
                 row = self.rows.get(ticket.number)
                 store.record_result(s, sweep_id=self.sweep_id, number=ticket.number, attempt=ticket.attempt,
@@ -367,6 +379,13 @@ class _SweepLoop:
                 if row.status == "completed":
                     self._maybe_calibrate()
             self._progress("finished", row)
+
+    def _record_failure(self, ticket: Ticket, result: TrialResult) -> None:
+        """Record ``result`` for the failed trial and every other one in flight (the sweep ends)."""
+        with store.session_scope(self.r.sessions) as s:
+            for t in [ticket, *self.in_flight.values()]:
+                store.record_result(s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt, result=result)
+            store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
 
     def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:
         device_memory = self.problem.cluster.device_memory

@@ -62,6 +62,7 @@ class Scheduler:
         interval_s: float = 1.0,
         delivery: DeliveryPolicy | None = None,
         post: Poster = post_json,
+        claim_delay_s: float = 0.0,
     ) -> None:
         self.sessions = sessions
         self.settings = settings or Settings()
@@ -69,6 +70,9 @@ class Scheduler:
         self.interval_s = interval_s
         self.delivery = delivery or DeliveryPolicy(timeout_s=self.settings.webhook_timeout_s)
         self.post = post
+        # Diagnostics only: wait this long between planning a fire and claiming it, which widens the
+        # window in which two replicas race for the same fire (the replica test uses it).
+        self.claim_delay_s = claim_delay_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -79,7 +83,8 @@ class Scheduler:
         report = TickReport()
         self.fire_due(now, report)
         self.check_finished(report)
-        report.deliveries = deliver_due(self.sessions, now=now, policy=self.delivery, post=self.post)
+        # Alerts written by this tick's checks are due at once (they are stamped with the real clock).
+        report.deliveries = deliver_due(self.sessions, now=max(now, utcnow()), policy=self.delivery, post=self.post)
         return report
 
     def fire_due(self, now: datetime, report: TickReport) -> None:
@@ -102,6 +107,8 @@ class Scheduler:
                 anchor = max(anchor, as_utc(last))
             plan = plan_fires(schedule.cron, schedule.timezone, anchor=anchor, now=now,
                               grace_s=schedule.misfire_grace_s)
+            if self.claim_delay_s and (plan.run or plan.missed or plan.coalesced):
+                time.sleep(self.claim_delay_s)
             for status, times in (("missed", plan.missed), ("coalesced", plan.coalesced)):
                 for t in times:
                     note = (f"due {t.isoformat()}, coordinator caught up at {now.isoformat()}: "
@@ -163,11 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-at", type=float, default=None, help="UNIX time to begin ticking at")
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--replica-id", default=None)
+    parser.add_argument("--claim-delay", type=float, default=0.0,
+                        help="diagnostics: seconds between planning and claiming a fire (widens races)")
     args = parser.parse_args(argv)
     from api.store import create_engine, make_sessionmaker
 
     engine = create_engine(args.database_url)
-    scheduler = Scheduler(sessions=make_sessionmaker(engine), replica_id=args.replica_id, interval_s=args.interval)
+    scheduler = Scheduler(sessions=make_sessionmaker(engine), replica_id=args.replica_id, interval_s=args.interval,
+                          claim_delay_s=args.claim_delay)
     if args.start_at is not None:
         time.sleep(max(0.0, args.start_at - time.time()))
     end = None if args.seconds is None else time.time() + args.seconds

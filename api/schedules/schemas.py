@@ -34,17 +34,14 @@ def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> st
 class RegressionIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    alpha: float = Field(0.05, description="False-alarm rate per night across all layouts (Bonferroni).")
-    min_effect: float = Field(0.05, description="Smallest relative change of tokens/s that is alerted (0.05 = 5%).")
-    min_repeats: int = Field(2, description="Measurements needed tonight and in history before a layout is judged.")
-    history_nights: int = Field(7, description="Previous completed runs of the schedule that form the history.")
+    alpha: float = Field(0.05, gt=0, lt=1, description="False-alarm rate per night across all layouts (Bonferroni).")
+    min_effect: float = Field(0.05, ge=0, lt=1, description="Smallest relative change of tokens/s that is alerted (0.05 = 5%).")
+    min_repeats: int = Field(2, ge=2, le=50, description="Measurements needed tonight and in history before a layout is judged.")
+    history_nights: int = Field(7, ge=1, le=1000, description="Previous completed runs of the schedule that form the history.")
 
     @model_validator(mode="after")
     def _check(self) -> RegressionIn:
-        try:
-            RegressionPolicy(**self.model_dump())
-        except ValueError as exc:  # "regression.alpha must be ..." -> name the field without the prefix
-            raise ValueError(str(exc).removeprefix("regression.")) from None
+        RegressionPolicy(**self.model_dump())  # the tuner's own validation (SpecError naming the field)
         return self
 
 

@@ -52,6 +52,7 @@ def create_engine(url: str) -> Engine:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints, never corrupt
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 

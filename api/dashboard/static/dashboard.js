@@ -37,9 +37,11 @@
   }
   function draw(id, traces, layout) {
     const div = document.getElementById(id);
-    if (!div) return;
-    Plotly.react(div, traces, layout, config).then(function () { clickToTrial(div); });
+    if (!div) return Promise.resolve();
+    return Plotly.react(div, traces, layout, config).then(function () { clickToTrial(div); });
   }
+  // Yield to the browser between charts so the page stays responsive while a big sweep draws.
+  function pause() { return new Promise(function (resolve) { setTimeout(resolve, 0); }); }
 
   function drawPareto(p) {
     const layout = base({
@@ -52,12 +54,12 @@
       layout.annotations = [{ x: p.device_memory_gib, y: 1, xref: "x", yref: "paper", text: "device memory",
         showarrow: false, xanchor: "right", yanchor: "top", font: { color: "#c62828", size: 11 } }];
     }
-    draw("plot-pareto", p.traces, note(layout, p.points ? p.traces : [], "no completed trials yet"));
+    return draw("plot-pareto", p.traces, note(layout, p.points ? p.traces : [], "no completed trials yet"));
   }
 
   function drawHeatmaps(maps) {
     const box = document.getElementById("plot-heatmaps");
-    if (!box) return;
+    if (!box) return Promise.resolve();
     if (box.children.length !== Math.max(maps.length, 1)) {
       box.innerHTML = "";
       for (let i = 0; i < Math.max(maps.length, 1); i++) {
@@ -69,33 +71,30 @@
       box.style.display = "grid";
       box.style.gridTemplateColumns = "repeat(" + Math.max(maps.length, 1) + ", 1fr)";
     }
-    if (!maps.length) {
-      draw("plot-heatmap-0", [], note(base({}), [], "no completed trials yet"));
-      return;
-    }
-    maps.forEach(function (m, i) {
+    if (!maps.length) return draw("plot-heatmap-0", [], note(base({}), [], "no completed trials yet"));
+    return Promise.all(maps.map(function (m, i) {
       const trace = { type: "heatmap", x: m.x, y: m.y, z: m.z, colorscale: "Viridis", texttemplate: "%{z:.4g}",
         hovertemplate: "%{x} %{y}<br>%{z:.4g} tok/s/dev<extra></extra>", colorbar: { title: { text: "tok/s/dev" } } };
-      draw("plot-heatmap-" + i, [trace], base({ title: { text: m.title, font: { size: 12 } }, margin: { l: 60, r: 10, t: 30, b: 40 } }));
-    });
+      return draw("plot-heatmap-" + i, [trace], base({ title: { text: m.title, font: { size: 12 } }, margin: { l: 60, r: 10, t: 30, b: 40 } }));
+    }));
   }
 
   function drawTimeline(t) {
     const layout = base({ barmode: "overlay", xaxis: { type: "date", title: { text: "wall-clock time" } },
       yaxis: { title: { text: "trial #" }, autorange: "reversed" }, bargap: 0.15 });
-    draw("plot-timeline", t.traces, note(layout, t.traces, "no trials yet"));
+    return draw("plot-timeline", t.traces, note(layout, t.traces, "no trials yet"));
   }
 
   function drawStages(s) {
     const layout = base({ barmode: "group", yaxis: { title: { text: "ms per step" } },
       legend: { orientation: "h", x: 0, y: -0.12, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
-    draw("plot-stages", s.traces, note(layout, s.traces, "no completed pipeline layout (pp > 1) yet"));
+    return draw("plot-stages", s.traces, note(layout, s.traces, "no completed pipeline layout (pp > 1) yet"));
   }
 
   function drawLosses(l) {
     const layout = base({ xaxis: { title: { text: "step" } }, yaxis: { title: { text: "training loss" } },
       legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
-    draw("plot-losses", l.traces, note(layout, l.traces, "no loss curves yet"));
+    return draw("plot-losses", l.traces, note(layout, l.traces, "no loss curves yet"));
   }
 
   function drawImportance(imp) {
@@ -104,7 +103,7 @@
       hovertemplate: "%{y}: %{x:.3f}<extra></extra>" }] : [];
     const layout = base({ xaxis: { title: { text: "importance (" + imp.evaluator + ")" }, range: [0, 1] },
       margin: { l: 80, r: 20, t: 10, b: 45 } });
-    draw("plot-importance", traces, note(layout, traces, imp.note || "not available"));
+    return draw("plot-importance", traces, note(layout, traces, imp.note || "not available"));
   }
 
   function setFacts(s) {
@@ -114,12 +113,12 @@
     });
   }
 
-  function drawAll(b) {
-    drawPareto(b.pareto);
-    drawHeatmaps(b.heatmaps);
-    drawTimeline(b.timeline);
-    drawStages(b.stages);
-    drawLosses(b.losses);
+  async function drawAll(b) {
+    await drawPareto(b.pareto); await pause();
+    await drawHeatmaps(b.heatmaps); await pause();
+    await drawTimeline(b.timeline); await pause();
+    await drawStages(b.stages); await pause();
+    await drawLosses(b.losses);
   }
 
   function loadImportance() {
@@ -128,20 +127,22 @@
   }
 
   const initial = JSON.parse(document.getElementById("sweep-data").textContent);
-  drawAll(initial);
-  loadImportance();
+  drawAll(initial).then(loadImportance);
   window.meshtuneDashboard = { initial: initial };
 
   let live = initial.live;
   const period = Number(root.dataset.refreshMs || 5000);
   let lastCompleted = initial.summary.counts.completed;
+  let lastCounts = JSON.stringify(initial.summary.counts);
   function refresh() {
-    fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(function (b) {
-      drawAll(b);
+    fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(async function (b) {
+      await drawAll(b);
       setFacts(b);
       if (b.summary.counts.completed !== lastCompleted) { lastCompleted = b.summary.counts.completed; loadImportance(); }
       const tables = document.getElementById("tables");
-      if (tables) {
+      const counts = JSON.stringify(b.summary.counts);
+      if (tables && counts !== lastCounts) { // the tables change only when a trial does
+        lastCounts = counts;
         fetch(urls.tables + window.location.search, { credentials: "same-origin" })
           .then(function (r) { return r.text(); }).then(function (html) { tables.innerHTML = html; });
       }

@@ -18,7 +18,9 @@
     xaxis: { title: { text: "step" } }, yaxis: { title: { text: "ms" } },
     yaxis2: { title: { text: "loss" }, overlaying: "y", side: "right" }, legend: { orientation: "h", y: -0.25 } };
   if (!traces.length) {
-    layout.annotations = [{ text: "nothing measured", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }];
+    layout.annotations = [{ text: "nothing measured", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+      font: { size: 14, color: "#5f6b7a" } }];
+    layout.xaxis.visible = false; layout.yaxis.visible = false; layout.yaxis2.visible = false;
   }
   Plotly.newPlot(div, traces, layout, { responsive: true, displaylogo: false });
 })();

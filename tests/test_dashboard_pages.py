@@ -1,0 +1,237 @@
+"""Dashboard pages over HTTP (no browser): view-model functions, routes, the submit form, auth.
+
+The browser checks (rendering, console errors, screenshot, 2,000-trial load) are in
+test_dashboard_browser.py; these are the fast ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _dashboard_seed import seed_sweep, summary_of
+from fastapi.testclient import TestClient
+
+from api import store
+from api.dashboard import data, views
+from api.dashboard.importance import param_importance
+from api.main import create_app
+from api.services import sweeps as service
+from api.settings import Settings
+from tuner import Layout
+
+TOKEN = "tok-alice"
+GiB = 2**30
+
+
+# --- view-model ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [
+    Layout(),
+    Layout(tp=4, pp=2, dp=2, cp=2, zero=3, mbs=4, ac="selective", sp=True, schedule="interleaved", vpp=2),
+    Layout(tp=2, pp=4, dp=1, ep=2, zero=1, ac="full", schedule="gpipe"),
+])
+def test_layout_key_is_read_back(layout):
+    assert data.layout_from_key(layout.key) == layout.__dict__
+    assert data.layout_from_key("not a key") is None
+
+
+def _point(key, tp, pp, tokens, mem, front=False):
+    return {"layout_key": key, "layout": {"tp": tp, "pp": pp}, "tokens_per_s_per_device": tokens,
+            "peak_memory_bytes": mem * GiB, "on_front": front, "trial_id": key}
+
+
+def test_pareto_chart_colours_by_tp_symbols_by_pp_and_draws_the_front():
+    points = [_point("a", 1, 1, 100, 10, True), _point("b", 2, 1, 150, 20, True), _point("c", 2, 2, 90, 30),
+              _point("d", 4, 2, 160, 40, True)]
+    chart = views.pareto_chart(points, device_memory=80 * GiB)
+    by_name = {t["name"]: t for t in chart["traces"]}
+    assert by_name["TP=2"]["x"] == [20, 30] and by_name["TP=2"]["customdata"] == ["b", "c"]
+    assert by_name["TP=2"]["marker"]["symbol"] == ["circle", "square"]  # PP=1, PP=2
+    assert by_name["Pareto front"]["x"] == [10, 20, 40] and by_name["Pareto front"]["y"] == [100, 150, 160]
+    assert {"PP=1", "PP=2"} <= set(by_name) and chart["device_memory_gib"] == 80
+
+
+def test_heatmap_keeps_the_best_layout_per_cell_and_facets_nodes():
+    pts = [_point("a", 1, 2, 100, 1), _point("b", 1, 2, 130, 1), _point("c", 2, 1, 90, 1)]
+    [hm] = views.heatmaps(pts)
+    assert hm["x"] == ["TP=1", "TP=2"] and hm["y"] == ["PP=1", "PP=2"]
+    assert hm["z"] == [[None, 90], [130, None]]
+    faceted = views.heatmaps([p | {"nodes": n} for p, n in zip(pts, (1, 2, 2), strict=True)])
+    assert [h["title"].endswith(f"on {n} node(s)") for h, n in zip(faceted, (1, 2), strict=True)] == [True, True]
+
+
+def _trial(i, tp, mbs, tokens, status="completed"):
+    return {"id": i, "number": i, "status": status, "key": f"k{i}", "tokens_per_s_per_device": tokens,
+            "layout": {"tp": tp, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "zero": 0, "mbs": mbs, "ac": "none",
+                       "sp": False, "schedule": "1f1b", "vpp": 1}}
+
+
+def test_importance_finds_the_knob_that_drives_throughput():
+    trials = [_trial(i, tp, mbs, 1000 / tp + mbs) for i, (tp, mbs) in
+              enumerate((tp, mbs) for tp in (1, 2, 4, 8) for mbs in (1, 2, 4) for _ in range(3))]
+    imp = param_importance(lambda: trials)
+    assert imp["params"][0] == "tp" and set(imp["params"]) == {"tp", "mbs"}  # constant knobs left out
+    assert imp["importance"][0] > 0.5 and imp["note"] is None
+
+
+def test_importance_with_too_few_trials_says_why():
+    imp = param_importance(lambda: [_trial(0, 1, 1, 5.0), _trial(1, 2, 1, 4.0, status="oom")])
+    assert imp["params"] == [] and "at least" in imp["note"]
+    same = param_importance(lambda: [_trial(i, 2, 1, float(i + 1)) for i in range(6)])
+    assert same["params"] == [] and "varies" in same["note"]
+
+
+def test_summary_counts_outcomes_and_device_time():
+    rows = [_trial(0, 1, 1, 5.0) | {"device_seconds": 3700.0}, _trial(1, 2, 1, None, status="oom"),
+            _trial(2, 2, 2, None, status="pruned"), _trial(3, 2, 2, None, status="interrupted")]
+    s = views.summary(rows)
+    assert s["counts"]["completed"] == 1 and s["failed"] == 1 and s["finished"] == 3
+    assert s["device_time"] == "1 h 01 min" and s["best_tokens_per_s_per_device"] == 5.0
+
+
+# --- pages -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('pages') / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    sid = seed_sweep(sessions, n_trials=30, name="pages sweep", rich=True)
+    yield {"url": url, "sessions": sessions, "sid": sid}
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def client(stored):
+    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}), run_engine=False)
+    with TestClient(app) as c:
+        yield c
+
+
+def _embedded(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="sweep-data">(.*?)</script>', html, re.S)
+    assert m, "no chart data embedded"
+    return json.loads(m.group(1))
+
+
+def test_sweep_page_embeds_the_stored_data(client, stored):
+    sid = stored["sid"]
+    truth = summary_of(stored["sessions"], sid)
+    r = client.get(f"/sweeps/{sid}")
+    assert r.status_code == 200
+    bundle = _embedded(r.text)
+    assert bundle["live"] is False and bundle["pareto"]["points"] == len(truth["pareto"])
+    assert sum(len(t["x"]) for t in bundle["timeline"]["traces"]) == truth["n_trials"]
+    assert bundle["summary"]["best_tokens_per_s_per_device"] == views.sig(truth["ranking"].rows[0].median)
+    assert r.text.count('<tr class="') == len(truth["ranking"].rows)  # one ranking row per layout
+    # Links go to this sweep's trials and every asset is served here (root-relative, no CDN).
+    assert f'href="/sweeps/{sid}/trials/' in r.text
+    assert not re.search(r'(src|href)="(https?:)?//', r.text)
+    assert client.get(f"/sweeps/{sid}/data.json").json()["pareto"] == bundle["pareto"]
+
+
+def test_trial_pages_and_filters(client, stored):
+    sid = stored["sid"]
+    with stored["sessions"]() as s:
+        crash = service.list_trials(s, sweep_id=sid, status="crash").items[0]
+        oom = service.list_trials(s, sweep_id=sid, status="oom").items[0]
+    r = client.get(f"/sweeps/{sid}/trials/{crash.id}")
+    assert r.status_code == 200 and "injected crash on rank 1" in r.text and "RuntimeError" in r.text
+    r = client.get(f"/sweeps/{sid}/trials/{oom.id}")
+    assert "exceeds device_memory" in r.text and "bytes_requested" in r.text
+    only_oom = client.get(f"/sweeps/{sid}/tables?trial_status=oom").text
+    table = only_oom.split('id="trials-table"')[1]
+    assert table.count('class="badge oom"') == table.count("data-trial=") >= 1
+
+
+def test_unknown_ids_are_404_pages(client, stored):
+    assert client.get("/sweeps/999999").status_code == 404
+    assert "sweep 999999 does not exist" in client.get("/sweeps/999999").text
+    assert client.get(f"/sweeps/{stored['sid']}/trials/999999").status_code == 404
+    assert client.get("/sweeps/999999/data.json").status_code == 404
+    assert client.get("/sweeps/abc").status_code == 422  # the API's own message for a bad path value
+
+
+def test_assets_are_served_locally(client):
+    import plotly
+
+    shipped = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    r = client.get("/dashboard/vendor/plotly.min.js")  # httpx asks for gzip and decodes it
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/javascript")
+    assert r.headers["content-encoding"] == "gzip" and r.content == shipped
+    r = client.get("/dashboard/vendor/plotly.min.js", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in r.headers and r.content == shipped
+    assert client.get("/dashboard/vendor/plotly.min.js", headers={"If-None-Match": r.headers["etag"]}).status_code == 304
+    for name in ("dashboard.css", "dashboard.js", "trial.js"):
+        assert client.get(f"/dashboard/static/{name}").status_code == 200
+
+
+FORM = {"name": "form sweep", "model": "tiny", "cluster": "cpu-local", "global_batch": "16", "precision": "fp32",
+        "sampler": "random", "max_trials": "4", "backend": "simulate"}
+
+
+@pytest.mark.parametrize(("fields", "body"), [
+    ({"max_trials": "0"}, {"search": {"sampler": "random", "max_trials": 0}}),
+    ({"global_batch": "0"}, {"training": {"global_batch": 0, "precision": "fp32"}}),
+    ({"model": "gpt-17"}, {"model": "gpt-17"}),
+    ({"sampler": "annealing"}, {"search": {"sampler": "annealing", "max_trials": 4}}),
+])
+def test_form_errors_are_the_api_errors(client, fields, body):
+    r = client.post("/sweeps", data=FORM | fields | {"token": TOKEN})
+    assert r.status_code == 422
+    shown = re.findall(r'<ul class="form-errors" id="form-errors">\s*<li>(.*?)</li>', r.text, re.S)
+    api_body = {"name": "form sweep", "model": "tiny", "cluster": "cpu-local",
+                "training": {"global_batch": 16, "precision": "fp32"},
+                "search": {"sampler": "random", "max_trials": 4}, "backend": "simulate"} | body
+    api = client.post("/api/sweeps", json=api_body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert api.status_code == 422
+    import html
+
+    assert [html.unescape(s) for s in shown] == [api.json()["detail"]]
+
+
+def test_form_submits_a_sweep_owned_by_the_token(client, stored):
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: {tp: [1, 2]}\ntrial: {measure_steps: 2}"},
+                    follow_redirects=False)
+    assert r.status_code == 303
+    sid = int(r.headers["location"].rsplit("/", 1)[1])
+    with stored["sessions"]() as s:
+        sweep = service.get_sweep(s, sweep_id=sid)
+        assert sweep.owner == "alice" and sweep.status == "queued" and sweep.sampler == "random"
+        assert sweep.spec["space"]["tp"] == [1, 2] and sweep.spec["trial"]["measure_steps"] == 2
+    assert client.get(r.headers["location"]).status_code == 200
+
+
+def test_names_are_escaped(client, stored):
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "<script>alert(1)</script>"})
+    assert r.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
+    assert "<script>alert(1)" not in r.text
+    assert "<script>alert(1)" not in client.get("/").text
+
+
+def test_form_needs_a_valid_token_when_auth_is_on(client):
+    r = client.post("/sweeps", data=FORM)
+    assert r.status_code == 401 and "token: missing" in r.text
+    r = client.post("/sweeps", data=FORM | {"token": "nope"})
+    assert r.status_code == 403 and "token: not a valid token" in r.text
+    assert "nope" not in r.text  # a token is never echoed
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: [1"})
+    assert r.status_code == 422 and "extra: not valid YAML/JSON" in r.text
+
+
+def test_closed_reads_need_the_token_cookie(stored):
+    settings = Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=True)
+    with TestClient(create_app(settings, run_engine=False)) as c:
+        r = c.get("/")
+        assert r.status_code == 401 and 'action="/login"' in r.text and "pages sweep" not in r.text
+        assert c.get(f"/sweeps/{stored['sid']}/data.json").status_code == 401
+        assert c.post("/login", data={"token": "wrong", "next": "/"}).status_code == 403
+        r = c.post("/login", data={"token": TOKEN, "next": f"/sweeps/{stored['sid']}"}, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == f"/sweeps/{stored['sid']}"
+        assert "httponly" in r.headers["set-cookie"].lower()
+        assert c.get("/").status_code == 200 and "pages sweep" in c.get("/").text
+        assert c.get(f"/sweeps/{stored['sid']}/data.json").status_code == 200
+        r = c.post("/login", data={"token": TOKEN, "next": "//evil.example"}, follow_redirects=False)
+        assert r.headers["location"] == "/"

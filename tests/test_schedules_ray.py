@@ -1,0 +1,77 @@
+"""A slowdown injected into real runs (Ray, CPU rank on gloo, the tiny model) is flagged as a
+regression naming the layout, its drop with an interval and the environment, and the alert reaches a
+webhook on 127.0.0.1. The simulate backend ignores ``sleep_per_step_s``, so these runs are real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from api import store
+from api.engine import SweepRunner
+from api.schedules import Scheduler, _store
+from api.schedules._launch import pinned_space
+from api.schedules.schemas import ScheduleIn
+from api.services import schedules as svc
+from api.settings import Settings
+from tuner import Layout
+
+LAYOUT = Layout()  # one CPU rank: tp=pp=dp=1
+TEMPLATE = {
+    "name": "nightly-real", "model": "tiny", "cluster": {"preset": "cpu-local", "devices_per_node": 1},
+    "training": {"global_batch": 4, "precision": "fp32"}, "space": pinned_space(LAYOUT),
+    "search": {"sampler": "grid", "max_trials": 1, "warm_start_top_k": 0, "repeats": 3, "remeasure_top_k": 1},
+    "trial": {"warmup_steps": 1, "measure_steps": 3, "step_timeout_s": 60}, "backend": "ray",
+}
+SLEEP_S = 0.4  # per step; a tiny-model step on one CPU rank takes ~0.02-0.1 s on the shared machine
+
+
+@pytest.mark.slow
+def test_injected_slowdown_in_real_runs_is_flagged_and_posted(tmp_path: Path, ray_local, webhook_receiver) -> None:
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    runner = SweepRunner(Settings(database_url=url, backend="ray"), sessions=sessions)
+    scheduler = Scheduler(sessions=sessions, replica_id="r1")
+    with sessions() as s:
+        sid = svc.create_schedule(s, data=ScheduleIn(name="real", cron="0 2 * * *", template=TEMPLATE,
+                                                     webhook_url=webhook_receiver.url), owner="t").id
+
+    def night() -> int:
+        with sessions() as s:
+            fire = svc.run_now(s, schedule_id=sid, by="test")
+        for sweep_id in fire.sweep_ids:
+            assert runner.run_sweep(sweep_id).status == "completed"
+        assert scheduler.tick().finished == [fire.id]
+        return fire.id
+
+    try:
+        baseline = night()
+        slow = dict(TEMPLATE, trial={**TEMPLATE["trial"], "options": {"sleep_per_step_s": SLEEP_S}})
+        with store.session_scope(sessions) as s:  # what changed tonight: a slower step (e.g. a driver)
+            _store.update_schedule(s, schedule_id=sid, values={"template": slow})
+        tonight = night()
+        with sessions() as s:
+            before = _store.get_fire(s, fire_id=baseline)
+            fire = _store.get_fire(s, fire_id=tonight)
+            measured = _store.fire_measurements(s, sweep_ids=fire.sweep_ids)
+            alerts = _store.list_alerts(s, schedule_id=sid)[0]
+    finally:
+        engine.dispose()
+
+    assert len(measured) == 3 and not any(t.simulated for t in measured)
+    assert all(t.step_time_s > SLEEP_S for t in measured)  # the sleep really was in the timed steps
+    assert before.env["torch"] and before.env["device_kind"] == "cpu" and before.env["hosts"]
+    assert fire.env_changes == {}  # same machine, same software: nothing to blame but the change itself
+    (c,) = fire.comparisons
+    assert c["layout"] == LAYOUT.key and c["verdict"] == "regression" and c["tonight_n"] == c["history_n"] == 3
+    assert c["ratio_low"] < c["ratio"] < c["ratio_high"] < 1.0 and c["ratio"] < 0.6
+
+    (alert,) = alerts
+    assert alert.kind == "regression" and alert.layout_key == LAYOUT.key and alert.ratio == pytest.approx(c["ratio"])
+    assert LAYOUT.key in alert.message and "slower" in alert.message and "fingerprint unchanged" in alert.message
+    assert alert.delivery_status == "delivered"
+    (post,) = webhook_receiver.received
+    body = post["json"]
+    assert body["fire"]["id"] == tonight and body["alerts"][0]["layout"] == LAYOUT.key
+    assert body["alerts"][0]["ratio_high"] < 1.0 and body["alerts"][0]["change"] < -0.4

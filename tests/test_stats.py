@@ -1,0 +1,53 @@
+"""Ranking statistics: intervals, ties, Pareto front, prediction error, calibration fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import tuner
+from tuner._stats import fit_calibration, interval, pareto_front, rank, relative_error
+
+
+def test_interval_is_student_t_around_the_mean_and_contains_the_median():
+    iv = interval([10.0, 12.0, 11.0])
+    # mean 11, s = 1, t(0.975, 2) = 4.303: 11 +- 4.303/sqrt(3)
+    assert iv.median == 11.0 and iv.n == 3
+    assert iv.low == pytest.approx(11 - 4.3027 / 3**0.5, rel=1e-4) and iv.high == pytest.approx(11 + 4.3027 / 3**0.5, rel=1e-4)
+    assert interval([5.0]) == interval([5.0]).__class__(1, 5.0, 5.0, 5.0)
+    with pytest.raises(ValueError):
+        interval([])
+
+
+def test_rank_marks_overlapping_intervals_as_ties():
+    ranked = rank({"a": [100, 101, 99], "b": [99.5, 100.5, 98.5], "c": [80, 81, 79], "d": [79.5, 80.2, 79.9]})
+    assert [r.key for r in ranked] == ["a", "b", "c", "d"]
+    assert [r.tie_group for r in ranked] == [1, 1, 2, 2]
+    assert [r.tied_with_best for r in ranked] == [True, True, False, False]
+    lower = rank({"x": [3.0], "y": [1.0]}, higher_is_better=False)
+    assert [r.key for r in lower] == ["y", "x"]
+
+
+def test_pareto_front_and_relative_error():
+    pts = [("fast-big", 10.0, 8.0), ("slow-small", 5.0, 2.0), ("dominated", 4.0, 3.0), ("mid", 7.0, 4.0)]
+    assert pareto_front(pts) == ["slow-small", "mid", "fast-big"]
+    assert relative_error(110.0, 100.0) == pytest.approx(0.1)
+    assert relative_error(None, 1.0) is None and relative_error(1.0, 0.0) is None
+
+
+def test_calibration_recovers_known_factors_from_synthetic_measurements():
+    model, cluster = tuner.model_spec("llama3-8b"), tuner.cluster_spec({"preset": "h100-sxm", "nodes": 2})
+    training = tuner.training_spec({"global_batch": 64}, seq_len=model.seq_len)
+    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid[::97][:12]
+    truth = dataclasses.replace(tuner.CalibrationFactors(), compute_efficiency=0.42, inter_bw_efficiency=0.5)
+
+    def predict(layout, factors):
+        return tuner.estimate_time(layout, model=model, cluster=cluster, training=training, factors=factors).step_time_s
+
+    samples = [(lay, predict(lay, truth)) for lay in layouts]
+    fields = ("compute_efficiency", "intra_bw_efficiency", "inter_bw_efficiency")
+    before = fit_calibration(samples, predict=predict, base=tuner.CalibrationFactors(), fields=())[1]
+    fitted, after = fit_calibration(samples, predict=predict, base=tuner.CalibrationFactors(), fields=fields)
+    assert after < before / 10
+    assert fitted.compute_efficiency == pytest.approx(0.42, rel=0.05)

@@ -1,0 +1,227 @@
+"""Reusable rank processes for the Ray backend: the ``RankWorker`` actor and the gang pool.
+
+A *gang* is one STRICT_PACK placement group per node of a trial's placement plus one
+``RankWorker`` actor per bundle ({"GPU": 1} on CUDA clusters, {"CPU": 1} on CPU ones). Its key is
+its shape, (resource, ranks per node): any layout of the same world size on the same kind of
+cluster fits the same gang. After a trial the gang goes back to the pool and the next trial of its
+shape reuses the same processes — torch and the rank program stay imported; each trial brings a
+fresh process group on a fresh port (workers/_launch.py).
+
+The pool is one per driver process, shared by every ``RayBackend`` in it, so two backends (a sweep
+and a ``run-trial``, or two tests) never starve each other with idle reservations: a trial of a
+new shape evicts idle gangs, least recently used first, when Ray lacks room. A gang serves one
+trial at a time. A trial that leaves ranks stuck (timeout, dead peer) gets its gang's actors killed
+— only that gang's — and the placement groups stay, so replacements start in the same bundles.
+If Ray was shut down and started again, the pool notices (a new job id) and forgets stale gangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tuner import BackendError
+from workers._contract import TrialRequest
+
+GangKey = tuple[str, tuple[int, ...]]  # (Ray resource "GPU"/"CPU", ranks per node)
+
+
+class RankWorker:
+    """One reusable rank process. ``run`` executes trials; ``snapshot`` answers the watchdog from a
+    separate concurrency group, so it is served while ``run`` is busy (or hung)."""
+
+    def __init__(self) -> None:
+        import workers.train  # noqa: F401 - torch and the rank program, imported once per process
+        from workers._launch import Progress
+
+        self.progress = Progress()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def set_visible_devices(self, gpu_ids: list[str]) -> None:
+        # Before any CUDA call in this process: every rank on a node sees the node's trial GPUs, so
+        # NCCL can use peer-to-peer links (FIELD-NOTES, Ray launch pattern).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+
+    def run(self, request: TrialRequest, launch: dict[str, Any]) -> dict[str, Any]:
+        from workers._launch import run_rank
+
+        return run_rank(request, progress=self.progress, **launch)
+
+    @ray.method(concurrency_group="control")
+    def snapshot(self, with_stack: bool = False) -> dict[str, Any]:
+        return self.progress.snapshot(with_stack=with_stack)
+
+
+RankActor = ray.remote(concurrency_groups={"control": 1})(RankWorker)
+
+
+@dataclass
+class Slot:
+    actor: Any = None
+    info: dict[str, Any] | None = None
+
+
+@dataclass
+class Gang:
+    key: GangKey
+    pgs: list[PlacementGroup] = field(default_factory=list)
+    slots: list[list[Slot]] = field(default_factory=list)  # [node group][bundle]
+    busy: bool = True
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def ranks(self) -> list[Slot]:
+        """Slots in rank order: node-major, as the tuner's Placement numbers ranks."""
+        return [s for group in self.slots for s in group]
+
+
+class GangPool:
+    def __init__(self) -> None:
+        self._gangs: list[Gang] = []
+        self._cond = threading.Condition()
+        self._job: str | None = None
+
+    def _check_session(self) -> None:
+        job = ray.get_runtime_context().get_job_id()
+        if job != self._job:  # Ray restarted: the old gangs' actors and groups are gone with it
+            self._gangs, self._job = [], job
+
+    def acquire(self, key: GangKey, *, timeout_s: float) -> Gang:
+        """A gang of shape ``key`` for one trial: an idle one, or a new one with its groups reserved."""
+        resource, groups = key
+        need = sum(groups)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._check_session()
+            while True:
+                for gang in self._gangs:
+                    if gang.key == key and not gang.busy:
+                        gang.busy = True
+                        return gang
+                if ray.available_resources().get(resource, 0) >= need:
+                    break
+                idle = sorted((g for g in self._gangs if not g.busy), key=lambda g: g.last_used)
+                if idle:  # make room: the least recently used idle gang goes
+                    self._gangs.remove(idle[0])
+                    destroy(idle[0])
+                    continue
+                if not any(g.busy for g in self._gangs):
+                    break  # nothing of ours to wait for: the placement group waits below
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BackendError(f"no room for {need} {resource} bundles within {timeout_s:g} s")
+                self._cond.wait(timeout=min(left, 1.0))
+            gang = Gang(key=key)
+            self._gangs.append(gang)
+        try:
+            bundle = {resource: 1}
+            gang.pgs = [placement_group([bundle] * n, strategy="STRICT_PACK") for n in groups]
+            gang.slots = [[Slot() for _ in range(n)] for n in groups]
+            left = max(1.0, deadline - time.monotonic())
+            ready, _ = ray.wait([pg.ready() for pg in gang.pgs], num_returns=len(gang.pgs), timeout=left)
+            if len(ready) < len(gang.pgs):
+                raise BackendError(
+                    f"Ray could not reserve placement groups of {list(groups)} x {bundle} within {left:.0f} s"
+                    f" (available now: {ray.available_resources().get(resource, 0):g} {resource})"
+                )
+        except BaseException:
+            with self._cond:
+                self._gangs.remove(gang)
+            destroy(gang)
+            raise
+        return gang
+
+    def release(self, gang: Gang) -> None:
+        with self._cond:
+            gang.busy = False
+            gang.last_used = time.monotonic()
+            self._cond.notify_all()
+
+    def close_idle(self) -> bool:
+        """Destroy every idle gang; True when nothing is left in use."""
+        with self._cond:
+            if not ray.is_initialized():
+                self._gangs = []
+                return True
+            self._check_session()
+            idle = [g for g in self._gangs if not g.busy]
+            self._gangs = [g for g in self._gangs if g.busy]
+            busy = bool(self._gangs)
+        for gang in idle:
+            destroy(gang)
+        return not busy
+
+
+POOL = GangPool()
+
+
+def kill_actors(gang: Gang) -> None:
+    """Kill this gang's rank processes (only these); its placement groups stay for respawns."""
+    for slot in gang.ranks:
+        if slot.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(slot.actor, no_restart=True)
+        slot.actor, slot.info = None, None
+
+
+def destroy(gang: Gang) -> None:
+    kill_actors(gang)
+    for pg in gang.pgs:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+    gang.pgs = []
+
+
+def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
+    """Start the gang's missing rank processes and wait until each has imported torch."""
+    gpu = gang.key[0] == "GPU"
+    new: list[Slot] = []
+    for pg, slots in zip(gang.pgs, gang.slots, strict=True):
+        for index, slot in enumerate(slots):
+            if slot.actor is None:
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+                slot.actor = RankActor.options(
+                    num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy
+                ).remote()
+                new.append(slot)
+    if not new:
+        return
+    try:
+        infos = ray.get([s.actor.info.remote() for s in new], timeout=timeout_s)
+    except (GetTimeoutError, RayError) as exc:
+        kill_actors(gang)
+        raise BackendError(f"rank processes did not start within {timeout_s:g} s: {exc}") from exc
+    for slot, info in zip(new, infos, strict=True):
+        slot.info = info
+    if gpu:  # every rank on a node sees the union of the gang's GPUs on that node
+        union: dict[str, list[str]] = {}
+        for s in gang.ranks:
+            union.setdefault(s.info["node_id"], []).extend(s.info["gpu_ids"])
+        for ids in union.values():
+            ids.sort(key=lambda g: (len(g), g))
+        ray.get([s.actor.set_visible_devices.remote(union[s.info["node_id"]]) for s in new])
+        for s in gang.ranks:
+            s.info["visible"] = union[s.info["node_id"]]
