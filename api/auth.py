@@ -6,8 +6,9 @@ tokens, the name is who a sweep records as its owner. Rules:
 * mutating endpoints always need a token; reads need one when ``read_requires_auth`` is set;
 * no ``Authorization: Bearer`` header -> 401 (with ``WWW-Authenticate: Bearer``), a token that
   matches no configured token -> 403;
-* every configured token is compared with :func:`hmac.compare_digest` and the loop never stops
-  early, so the time taken does not reveal which token (or how much of one) matched;
+* every configured token is compared with :func:`hmac.compare_digest` (on SHA-256 digests, so
+  lengths do not leak either) and the loop never stops early, so the time taken does not reveal
+  which token (or how much of one) matched;
 * a token never appears in a response, an exception message or a log line;
 * with no tokens configured at all auth is off (the embedded single-user default): every request
   is served as ``anonymous`` and ``meshtune serve`` logs a warning.
@@ -15,6 +16,7 @@ tokens, the name is who a sweep records as its owner. Rules:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,10 +37,11 @@ class Principal:
 def match_token(presented: str, tokens: Mapping[str, str]) -> str | None:
     """The name of the configured token equal to ``presented``, compared in constant time."""
     found: str | None = None
-    presented_b = presented.encode()
+    # Digests first: compare_digest on raw strings of different lengths returns early, leaking length.
+    presented_d = hashlib.sha256(presented.encode()).digest()
     for name, token in tokens.items():
         # No early exit: every token is compared whatever matched before.
-        if hmac.compare_digest(presented_b, token.encode()):
+        if hmac.compare_digest(presented_d, hashlib.sha256(token.encode()).digest()):
             found = name
     return found
 

@@ -37,6 +37,15 @@ def _lookup(data: Any, path: list[str | int]) -> Any:
     return data
 
 
+def _clip(value: Any, limit: int = 200) -> Any:
+    """Echo a rejected value back, but not a megabyte of it."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!s}... ({len(value)} characters)"
+    if isinstance(value, (dict, list)) and len(repr(value)) > 4 * limit:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value
+
+
 def _message(err: dict[str, Any]) -> str:
     msg = str(err.get("msg", "invalid value"))
     return msg.removeprefix("Value error, ")
@@ -72,7 +81,7 @@ def field_errors(exc: RequestValidationError, body: Any) -> list[dict[str, Any]]
             "loc": loc,
         }
         if value is not _MISSING:
-            item["value"] = value
+            item["value"] = _clip(value)
         out.append(item)
     return out
 

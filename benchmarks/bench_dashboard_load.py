@@ -10,7 +10,9 @@ median of ``--repeats`` cold page loads (new browser context each time) of:
              the dashboard's cache of finished sweeps:
     server   the same on the later loads
     paint    first contentful paint (facts and tables show before plotly.js has run)
-    json     GET data.json (what the live refresh fetches every few seconds): time and size
+    read     the dashboard's uncached read of the sweep (what every live refresh of a running
+             sweep costs the coordinator), in process
+    json_kb  size of data.json (what the live refresh fetches every few seconds)
     html     HTML size
     dom      DOMContentLoaded (HTML parsed, plotly.js + dashboard.js run, first chart drawn)
     plots    every chart drawn (Pareto, heatmap, timeline, stages, losses)
@@ -40,7 +42,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the seeding helper the dashboard test
 from _dashboard_seed import seed_sweep  # noqa: E402
 
 from api import store  # noqa: E402
+from api.dashboard import data  # noqa: E402
 from api.main import create_app  # noqa: E402
+from api.services import sweeps as service  # noqa: E402
 from api.settings import Settings  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -94,27 +98,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{tmp}/meshtune.db"
         engine, sessions = store.open_store(url)
+        warm = seed_sweep(sessions, n_trials=10, name="warm-up", rich=True, seed=7)
         sizes = {n: seed_sweep(sessions, n_trials=n, name=f"{n} trials", rich=True, seed=n) for n in (args.small, args.large)}
         server, base = _serve(url)
         results: dict[int, dict[str, float]] = {}
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            _browser_load(browser, f"{base}/sweeps/{warm}")  # first-request costs: imports, templates
             for n, sid in sizes.items():
                 runs = [_browser_load(browser, f"{base}/sweeps/{sid}?r={i}") for i in range(args.repeats + 1)]
                 cold = runs.pop(0)["server"]
-                js = []
+                reads = []
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    r = httpx.get(f"{base}/sweeps/{sid}/data.json")
-                    js.append(time.perf_counter() - t0)
+                    with sessions() as session:
+                        sweep = service.get_sweep(session, sweep_id=sid)
+                        t0 = time.perf_counter()
+                        data._read_state(session, sweep)
+                        reads.append(time.perf_counter() - t0)
+                size = len(httpx.get(f"{base}/sweeps/{sid}/data.json").content)
                 results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                results[n] |= {"cold": cold, "json": statistics.median(js), "json_kb": len(r.content) / 1024}
+                results[n] |= {"cold": cold, "read": statistics.median(reads), "json_kb": size / 1024}
             browser.close()
         server.should_exit = True
         engine.dispose()
 
-    cols = [("cold", "s"), ("server", "s"), ("json", "s"), ("json_kb", "kB"), ("html_kb", "kB"), ("paint", "s"),
+    cols = [("cold", "s"), ("server", "s"), ("read", "s"), ("json_kb", "kB"), ("html_kb", "kB"), ("paint", "s"),
             ("dom", "s"), ("plots", "s"), ("importance", "s")]
     small, large = results[args.small], results[args.large]
     print(f"{'trials':>8} " + " ".join(f"{c + ' ' + u:>12}" for c, u in cols))

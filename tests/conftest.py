@@ -121,3 +121,14 @@ def webhook_receiver() -> Iterator[WebhookReceiver]:
         yield receiver
     finally:
         receiver.close()
+
+
+@pytest.fixture(scope="session")
+def ray_backend(ray_local: None) -> Iterator[object]:
+    """One RayBackend for the session; its warm rank processes live in the process-wide gang pool
+    (workers/_gangs.py), which every other RayBackend of this process shares and may evict."""
+    from workers.ray_backend import RayBackend
+
+    backend = RayBackend()
+    yield backend
+    backend.close()

@@ -381,3 +381,52 @@ def test_junk_on_every_route_is_never_a_500(client: TestClient, finished_sweep: 
         assert r.json()["errors"][0]["field"], r.text
         seen += 1
     assert seen > 250
+
+
+def test_ranking_and_pareto_follow_each_recorded_result(client: TestClient, db_url: str) -> None:
+    """The ranking/Pareto answers are cached per sweep version: a newly recorded trial shows at once."""
+    from workers import TrialResult
+
+    sid = client.post("/api/sweeps", json=TINY, headers=ALICE).json()["id"]
+    engine = store.create_engine(db_url)
+    sessions = store.make_sessionmaker(engine)
+
+    def record(number: int, tp: int, speed: float) -> None:
+        layout = {"tp": tp, "pp": 1, "dp": 4 // tp, "cp": 1, "ep": 1, "zero": 0, "mbs": 1, "ac": "none",
+                  "sp": False, "schedule": "1f1b", "vpp": 1}
+        with store.session_scope(sessions) as s:
+            store.insert_trial(s, sweep_id=sid, number=number, layout=layout, layout_key=f"key-tp{tp}", world_size=4)
+            result = TrialResult(status="completed", backend="test", simulated=True, tokens_per_s_per_device=speed,
+                                 tokens_per_s=4 * speed, peak_memory_bytes=2**20 * tp, device_seconds=1.0)
+            store.record_result(s, sweep_id=sid, number=number, attempt=0, result=result)
+            store.refresh_sweep_cache(s, sweep_id=sid)
+
+    record(0, 1, 100.0)
+    assert [r["layout_key"] for r in client.get(f"/api/sweeps/{sid}/ranking").json()["rows"]] == ["key-tp1"]
+    assert len(client.get(f"/api/sweeps/{sid}/pareto").json()["points"]) == 1
+    record(1, 2, 300.0)
+    rows = client.get(f"/api/sweeps/{sid}/ranking").json()["rows"]
+    assert [r["layout_key"] for r in rows] == ["key-tp2", "key-tp1"]
+    assert client.get(f"/api/sweeps/{sid}/ranking?format=csv").text.splitlines()[1].startswith("1,key-tp2,")
+    points = client.get(f"/api/sweeps/{sid}/pareto").json()["points"]
+    assert {p["layout_key"]: p["on_front"] for p in points} == {"key-tp1": True, "key-tp2": True}
+    engine.dispose()
+
+
+def test_serve_with_an_unreachable_database_exits_2_naming_the_url(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from api.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path))
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", f"postgresql+psycopg://meshtune:pw-9z8y@127.0.0.1:{port}/meshtune")
+    assert main(["serve", "--migrate-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}/meshtune" in err and "pw-9z8y" not in err and "Traceback" not in err
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", f"sqlite:///{tmp_path / 'fresh.db'}")
+    assert main(["serve", "--migrate-only"]) == 0
+    assert main(["serve", "--migrate-only"]) == 0  # idempotent
+    assert store.current_revision(f"sqlite:///{tmp_path / 'fresh.db'}")

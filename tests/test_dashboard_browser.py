@@ -118,7 +118,7 @@ PLOTS_DRAWN = """() => ['plot-pareto', 'plot-heatmap-0', 'plot-timeline', 'plot-
 
 READ_PLOTS = """() => {
   const g = id => document.getElementById(id);
-  const pick = t => ({name: t.name, type: t.type, x: t.x, y: t.y, z: t.z, n: (t.x || []).length});
+  const pick = t => ({name: t.name, group: t.legendgroup, type: t.type, x: t.x, y: t.y, z: t.z, n: (t.x || []).length});
   return {
     pareto: g('plot-pareto').data.map(pick),
     paretoPoints: g('plot-pareto').querySelectorAll('.scatterlayer .trace .points path').length,
@@ -171,7 +171,7 @@ def test_sweep_page_plots_the_stored_sweep(page, coordinator, artifacts_dir):
     assert _close(max(z), truth["best"])
 
     # Timeline: a trace for every outcome the sweep stored.
-    assert {t["name"] for t in plots["timeline"]} >= set(truth["statuses"]) >= {
+    assert {t["group"] for t in plots["timeline"]} >= set(truth["statuses"]) >= {
         "completed", "pruned", "oom", "timeout", "crash", "nan"}
     assert sum(t["n"] for t in plots["timeline"]) == truth["n_trials"]
 

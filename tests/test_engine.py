@@ -164,3 +164,18 @@ def test_cancel_stops_a_running_sweep_and_bad_backend_fails_it(db):
     sw = _sweep(sessions, backend="no_such_module:Backend")
     final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
     assert final.status == "failed" and "no_such_module" in final.error
+
+
+def test_reference_layouts_are_enqueued_first_and_checked_on_submission(db):
+    settings, sessions = db
+    name, ref = next(iter(tuner.REFERENCE_LAYOUTS.items()))
+    spec = {"model": tuner.to_dict(ref.model), "cluster": tuner.to_dict(ref.cluster),
+            "training": {"global_batch": ref.training.global_batch},
+            "search": {"reference_layouts": [name], "max_trials": 2, "warm_start_top_k": 1, "remeasure_top_k": 0}}
+    with sessions() as s:
+        sw = svc.create_sweep(s, spec=SweepSpec.model_validate({"backend": "simulate", **spec}), owner="t")
+    assert SweepRunner(settings, sessions=sessions).run_sweep(sw.id).status == "completed"
+    rows = _rows(sessions, sw.id)
+    assert (rows[0].source, rows[0].layout_key) == ("reference", ref.layout.key) and rows[1].source == "warm_start"
+    with sessions() as s, pytest.raises(tuner.SpecError, match=r"search.reference_layouts\[0\].*device count"):
+        svc.create_sweep(s, spec=SweepSpec.model_validate({**TINY, "search": {"reference_layouts": [name]}}), owner="t")

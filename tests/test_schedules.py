@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 
 from api import store
 from api.engine import SweepRunner
-from api.schedules import DeliveryPolicy, Scheduler, ScheduleFire, _store
+from api.schedules import DeliveryPolicy, Scheduler, _store
 from api.schedules.schemas import ScheduleIn
 from api.services import schedules as svc
 from api.settings import Settings
+from api.store import Trial
 
 UTC = timezone.utc
 SIM_TEMPLATE = {
@@ -352,9 +353,10 @@ def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends
             faster = {**one_rank, "cluster": {**one_rank["cluster"], "peak_flops": 1e11}}
             with store.session_scope(sessions) as s:
                 _store.update_schedule(s, schedule_id=sid, values={"template": faster})
-                # the previous run's stored fingerprint differs in one key (as after an upgrade)
+                # the previous run's measurements carry a fingerprint that differs in one key (as
+                # before an upgrade)
                 prev = _store.get_fire(s, fire_id=fire_ids[-1])
-                s.execute(sa.update(ScheduleFire).where(ScheduleFire.id == prev.id)
+                s.execute(sa.update(Trial).where(Trial.sweep_id.in_(prev.sweep_ids))
                           .values(env={**prev.env, "source": "model v0"}))
         with sessions() as s:
             fire = svc.run_now(s, schedule_id=sid, by="test")
@@ -376,3 +378,37 @@ def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends
     assert [p["verdict"] for p in trend["points"]] == ["insufficient", "unchanged", "improvement"]
     assert trend["points"][2]["alert_id"] == alert["id"] and trend["points"][2]["simulated"] is True
     assert trend["points"][2]["best_tokens_per_s"] > 1.8 * trend["points"][1]["median_tokens_per_s"]
+
+
+JUNK = [
+    None, 0, "x", [], {}, {"name": "n"}, {"name": "n", "cron": 5, "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 0 31 2 *", "template": SIM_TEMPLATE},  # valid syntax, never fires
+    {"name": "n", "cron": "0 2 * * *", "timezone": "../../etc/passwd", "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 2 * * *", "timezone": "\u0000", "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 2 * * *", "timezone": "x" * 500, "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 2 * * *", "webhook_url": "http://" + "a" * 3000, "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 2 * * *", "webhook_url": "https://", "template": SIM_TEMPLATE},
+    {"name": "n", "cron": "0 2 * * *", "remeasure": {"sweep_id": 10**30}},
+    {"name": "n", "cron": "0 2 * * *", "remeasure": {"sweep_id": 1, "repeats": 1}},
+    {"name": "n", "cron": "0 2 * * *", "template": {**SIM_TEMPLATE, "search": {"repeats": 1}}},
+    {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "misfire_grace_s": -1},
+    {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "regression": {"min_repeats": 1}},
+    {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "bogus": 1},
+]
+
+
+def test_junk_schedules_are_422_never_500(client) -> None:
+    for body in JUNK:
+        r = client.post("/api/schedules", json=body)
+        assert r.status_code == 422, (body, r.status_code, r.text)
+        assert r.json()["errors"][0]["field"] if "errors" in r.json() else r.json()["detail"]
+    sid = client.post("/api/schedules", json={"name": "ok", "cron": "0 2 * * *", "template": SIM_TEMPLATE}).json()["id"]
+    for patch in ({"cron": "0 0 30 2 *"}, {"enabled": None}, {"misfire_grace_s": 0}, {"webhook_url": "gopher://x"},
+                  {"template": SIM_TEMPLATE}, {"regression": {"alpha": 0}}):
+        r = client.patch(f"/api/schedules/{sid}", json=patch)
+        assert r.status_code == 422, (patch, r.status_code, r.text)
+    for query in ("schedule_id=0", "schedule_id=abc", "runs=0", "runs=100000", "layout=" + "l" * 500):
+        assert client.get(f"/api/trends?{query}").status_code == 422, query
+    assert client.get("/api/alerts?limit=0").status_code == 422
+    assert client.get(f"/api/schedules/{sid}/fires?status=bogus").status_code == 422
+    assert client.get("/api/schedules").json()["total"] == 1

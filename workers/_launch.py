@@ -173,11 +173,14 @@ def run_rank(
     progress: Progress | None = None,
     init_timeout_s: float = 120.0,
     init_method: str | None = None,
+    program: Any = None,
 ) -> dict[str, Any]:
     """Run ``request`` as ``rank`` of ``world_size``; ``{"report": ...}`` or ``{"error": ...}``.
 
     ``init_method`` defaults to ``tcp://master_addr:master_port`` (rank 0 hosts the store on the
-    fresh port); under torchrun pass ``"env://"`` to use the agent's store.
+    fresh port); under torchrun pass ``"env://"`` to use the agent's store. ``program`` replaces the
+    rank program ``workers.train.train_trial`` (called the same way, ``program(request, device=...)``,
+    returning a dataclass or dict), e.g. reshard-check's (workers/reshard.py).
     """
     import torch
     import torch.distributed as dist
@@ -208,9 +211,10 @@ def run_rank(
                 **({"device_id": dev} if dev.type == "cuda" else {}),
             )
             hook = register_optimizer_step_post_hook(lambda *_: progress.beat())
-            from workers.train import train_trial
+            if program is None:
+                from workers.train import train_trial as program
 
-            report = _report_dict(train_trial(request, device=dev))
+            report = _report_dict(program(request, device=dev))
         report["env"] = fingerprint(dev.type)
         failed = False
         return {"report": report}

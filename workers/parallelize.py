@@ -33,14 +33,13 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -51,7 +50,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
-from workers.model import MoE, Transformer
+from workers._data_parallel import ExpertGradScale, GradSync, apply_fsdp
+from workers.model import Transformer
 
 # --- 1. mesh -------------------------------------------------------------------------------------
 
@@ -248,96 +248,7 @@ def apply_ac(model: Transformer, mode: str) -> None:
             block.attention = checkpoint_wrapper(block.attention, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-# --- 5. data parallel ----------------------------------------------------------------------------
-
-
-def is_expert_param(module: nn.Module, name: str) -> bool:
-    return isinstance(module, MoE) and name in ("w1", "w2", "w3")
-
-
-def apply_fsdp(
-    model: Transformer,
-    dense_mesh: DeviceMesh,
-    expert_mesh: DeviceMesh,
-    *,
-    zero: int,
-    param_dtype: torch.dtype,
-) -> None:
-    """FSDP2 over the 1-D data meshes (ZeRO-1/2/3, see the module docstring)."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    raf = zero == 3
-    experts_apart = expert_mesh is not dense_mesh
-    for block in model.layers.values():
-        if experts_apart:  # experts on their own (smaller) data mesh; ExpertGradScale fixes the divisor
-            for mod in block.modules():
-                if isinstance(mod, MoE):
-                    fully_shard(mod.router, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-                    fully_shard(mod, mesh=expert_mesh, reshard_after_forward=raf, mp_policy=mp)
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-
-
-@dataclass
-class GradSync:
-    """ZeRO-0: average gradients over the data group(s) after the last micro-batch, one flat bucket
-    per (group, dtype). Works on DTensor gradients (TP) through their local shards."""
-
-    dense_group: dist.ProcessGroup | None
-    expert_group: dist.ProcessGroup | None
-    divide_factor: int
-    params: list[tuple[nn.Parameter, bool]] = field(default_factory=list)  # (param, is_expert)
-
-    @classmethod
-    def for_modules(cls, chunks: list[nn.Module], dense, expert, divide_factor: int) -> GradSync:
-        sync = cls(dense, expert, divide_factor)
-        seen: set[int] = set()
-        for chunk in chunks:
-            for mod in chunk.modules():
-                for name, p in mod.named_parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        sync.params.append((p, is_expert_param(mod, name)))
-        return sync
-
-    def __call__(self) -> None:
-        buckets: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
-        for p, is_expert in self.params:
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            buckets.setdefault((is_expert, g.dtype), []).append(g)
-        for (is_expert, _), grads in buckets.items():
-            group = self.expert_group if is_expert else self.dense_group
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if group is not None:  # None: experts without data replicas (ep only), still divided
-                dist.all_reduce(flat, group=group)
-            flat.div_(self.divide_factor)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-
-@dataclass
-class ExpertGradScale:
-    """FSDP averages expert gradients over their dp*cp mesh; the global mean needs a further 1/ep
-    (see the module docstring). FSDP's ``set_gradient_divide_factor`` would do it inside the
-    reduce-scatter, but it needs ReduceOp.PREMUL_SUM, which gloo lacks: scale the local shards."""
-
-    params: list[nn.Parameter]
-    factor: float
-
-    @classmethod
-    def for_modules(cls, chunks: list[nn.Module], factor: float) -> ExpertGradScale:
-        params = [p for c in chunks for mod in c.modules() for name, p in mod.named_parameters(recurse=False)
-                  if is_expert_param(mod, name)]
-        return cls(params, factor)
-
-    def __call__(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(self.factor)
-
+# --- 5. data parallel: workers/_data_parallel.py ---------------------------------------------
 
 # --- the composition -----------------------------------------------------------------------------
 
@@ -418,11 +329,3 @@ def parallelize_model(
         for _, chunk in chunks:
             apply_cp(chunk, mesh["cp"])
     return Parallelized(chunks=chunks, grad_sync=grad_sync, fsdp=fsdp, notes=notes)
-
-
-def zero1_micro_batch(chunks: list[tuple[int, Transformer]], *, last: bool) -> None:
-    """ZeRO-1 accumulation (pp == 1): sync gradients and reshard only on the step's last micro-batch."""
-    for _, chunk in chunks:
-        if isinstance(chunk, FSDPModule):
-            chunk.set_requires_gradient_sync(last)
-            chunk.set_reshard_after_backward(last)

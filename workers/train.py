@@ -23,15 +23,9 @@ from torch.distributed.tensor import DTensor
 from tuner import LayoutError, TrainingSpec, microbatches
 from workers import measure
 from workers._contract import TrialRequest
+from workers._data_parallel import is_expert_param, zero1_micro_batch
 from workers.model import Transformer, synthetic_batch
-from workers.parallelize import (
-    Parallelized,
-    build_mesh,
-    coordinate,
-    is_expert_param,
-    parallelize_model,
-    zero1_micro_batch,
-)
+from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model
 
 
 class NonFiniteLoss(RuntimeError):

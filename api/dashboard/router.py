@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from jinja2 import pass_context
+from starlette.routing import NoMatchFound
 
 from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
@@ -73,7 +74,17 @@ def _path_for(context: dict[str, Any], name: str, /, **params: Any) -> str:
     return context["request"].url_for(name, **params).path
 
 
+@pass_context
+def _path_if_routed(context: dict[str, Any], name: str, /, **params: Any) -> str | None:
+    """Like ``path_for``, None when the app has no such route (e.g. pages of optional features)."""
+    try:
+        return context["request"].url_for(name, **params).path
+    except NoMatchFound:
+        return None
+
+
 templates.env.globals["path_for"] = _path_for
+templates.env.globals["path_if_routed"] = _path_if_routed
 templates.env.filters.update(
     num=_num,
     pct=lambda v: "—" if v is None else f"{100 * v:.1f}%",

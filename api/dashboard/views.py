@@ -36,6 +36,7 @@ OUTCOME_COLOURS = {
     "running": "#1565c0",
     "interrupted": "#546e7a",
 }
+OUTCOME_LABELS = {"pruned": "pruned by the model", "oom": "OOM", "nan": "NaN"}
 TP_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 PP_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star", "hexagon", "triangle-down")
 
@@ -196,27 +197,27 @@ def timeline(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         bars = [t for t in group if t.get("started_at") and t.get("finished_at") and outcome != "running"]
         in_bars = {t["id"] for t in bars}
         marks = [t for t in group if t["id"] not in in_bars and (t.get("started_at") or t.get("finished_at"))]
-        colour = OUTCOME_COLOURS[outcome]
+        colour, label = OUTCOME_COLOURS[outcome], OUTCOME_LABELS.get(outcome, outcome)
         if bars:
             bar_traces.append({
-                "type": "bar", "orientation": "h", "name": outcome, "legendgroup": outcome, "legendrank": rank,
+                "type": "bar", "orientation": "h", "name": label, "legendgroup": outcome, "legendrank": rank,
                 "base": [_iso(t["started_at"]) for t in bars],
                 "x": [round((t["finished_at"] - t["started_at"]).total_seconds() * 1000) for t in bars],
                 "y": [t["number"] for t in bars],
                 "customdata": [t["id"] for t in bars],
                 "marker": {"color": colour},
-                "hovertemplate": f"trial %{{y}} — {outcome}<br>%{{x}} ms<extra></extra>",
+                "hovertemplate": f"trial %{{y}} — {label}<br>%{{x}} ms<extra></extra>",
             })
         if marks:
             mark_traces.append({
-                "type": "scatter", "mode": "markers", "name": outcome, "legendgroup": outcome, "legendrank": rank,
+                "type": "scatter", "mode": "markers", "name": label, "legendgroup": outcome, "legendrank": rank,
                 "showlegend": not bars,
                 "x": [_iso(t.get("started_at") or t.get("finished_at")) for t in marks],
                 "y": [t["number"] for t in marks],
                 "customdata": [t["id"] for t in marks],
                 "marker": {"color": colour, "symbol": "x-thin-open", "size": 10 if small else 5,
                            "line": {"width": 2 if small else 1, "color": colour}},
-                "hovertemplate": f"trial %{{y}} — {outcome}<extra></extra>",
+                "hovertemplate": f"trial %{{y}} — {label}<extra></extra>",
             })
     return {"traces": mark_traces + bar_traces}  # bars drawn over the markers
 

@@ -10,6 +10,7 @@ Both are stored on the sweep and used for every later prediction and pruning dec
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from tuner._stats import fit_calibration
 FITTED_FACTORS = ("compute_efficiency", "intra_bw_efficiency", "inter_bw_efficiency")
 REFIT_AT = (2, 3, 5, 8, 12, 20, 30, 50, 80, 130, 200)  # refit as measurements accumulate
 MAX_FIT_SAMPLES = 40
+log = logging.getLogger("meshtune.engine")
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,9 @@ class Problem:
                 layout = Layout(**layout)
             if not isinstance(layout, Layout):
                 raise SpecError(f"search.reference_layouts[{i}]={name!r} is not a known reference layout")
-            if layout.key not in self.space.index:
-                raise SpecError(
-                    f"search.reference_layouts[{i}]={name!r} ({layout.key}) is not a valid layout of this sweep's"
-                    f" model/cluster/space"
-                )
+            if layout.key not in self.space.index:  # valid (checked on submission) but outside ``space``
+                log.warning("reference layout %s (%s) is outside the sweep's space; not enqueued", name, layout.key)
+                continue
             out.append((layout, "reference"))
         if search.warm_start_top_k > 0:
             scored = []

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Body, Path, Query, Request, Response, status
 
 from api.deps import ReaderDep, SessionDep, WriterDep
+from api.routes._cache import VersionedCache, sweep_version
 from api.schemas import (
     ERROR_RESPONSES,
     NOT_FOUND,
@@ -23,6 +24,7 @@ from api.spec import SweepSpec
 from api.store import SWEEP_STATUSES, TRIAL_STATUSES
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"])
+_cache = VersionedCache()
 
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 READ_ONE = {**READ, **NOT_FOUND}
@@ -111,25 +113,42 @@ def ranking(
         "tokens_per_s_per_device"
     ),
     format: Annotated[Literal["json", "csv"] | None, Query(description="json or csv (default: by Accept).")] = None,
-) -> RankingOut | Response:
+) -> Response:
     """Measured layouts ranked by the median of their measurements, with a 95% interval; layouts whose
-    intervals overlap the best one's are marked tied. CSV has one row per layout."""
-    result = service.ranking(session, sweep_id=sweep_id, metric=metric)
+    intervals overlap the best one's are marked tied. CSV has one row per layout. Answers are cached
+    per sweep until its next recorded trial (api/routes/_cache.py)."""
     wants_csv = format == "csv" or (format is None and CSV in request.headers.get("accept", ""))
+    json_bytes, csv_text = _cached(session, sweep_id, ("ranking", metric), lambda: _ranking(session, sweep_id, metric))
     if wants_csv:
         return Response(
-            service.ranking_csv(result),
+            csv_text,
             media_type=CSV,
             headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}-ranking.csv"'},
         )
-    return RankingOut.model_validate(result, from_attributes=True)
+    return Response(json_bytes, media_type="application/json")
+
+
+def _ranking(session: SessionDep, sweep_id: int, metric: str) -> tuple[bytes, str]:
+    result = service.ranking(session, sweep_id=sweep_id, metric=metric)
+    return RankingOut.model_validate(result, from_attributes=True).model_dump_json().encode(), service.ranking_csv(result)
+
+
+def _cached(session: SessionDep, sweep_id: int, what: tuple, compute):  # noqa: ANN001, ANN202
+    """``compute()`` for this sweep, reused until the sweep's next recorded trial (404 if unknown)."""
+    version = sweep_version(service.get_sweep(session, sweep_id=sweep_id))
+    key = (str(session.get_bind().url), sweep_id, *what)
+    return _cache.get(key, version, compute)
 
 
 @router.get("/{sweep_id}/pareto", response_model=ParetoOut, summary="Throughput vs peak memory", responses=READ_ONE)
-def pareto(sweep_id: SweepId, session: SessionDep, _: ReaderDep) -> ParetoOut:
+def pareto(sweep_id: SweepId, session: SessionDep, _: ReaderDep) -> Response:
     """Every measured layout with whether it is on the Pareto front (no layout is both faster and
     lighter), front first by ascending memory."""
-    return ParetoOut(sweep_id=sweep_id, points=service.pareto(session, sweep_id=sweep_id))
+    body = _cached(
+        session, sweep_id, ("pareto",),
+        lambda: ParetoOut(sweep_id=sweep_id, points=service.pareto(session, sweep_id=sweep_id)).model_dump_json(),
+    )
+    return Response(body, media_type="application/json")
 
 
 @router.post(

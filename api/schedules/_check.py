@@ -45,6 +45,28 @@ def _by_layout(trials: list[Trial]) -> dict[str, list[float]]:
     return dict(out)
 
 
+def _env_changes_by_layout(
+    tonight: list[Trial], history: list[Trial], previous: list[ScheduleFire]
+) -> dict[str, dict[str, Any]]:
+    """Per layout: what changed in the fingerprint since the newest earlier run that measured it.
+    Compared per layout because some keys (world size, hosts) differ between layouts by nature."""
+    out: dict[str, dict[str, Any]] = {}
+    tonight_by: dict[str, list[Trial]] = defaultdict(list)
+    for t in tonight:
+        tonight_by[t.layout_key].append(t)
+    for fire in previous:  # newest first
+        ids = set(fire.sweep_ids or [])
+        then_by: dict[str, list[Trial]] = defaultdict(list)
+        for t in history:
+            if t.sweep_id in ids:
+                then_by[t.layout_key].append(t)
+        for key, ts in then_by.items():
+            if key in tonight_by and key not in out:
+                before, after = night_env(ts), night_env(tonight_by[key])
+                out[key] = fingerprint_diff(before, after) if (before and after) else {}
+    return out
+
+
 def _describe_env(changes: dict[str, Any]) -> str:
     if not changes:
         return "environment fingerprint unchanged"
@@ -98,8 +120,11 @@ def check_fire(session: Session, *, fire: ScheduleFire, schedule: Schedule) -> b
     comparisons = compare_night(_by_layout(tonight), _by_layout(history), policy=policy)
 
     env = night_env(tonight)
-    prev_env = next((f.env for f in previous if f.env), None)
-    env_changes = fingerprint_diff(prev_env, env) if (prev_env and env) else {}
+    changes_by_layout = _env_changes_by_layout(tonight, history, previous)
+    env_changes: dict[str, Any] = {}
+    for changes in changes_by_layout.values():
+        for key, change in changes.items():
+            env_changes.setdefault(key, change)
     if not _store.finish_fire(
         session, fire_id=fire.id, status="completed", env=env, env_changes=env_changes,
         comparisons=[c.to_dict() for c in comparisons], error="; ".join(problems) or None,
@@ -110,8 +135,8 @@ def check_fire(session: Session, *, fire: ScheduleFire, schedule: Schedule) -> b
             continue
         _store.insert_alert(
             session, fire_id=fire.id, schedule_id=schedule.id, kind=c.verdict, layout_key=c.layout,
-            message=alert_message(schedule, c, env_changes),
-            detail={**c.to_dict(), "env_changes": env_changes, "simulated": simulated,
+            message=alert_message(schedule, c, changes_by_layout.get(c.layout, {})),
+            detail={**c.to_dict(), "env_changes": changes_by_layout.get(c.layout, {}), "simulated": simulated,
                     "history_fire_ids": [f.id for f in previous]},
             deliver=deliver, ratio=c.ratio, ratio_low=c.ratio_low, ratio_high=c.ratio_high, p_value=c.p_value,
         )

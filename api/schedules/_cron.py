@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 
 from tuner import SpecError
 
@@ -31,8 +31,12 @@ def check_cron(expr: str, *, field_name: str = "cron") -> str:
     text = (expr or "").strip() if isinstance(expr, str) else expr
     if not isinstance(text, str) or not text:
         raise SpecError(f"{field_name} must be a cron expression such as '0 2 * * *', got {expr!r}")
-    if len(text.split()) > 6 or not croniter.is_valid(text):
+    if len(text) > 200 or len(text.split()) > 6 or not croniter.is_valid(text):
         raise SpecError(f"{field_name}={expr!r} is not a valid cron expression (e.g. '0 2 * * *' = 02:00 daily)")
+    try:  # valid syntax that never matches a date (e.g. '0 0 31 2 *') would never fire
+        croniter(text, datetime(2000, 1, 1, tzinfo=timezone.utc)).get_next(datetime)
+    except CroniterError:
+        raise SpecError(f"{field_name}={expr!r} never fires (no date matches it)") from None
     return text
 
 

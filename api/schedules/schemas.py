@@ -23,8 +23,8 @@ def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> st
     """``url`` if it is an absolute http(s) URL with a host; None/"" means no webhook."""
     if url is None or (isinstance(url, str) and not url.strip()):
         return None
-    if not isinstance(url, str):
-        raise ValueError(f"{field_name} must be an http(s) URL, got {url!r}")
+    if not isinstance(url, str) or len(url) > 2000:
+        raise ValueError(f"{field_name} must be an http(s) URL of at most 2000 characters, got {str(url)[:100]!r}")
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{field_name}={url!r} is not an http:// or https:// URL with a host")
@@ -48,7 +48,7 @@ class RegressionIn(BaseModel):
 class RemeasureIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    sweep_id: int = Field(ge=1, description="The sweep whose top-k layouts (by its ranking) are re-measured.")
+    sweep_id: int = Field(ge=1, le=2**31 - 1, description="The sweep whose top-k layouts (by its ranking) are re-measured.")
     top_k: int = Field(3, ge=1, le=50, description="How many of its best layouts to re-measure.")
     repeats: int = Field(3, ge=2, le=50, description="Measurements of each layout per run (>= 2 to see noise).")
 
@@ -68,7 +68,7 @@ class ScheduleIn(BaseModel):
 
     name: str = Field(min_length=1, max_length=200, description="A label for the schedule.")
     cron: str = Field(description="Cron expression (5 fields; a 6th = seconds), e.g. '0 2 * * *' = 02:00 daily.")
-    timezone: str = Field("UTC", description="IANA time zone the cron expression is evaluated in, e.g. 'Europe/Berlin'.")
+    timezone: str = Field("UTC", max_length=64, description="IANA time zone the cron expression is evaluated in, e.g. 'Europe/Berlin'.")
     template: SweepSpec | None = Field(None, description="A sweep spec to run at every fire (exclusive with remeasure).")
     remeasure: RemeasureIn | None = Field(None, description="Re-measure the top-k layouts of a sweep (exclusive with template).")
     enabled: bool = Field(True, description="Disabled schedules do not fire (run-now still works).")

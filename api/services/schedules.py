@@ -21,6 +21,7 @@ from api.store._models import utcnow
 from tuner import NotFoundError, SpecError
 
 MAX_PAGE = 1000
+MAX_ID = 2**31 - 1  # ids are 32-bit integers on every database
 
 
 def _page_bounds(limit: int, offset: int) -> None:
@@ -59,6 +60,8 @@ def create_schedule(session: Session, *, data: ScheduleIn, owner: str | None) ->
 
 
 def get_schedule(session: Session, *, schedule_id: int) -> Schedule:
+    if isinstance(schedule_id, bool) or not isinstance(schedule_id, int) or not 1 <= schedule_id <= MAX_ID:
+        raise NotFoundError(f"schedule {schedule_id!r} does not exist")
     row = _store.get_schedule(session, schedule_id=schedule_id)
     if row is None:
         raise NotFoundError(f"schedule {schedule_id} does not exist")

@@ -97,14 +97,19 @@ def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None) -> Swe
     """Store a validated spec as a queued sweep (the engine picks it up)."""
     import tuner
 
-    known = getattr(tuner, "REFERENCE_LAYOUTS", None)
-    if known is not None:
-        for i, name in enumerate(spec.search.reference_layouts):
-            if name not in known:
-                raise SpecError(
-                    f"search.reference_layouts[{i}]={name!r} is not a known reference layout"
-                    f" (known: {', '.join(sorted(known))})"
-                )
+    known = getattr(tuner, "REFERENCE_LAYOUTS", {})
+    model, cluster, training = spec.to_problem()
+    for i, name in enumerate(spec.search.reference_layouts):
+        if name not in known:
+            raise SpecError(
+                f"search.reference_layouts[{i}]={name!r} is not a known reference layout"
+                f" (known: {', '.join(sorted(known))})"
+            )
+        layout = getattr(known[name], "layout", known[name])
+        try:
+            tuner.check_layout(layout, model=model, cluster=cluster, training=training)
+        except tuner.LayoutError as exc:
+            raise SpecError(f"search.reference_layouts[{i}]={name!r} does not fit this sweep: {exc}") from None
     sweep = store.insert_sweep(
         session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
         sampler=spec.search.sampler,

@@ -1,0 +1,136 @@
+"""The failure taxonomy with real, induced failures: oom, timeout, crash, nan.
+
+Classification unit tests use real exceptions (a real allocator failure, a real NonFiniteLoss);
+the trial tests induce each failure in 4 real CPU ranks through the Ray backend and check what
+comes back, that only the failing trial's processes are killed, and that the pool keeps working.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from tuner import Layout, cluster_spec, model_spec, training_spec
+from workers import TrialRequest
+from workers.failures import classify, timeout_error
+from workers.train import NonFiniteLoss
+
+
+def _raise(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001
+        return caught
+
+
+def test_cpu_allocator_failure_is_oom_with_the_exact_bytes() -> None:
+    nbytes = 2**50  # no machine has a PiB: the real allocator fails
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(nbytes, dtype=torch.uint8)
+    err = classify(info.value, rank=3)
+    assert (err.kind, err.rank, err.bytes_requested) == ("oom", 3, nbytes)
+
+
+def test_torch_out_of_memory_error_is_oom() -> None:
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+    err = classify(_raise(exc), rank=0)
+    assert err.kind == "oom" and err.bytes_requested == 2 * 2**30
+    assert err.exception_type == "torch.OutOfMemoryError"
+
+
+def test_non_finite_loss_is_nan_and_anything_else_a_crash_with_traceback() -> None:
+    assert classify(_raise(NonFiniteLoss(4, float("nan"))), rank=1).kind == "nan"
+
+    def deep_failure() -> None:
+        raise ValueError("boom in the rank program")
+
+    try:
+        deep_failure()
+    except ValueError as exc:
+        err = classify(exc, rank=2)
+    assert (err.kind, err.rank, err.exception_type) == ("crash", 2, "builtins.ValueError")
+    assert "deep_failure" in err.traceback_tail and "boom in the rank program" in err.traceback_tail
+    assert err.bytes_requested is None
+
+
+def test_timeout_error_names_rank_and_seconds() -> None:
+    err = timeout_error(rank=1, seconds=3.25, what="a training step", steps_done=2)
+    assert err.kind == "timeout" and err.rank == 1 and "3.2" in err.message and "2 optimizer steps" in err.message
+
+
+# --- real induced failures through the Ray backend (4 CPU ranks) ------------------------------------
+
+
+def _request(*, model: object = "tiny", layout: Layout | None = None, **kw: object) -> TrialRequest:
+    spec = model_spec(model)
+    return TrialRequest(
+        model=spec,
+        cluster=cluster_spec("cpu-local"),
+        training=training_spec({"global_batch": 8}),
+        layout=layout or Layout(dp=4),
+        warmup_steps=1,
+        measure_steps=2,
+        **kw,
+    )
+
+
+def _gang_pids() -> set[int]:
+    from workers._gangs import POOL
+
+    return {s.info["pid"] for g in POOL._gangs for s in g.ranks if s.info}
+
+
+def test_injected_crash_is_classified_with_rank_type_and_traceback(ray_backend) -> None:
+    result = ray_backend.run(_request(options={"fail": "crash", "fail_rank": 2}, step_timeout_s=30))
+    assert result.status == "crash" and not result.ok
+    err = result.error
+    assert err.rank == 2  # the rank that raised, not a peer that saw its connection close
+    assert err.exception_type == "builtins.RuntimeError"
+    assert "injected crash on rank 2" in err.traceback_tail and "_inject_before_step" in err.traceback_tail
+    assert result.wall_s > 0 and result.device_seconds == pytest.approx(result.wall_s * 4)
+
+
+def test_non_finite_loss_is_nan(ray_backend) -> None:
+    result = ray_backend.run(_request(options={"fail": "nan"}, step_timeout_s=30))
+    assert result.status == "nan"
+    assert result.error.exception_type == "workers.train.NonFiniteLoss"
+
+
+def test_huge_allocation_is_oom_with_bytes(ray_backend) -> None:
+    result = ray_backend.run(_request(options={"fail": "oom", "fail_rank": 1}, step_timeout_s=30))
+    assert result.status == "oom"
+    assert result.error.rank == 1 and result.error.bytes_requested == 2**50
+
+
+def test_memory_cap_makes_a_too_big_model_oom_for_real(ray_backend) -> None:
+    # vocab 2^19 x hidden 64 fp32: the embedding alone is one 128 MiB allocation; the cap leaves
+    # 120 MiB for the trial (enough for the process groups' threads), so model build fails in
+    # torch's CPU allocator on every rank.
+    big = {"preset": "tiny", "vocab": 2**19}
+    result = ray_backend.run(_request(model=big, options={"memory_cap_bytes": 120 * 2**20}, step_timeout_s=30))
+    assert result.status == "oom", result.error
+    assert result.error.bytes_requested == 2**19 * 64 * 4
+    # The cap is lifted after the trial: the same processes run a normal trial.
+    assert ray_backend.run(_request()).status == "completed"
+
+
+def test_hang_is_a_timeout_that_kills_only_its_processes_and_the_pool_recovers(ray_backend) -> None:
+    assert ray_backend.run(_request()).status == "completed"  # warm gang
+    before = _gang_pids()
+    result = ray_backend.run(_request(options={"fail": "hang", "fail_rank": 3}, step_timeout_s=3.0))
+    assert result.status == "timeout"
+    assert "no progress" in result.error.message and "rank 3" in result.error.traceback_tail
+    assert result.wall_s < 60
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: the processes exit shortly after
+    while any(psutil.pid_exists(pid) for pid in before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(pid) for pid in before)  # the hung trial's rank processes are gone ...
+    assert psutil.pid_exists(os.getpid())
+    # ... this process is not, and the next trial on the same backend succeeds on fresh ranks.
+    after = ray_backend.run(_request())
+    assert after.status == "completed" and len(after.losses) == 3
+    assert not (_gang_pids() & before)

@@ -1,0 +1,237 @@
+"""The torch side of reshard-check: a layout's model + optimizer that can step, DCP state dicts keyed
+by single-model FQNs, the deliberate corruption, and the full-state snapshot and comparison.
+
+``Trainer`` builds a layout exactly as ``workers.train._run_trial`` does (same mesh, seed, init,
+``parallelize_model``, AdamW, pipeline schedule, loss) and runs one step at a time without the
+trial's measurements, so the losses it reports are the trial's losses for the same steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from tuner import LayoutError, microbatches
+from workers import measure
+from workers._contract import TrialRequest
+from workers.model import Transformer, synthetic_batch
+from workers.parallelize import build_mesh, coordinate, parallelize_model
+from workers.reshard import TensorMismatch, canonical_fqn
+from workers.train import _accumulate, _build_schedule, _pipeline_step, _precision
+
+
+class Trainer:
+    """This rank's share of one layout: model chunks, optimizer, schedule; ``step(i)`` trains on
+    the global batch of step ``i`` and returns the global loss (on every rank)."""
+
+    def __init__(self, request: TrialRequest, device: torch.device) -> None:
+        layout, spec, training = request.layout, request.model, request.training
+        if dist.get_world_size() != layout.world_size:
+            raise LayoutError(f"layout world size {layout.world_size} != process group size {dist.get_world_size()}")
+        self.layout, self.spec, self.training, self.device = layout, spec, training, device
+        self.m = microbatches(layout, training)
+        dtype = _precision(training, device, [], dict(request.options))
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.mesh = build_mesh(layout, request.cluster, device.type)
+        torch.manual_seed(training.seed)
+        with torch.device(device):
+            model = Transformer(spec)
+        model.init_weights(training.seed)
+        self.par = parallelize_model(model, self.mesh, layout, param_dtype=dtype)
+        self.autocast = dtype != torch.float32 and not self.par.fsdp
+        self.amp_dtype = dtype
+        stage_ids = [s for s, _ in self.par.chunks]
+        self.has_first, self.has_last = 0 in stage_ids, layout.stages - 1 in stage_ids
+        self.data_index = coordinate(self.mesh, "dp") * layout.ep + coordinate(self.mesh, "ep")
+        self.local_batch = training.global_batch // layout.data_ranks
+        self.loss_share = 1.0 / (layout.dp * layout.cp * layout.ep)
+        self.reports_loss = self.has_last and coordinate(self.mesh, "tp") == 0
+        params = [p for _, c in self.par.chunks for p in c.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=training.lr)
+        self.timer = measure.ComputeTimer(device)
+        self.schedule = (
+            _build_schedule(self.par, layout, self.m, device, self.mesh["pp"].get_group(), self.timer)
+            if layout.pp > 1 else None
+        )
+        self.module = shell([c for _, c in self.par.chunks])
+
+    def step(self, step: int) -> float:
+        layout, spec = self.layout, self.spec
+        tokens, targets = synthetic_batch(spec, batch=self.training.global_batch, step=step, seed=self.training.seed)
+        rows = slice(self.data_index * self.local_batch, (self.data_index + 1) * self.local_batch)
+        tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
+        positions = torch.arange(spec.seq_len, device=self.device)
+        if layout.cp > 1:
+            from workers._cp import shard_sequence
+
+            tokens, targets, positions = shard_sequence(tokens, targets, self.mesh["cp"])
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.autocast):
+            if self.schedule is None:
+                local = _accumulate(self.par, layout, tokens, targets, positions, self.m, self.timer)
+            else:
+                local = _pipeline_step(self.schedule, self.has_first, self.has_last, tokens, targets, positions)
+        if self.par.grad_sync is not None:
+            self.par.grad_sync()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        share = local * self.loss_share if self.reports_loss and local is not None else torch.zeros((), device=self.device)
+        total = share.detach().float().reshape(1).clone()
+        dist.all_reduce(total)
+        self.timer.take()
+        return float(total.item())
+
+    def close(self) -> None:
+        self.schedule = None
+        self.optimizer.state.clear()
+
+
+def shell(chunks: list[nn.Module]) -> nn.Module:
+    """One module over this rank's pipeline chunks with the single model's attribute names, so
+    every FQN is the unsplit model's (layer keys are global). One chunk is returned as is."""
+    if len(chunks) == 1:
+        return chunks[0]
+    out = nn.Module()
+    out.layers = nn.ModuleDict()
+    for chunk in chunks:
+        for key, layer in chunk.layers.items():
+            out.layers[key] = layer
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(chunk, name, None) is not None:
+                setattr(out, name, getattr(chunk, name))
+    return out
+
+
+# --- DCP state dicts keyed by single-model FQNs -----------------------------------------------------
+
+
+def save_state(trainer: Trainer) -> dict[str, Any]:
+    """``get_state_dict`` of the trainer, keys made canonical (ReplicatedKV's ``linear.`` dropped;
+    ``get_state_dict`` already drops the checkpoint wrapper), for ``dcp.save``/``dcp.load``. The
+    layout's own names are kept under ``"_local"`` (not saved) to map back in ``load_state``."""
+    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer)
+    local = {canonical_fqn(k): k for k in model_sd}
+    optim = dict(optim_sd)
+    optim["state"] = {canonical_fqn(k): v for k, v in optim_sd["state"].items()}
+    optim["param_groups"] = [
+        {**g, "params": [canonical_fqn(k) for k in g["params"]]} for g in optim_sd["param_groups"]
+    ]
+    trainer._local_names = local  # type: ignore[attr-defined]
+    return {"model": {canonical_fqn(k): v for k, v in model_sd.items()}, "optim": optim}
+
+
+def load_state(trainer: Trainer, state: dict[str, Any]) -> None:
+    local: dict[str, str] = trainer._local_names  # type: ignore[attr-defined]
+    optim = dict(state["optim"])
+    optim["state"] = {local[k]: v for k, v in optim["state"].items()}
+    optim["param_groups"] = [{**g, "params": [local[k] for k in g["params"]]} for g in optim["param_groups"]]
+    set_state_dict(trainer.module, trainer.optimizer,
+                   model_state_dict={local[k]: v for k, v in state["model"].items()}, optim_state_dict=optim)
+
+
+def corrupt_state(state: dict[str, Any], how: str) -> None:
+    """The deliberately wrong reshard. "swap-layers": swap the two lowest layers' tensors that this
+    rank holds (model and optimizer state), as a shard mapping that is off by one layer would."""
+    assert how == "swap-layers", how
+    ids = sorted({int(k.split(".")[1]) for k in state["model"] if k.startswith("layers.")})
+    if len(ids) < 2:
+        return
+    a, b = f"layers.{ids[0]}.", f"layers.{ids[1]}."
+    for d in (state["model"], state["optim"]["state"]):
+        for key in [k for k in d if k.startswith(a)]:
+            other = b + key[len(a):]
+            d[key], d[other] = d[other], d[key]
+
+
+# --- full-state snapshot and comparison -------------------------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+
+
+def _entries(trainer: Trainer) -> list[tuple[str, torch.Tensor]]:
+    """(key, local tensor) of every parameter and optimizer tensor on this rank, in an order
+    identical on every rank of a stage (the order of the full_tensor collectives)."""
+    out = []
+    for name, p in trainer.module.named_parameters():
+        fqn = canonical_fqn(name)
+        out.append((f"model/{fqn}", p))
+        for k, v in sorted(trainer.optimizer.state.get(p, {}).items()):
+            if torch.is_tensor(v):
+                out.append((f"optim/{fqn}/{k}", v))
+    return out
+
+
+def _iter_full(trainer: Trainer) -> Iterator[tuple[str, torch.Tensor]]:
+    for key, t in _entries(trainer):
+        yield key, _full(t)  # one tensor gathered at a time: memory stays one full tensor
+
+
+def full_state(trainer: Trainer, *, write_dir: str) -> dict[str, int]:
+    """Gather every tensor to full and write each key once (by the lowest rank holding it) to
+    ``write_dir/rank<r>.pt``. Returns key -> the rank whose file holds it (same on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(keys, [k for k, _ in _entries(trainer)])
+    owner: dict[str, int] = {}
+    for r, ks in enumerate(keys):
+        for k in ks:
+            owner.setdefault(k, r)
+    mine = {k: t for k, t in _iter_full(trainer) if owner[k] == rank}
+    os.makedirs(write_dir, exist_ok=True)
+    torch.save(mine, os.path.join(write_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    return owner
+
+
+def _compare(key: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[float | None, TensorMismatch | None]:
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return None, TensorMismatch(key, None, f"saved {ref.dtype} {tuple(ref.shape)}, loaded {got.dtype} {tuple(got.shape)}")
+    diff = (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
+    if torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
+        return diff, None
+    return diff, TensorMismatch(key, diff, "values differ")
+
+
+def compare_full_state(trainer: Trainer, owner: dict[str, int], read_dir: str
+                       ) -> tuple[int, list[TensorMismatch], float]:
+    """Gather this layout's state to full and compare it bit for bit with the saved one. Returns
+    (tensors compared, mismatches, max abs diff), global: identical on every rank."""
+    files: dict[int, dict[str, torch.Tensor]] = {}
+    seen, found, max_diff = [], [], 0.0
+    for key, got in _iter_full(trainer):
+        seen.append(key)
+        if key not in owner:
+            found.append(TensorMismatch(key, None, "not in the saved state"))
+            continue
+        r = owner[key]
+        if r not in files:
+            files[r] = torch.load(os.path.join(read_dir, f"rank{r}.pt"), mmap=True, weights_only=True)
+        diff, bad = _compare(key, got, files[r][key])
+        if diff is not None:
+            max_diff = max(max_diff, diff) if diff == diff else float("inf")
+        if bad is not None:
+            found.append(bad)
+    world = dist.get_world_size()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (seen, [vars(m) for m in found], max_diff))
+    every: set[str] = set()
+    merged: dict[str, TensorMismatch] = {}
+    for keys, mismatches, diff in gathered:
+        every.update(keys)
+        max_diff = max(max_diff, diff)
+        for m in mismatches:
+            prev = merged.get(m["key"])
+            if prev is None or (m["max_abs_diff"] or 0.0) > (prev.max_abs_diff or 0.0):
+                merged[m["key"]] = TensorMismatch(**m)
+    for key in sorted(set(owner) - every):
+        merged[key] = TensorMismatch(key, None, "missing after the load")
+    checked = len(every & set(owner))
+    return checked, [merged[k] for k in sorted(merged)], max_diff

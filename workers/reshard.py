@@ -1,0 +1,272 @@
+"""Verified checkpoint resharding: train under layout A, save with DCP, load under layout B, continue.
+
+``reshard_rank(job, device=...)`` is the rank program (process group already initialised, every
+rank of one world size running both layouts one after the other):
+
+1. Phase A: build layout A, train ``steps_before`` steps, save model + AdamW state as DTensor state
+   dicts (``get_state_dict`` -> ``dcp.save``), write the *full* state (every parameter and optimizer
+   tensor gathered with ``full_tensor()``, keyed by the single-model FQN) next to it, then keep
+   training A for ``steps_after`` steps: the uninterrupted reference.
+2. Phase B: build layout B, ``get_state_dict`` for B's shards, ``dcp.load``, ``set_state_dict``
+   (FIELD-NOTES "Checkpoints (DCP)"), gather B's full state and compare it bit for bit with A's,
+   then train ``steps_after`` steps on the same batches A saw.
+
+The full-state gather reads the live parameters and ``optimizer.state`` directly, not through
+``get_state_dict``, so the check does not trust the machinery it checks. Pipeline stages keep the
+global layer keys in ``layers`` (workers/parallelize.py), so FQNs match across pp layouts; each
+rank's chunks are gathered into one shell module with the single model's attribute names.
+
+``job.corrupt = "swap-layers"`` is the deliberately wrong reshard: after ``dcp.load`` and before
+``set_state_dict``, the tensors of two layers are swapped (model and optimizer state) on every rank
+that holds both. The check must report it as corruption.
+
+Verdicts (``ReshardReport.verdict``): "corrupted" if any tensor differs (or is missing), else
+"diverged" if a continued loss differs from A's by more than the tolerance, else "ok"; "failed"
+when the run itself failed. The tolerance is the workers' numerics tolerance (tests check that the
+constants are the same; see tests/test_workers_numerics.py for why it is what it is).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from tuner import ClusterSpec, Layout, LayoutError, ModelSpec, SpecError, TrainingSpec, check_layout
+from workers._contract import TrialRequest
+
+# The workers' numerics tolerances (tests/test_workers_numerics.py RTOL / BF16_RTOL, same values,
+# checked by tests/test_reshard.py): fp32 reduction-order noise, and one bf16 rounding step.
+LOSS_RTOL = 1e-5
+BF16_LOSS_RTOL = 2e-3
+CORRUPTIONS = ("swap-layers",)
+Verdict = Literal["ok", "corrupted", "diverged", "failed"]
+VERDICTS: tuple[str, ...] = ("ok", "corrupted", "diverged", "failed")
+MAX_LISTED_MISMATCHES = 200  # the report lists at most this many tensors (the count is exact)
+
+
+@dataclass(frozen=True)
+class ReshardJob:
+    """One check: ``from_layout`` for ``steps_before`` steps, save, load under ``to_layout``,
+    ``steps_after`` more steps. ``checkpoint_dir`` must be visible to every rank (shared storage on
+    a multi-node cluster) and is written under ``<checkpoint_dir>/dcp`` and ``/full``."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    from_layout: Layout
+    to_layout: Layout
+    checkpoint_dir: str
+    steps_before: int = 2
+    steps_after: int = 2
+    corrupt: str | None = None
+    step_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps_before", "steps_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+        if self.corrupt is not None and self.corrupt not in CORRUPTIONS:
+            raise SpecError(f"corrupt must be one of {CORRUPTIONS} or None, got {self.corrupt!r}")
+        if not self.checkpoint_dir:
+            raise SpecError("checkpoint_dir must be a directory path")
+
+    def validate(self) -> None:
+        """Raise LayoutError naming the field for a layout this check cannot run (before any process)."""
+        for name in ("from_layout", "to_layout"):
+            layout = getattr(self, name)
+            try:
+                check_layout(layout, model=self.model, cluster=self.cluster, training=self.training)
+            except LayoutError as exc:
+                raise LayoutError(f"{name}: {exc}") from None
+            if layout.ep > 1:
+                raise LayoutError(f"{name}.ep={layout.ep}: expert-parallel weights are local slices, not "
+                                  "DTensors, so DCP cannot reshard them; reshard-check needs ep=1")
+        if self.model.tied_embeddings and self.from_layout.pp != self.to_layout.pp and 1 in (
+            self.from_layout.pp, self.to_layout.pp
+        ):
+            raise LayoutError("from_layout.pp/to_layout.pp: a tied-embedding model trains untied under pp>1 "
+                              "(two copies), so moving between pp=1 and pp>1 cannot keep its state")
+
+    def request(self, layout: Layout) -> TrialRequest:
+        """The TrialRequest the launchers and run_rank expect (its layout sets the world size)."""
+        return TrialRequest(model=self.model, cluster=self.cluster, training=self.training, layout=layout,
+                            warmup_steps=0, measure_steps=self.steps_before + self.steps_after,
+                            step_timeout_s=self.step_timeout_s, seed=self.training.seed)
+
+
+@dataclass
+class TensorMismatch:
+    key: str  # "model/<fqn>" or "optim/<fqn>/<state>"
+    max_abs_diff: float | None  # None when shapes/dtypes differ or the tensor is missing
+    detail: str
+
+
+@dataclass
+class RankOutcome:
+    """What one rank returns (the global parts are identical on every rank)."""
+
+    rank: int
+    losses_a: list[float]  # steps 0 .. steps_before + steps_after - 1, uninterrupted
+    losses_b: list[float]  # steps steps_before .. end, after the reshard
+    tensors_checked: int
+    mismatches: list[dict[str, Any]]
+    mismatch_count: int
+    max_abs_diff: float
+    dtype: str
+    save_s: float
+    load_s: float
+
+
+@dataclass
+class ReshardReport:
+    """The verdict of one reshard check and the numbers behind it."""
+
+    verdict: Verdict
+    from_layout: dict[str, Any]
+    to_layout: dict[str, Any]
+    steps_before: int
+    steps_after: int
+    tolerance: float  # relative, on each continued loss
+    tensors_checked: int = 0
+    mismatch_count: int = 0
+    mismatches: list[TensorMismatch] = field(default_factory=list)
+    max_abs_diff: float | None = None  # over every compared tensor (0.0 when bit-identical)
+    losses_before: list[float] = field(default_factory=list)  # A's first steps_before losses
+    losses_a: list[float] = field(default_factory=list)  # A continued (uninterrupted), steps_after
+    losses_b: list[float] = field(default_factory=list)  # B after the load, same steps
+    max_rel_loss_diff: float | None = None
+    corrupt: str | None = None  # the deliberate corruption injected, if any
+    backend: str = ""
+    error: str | None = None
+    save_s: float | None = None
+    load_s: float | None = None
+    wall_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReshardReport:
+        data = dict(data)
+        data["mismatches"] = [TensorMismatch(**m) for m in data.get("mismatches", [])]
+        return cls(**data)
+
+
+def failed_report(job: ReshardJob, error: str, *, backend: str, wall_s: float | None = None) -> ReshardReport:
+    return ReshardReport(verdict="failed", from_layout=asdict(job.from_layout), to_layout=asdict(job.to_layout),
+                         steps_before=job.steps_before, steps_after=job.steps_after, tolerance=tolerance(job),
+                         corrupt=job.corrupt, backend=backend, error=error, wall_s=wall_s)
+
+
+def tolerance(job: ReshardJob, dtype: str = "float32") -> float:
+    return BF16_LOSS_RTOL if dtype == "bfloat16" else LOSS_RTOL
+
+
+def report_from_ranks(job: ReshardJob, outcomes: list[Any], *, backend: str, wall_s: float | None = None
+                      ) -> ReshardReport:
+    """Merge the ranks' outcomes (RankOutcome or its dict) into the verdict."""
+    first = outcomes[0] if isinstance(outcomes[0], dict) else asdict(outcomes[0])
+    n = job.steps_before
+    losses_a, losses_b = first["losses_a"], first["losses_b"]
+    rtol = tolerance(job, first["dtype"])
+    cont = losses_a[n:]
+    rel = [abs(b - a) / abs(a) if a else abs(b - a) for a, b in zip(cont, losses_b, strict=True)]
+    max_rel = max(rel) if rel else 0.0
+    if first["mismatch_count"]:
+        verdict: Verdict = "corrupted"
+    elif any(not math.isfinite(x) for x in losses_b) or max_rel > rtol:
+        verdict = "diverged"
+    else:
+        verdict = "ok"
+    return ReshardReport(
+        verdict=verdict, from_layout=asdict(job.from_layout), to_layout=asdict(job.to_layout),
+        steps_before=n, steps_after=job.steps_after, tolerance=rtol,
+        tensors_checked=first["tensors_checked"], mismatch_count=first["mismatch_count"],
+        mismatches=[TensorMismatch(**m) for m in first["mismatches"]], max_abs_diff=first["max_abs_diff"],
+        losses_before=losses_a[:n], losses_a=cont, losses_b=losses_b, max_rel_loss_diff=max_rel,
+        corrupt=job.corrupt, backend=backend, save_s=first["save_s"], load_s=first["load_s"], wall_s=wall_s,
+    )
+
+
+# --- the rank program -------------------------------------------------------------------------------
+
+# FQN pieces that depend on the layout, not the model: activation-checkpoint wrappers, and the
+# ReplicatedKV wrapper (tp > kv_heads) around wk/wv.
+_WRAPPERS = re.compile(r"(?:_checkpoint_wrapped_module\.)|(?<=\.w[kv]\.)linear\.")
+
+
+def canonical_fqn(name: str) -> str:
+    """The single-model FQN of a parameter of a parallelised chunk."""
+    return _WRAPPERS.sub("", name)
+
+
+def reshard_rank(job: ReshardJob, *, device: Any) -> RankOutcome:
+    """Run both phases on this rank (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from workers._reshard_state import Trainer, compare_full_state, corrupt_state, full_state, load_state, save_state
+
+    device = torch.device(device)
+    rank = dist.get_rank()
+    ckpt = os.path.join(job.checkpoint_dir, "dcp")
+    full_dir = os.path.join(job.checkpoint_dir, "full")
+    total = job.steps_before + job.steps_after
+
+    # Phase A: train, save (DCP), snapshot the full state, then continue uninterrupted.
+    a = Trainer(job.request(job.from_layout), device)
+    losses_a = [a.step(s) for s in range(job.steps_before)]
+    t0 = time.perf_counter()
+    dcp.save(save_state(a), checkpoint_id=ckpt)
+    save_s = time.perf_counter() - t0
+    saved_keys = full_state(a, write_dir=full_dir)
+    losses_a += [a.step(s) for s in range(job.steps_before, total)]
+    dtype = a.dtype
+    a.close()
+    del a
+
+    # Phase B: build, load (DCP) into B's shards, optionally corrupt, verify, continue.
+    b = Trainer(job.request(job.to_layout), device)
+    t0 = time.perf_counter()
+    state = save_state(b)
+    dcp.load(state, checkpoint_id=ckpt)
+    if job.corrupt:
+        corrupt_state(state, job.corrupt)
+    load_state(b, state)
+    load_s = time.perf_counter() - t0
+    checked, mismatches, max_diff = compare_full_state(b, saved_keys, full_dir)
+    losses_b = [b.step(s) for s in range(job.steps_before, total)]
+    b.close()
+    dist.barrier()
+    return RankOutcome(
+        rank=rank, losses_a=losses_a, losses_b=losses_b, tensors_checked=checked,
+        mismatches=[asdict(m) for m in mismatches[:MAX_LISTED_MISMATCHES]], mismatch_count=len(mismatches),
+        max_abs_diff=max_diff, dtype=dtype, save_s=save_s, load_s=load_s,
+    )
+
+
+def run_jobs(rank: int, world: int, jobs: list[ReshardJob]) -> list[Any]:
+    """Run several checks one after the other on one process group (tests: one spawn for many).
+    A failing job yields its error text and the next one still runs (ranks stay in step only if the
+    failure was collective; a rank-local failure ends the spawn as RankFailed)."""
+    import traceback
+
+    import torch
+
+    out: list[Any] = []
+    for job in jobs:
+        try:
+            out.append(reshard_rank(job, device=torch.device("cpu")))
+        except Exception:  # noqa: BLE001 - reported to the caller per job
+            out.append(traceback.format_exc()[-3000:])
+    return out
+
+
+def with_checkpoint_dir(job: ReshardJob, path: str) -> ReshardJob:
+    return replace(job, checkpoint_dir=path)
