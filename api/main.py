@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from api import dashboard, errors, store
 from api.routes import health, metrics, plan, presets, schedules, sweeps
+from api.routes import reshard as reshard_routes  # issue 8: reshard-check
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("meshtune.api")
@@ -84,4 +85,5 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     errors.install(app)
     for module in (sweeps, plan, presets, health, metrics, schedules, dashboard):
         app.include_router(module.router)
+    app.include_router(reshard_routes.router)
     return app

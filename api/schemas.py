@@ -207,7 +207,8 @@ class RankingRowOut(_Out):
 class RankingOut(_Out):
     sweep_id: int = Field(description="The ranked sweep.")
     metric: str = Field(description="What median/low/high are of: tokens_per_s_per_device or useful_tokens_per_s.")
-    rows: list[RankingRowOut] = Field(description="Measured layouts, best first.")
+    rows: list[RankingRowOut] = Field(description="Measured layouts, best first (the requested page of them).")
+    total: int = Field(0, description="Measured layouts in the whole ranking.")
     calibration: dict[str, Any] | None = Field(
         description="The analytical model's efficiency and bandwidth factors fitted to this sweep's measurements."
     )

@@ -10,13 +10,15 @@ median of ``--repeats`` cold page loads (new browser context each time) of:
              the dashboard's cache of finished sweeps:
     server   the same on the later loads
     paint    first contentful paint (facts and tables show before plotly.js has run)
-    read     the dashboard's uncached read of the sweep (what every live refresh of a running
-             sweep costs the coordinator), in process
+    read     CPU time of the dashboard's uncached read of the sweep (what a live refresh of a
+             running sweep costs the coordinator), in process
     json_kb  size of data.json (what the live refresh fetches every few seconds)
     html     HTML size
     dom      DOMContentLoaded (HTML parsed, plotly.js + dashboard.js run, first chart drawn)
     plots    every chart drawn (Pareto, heatmap, timeline, stages, losses)
     import.  parameter importance drawn (fetched after the charts; Optuna PED-ANOVA on the server)
+    main_cpu the browser main thread's busy time until then (CDP TaskDuration): the work itself,
+             less sensitive than wall times to other processes on a shared machine
 
 and the ratio large/small, measured in one run on the same machine.
 
@@ -26,6 +28,7 @@ and the ratio large/small, measured in one run on the same machine.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import sys
@@ -70,6 +73,8 @@ def _serve(url: str):
 def _browser_load(browser, url: str) -> dict[str, float]:
     ctx = browser.new_context(viewport={"width": 1440, "height": 900})
     page = ctx.new_page()
+    cdp = ctx.new_cdp_session(page)
+    cdp.send("Performance.enable")
     errors: list[str] = []
     page.on("console", lambda m: m.type == "error" and errors.append(m.text))
     t0 = time.perf_counter()
@@ -81,10 +86,12 @@ def _browser_load(browser, url: str) -> dict[str, float]:
     importance = time.perf_counter() - t0
     nav = page.evaluate("() => performance.getEntriesByType('navigation')[0].toJSON()")
     paint = page.evaluate("() => performance.getEntriesByName('first-contentful-paint')[0].startTime")
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
     ctx.close()
     assert not errors, errors
     return {"server": (nav["responseStart"] - nav["requestStart"]) / 1000, "paint": paint / 1000, "dom": dom,
-            "plots": plots, "importance": importance, "html_kb": nav["transferSize"] / 1024}
+            "plots": plots, "importance": importance, "html_kb": nav["transferSize"] / 1024,
+            "main_cpu": metrics["TaskDuration"]}
 
 
 def main() -> None:
@@ -113,9 +120,9 @@ def main() -> None:
                 for _ in range(args.repeats):
                     with sessions() as session:
                         sweep = service.get_sweep(session, sweep_id=sid)
-                        t0 = time.perf_counter()
+                        t0 = time.thread_time()
                         data._read_state(session, sweep)
-                        reads.append(time.perf_counter() - t0)
+                        reads.append(time.thread_time() - t0)
                 size = len(httpx.get(f"{base}/sweeps/{sid}/data.json").content)
                 results[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 results[n] |= {"cold": cold, "read": statistics.median(reads), "json_kb": size / 1024}
@@ -124,8 +131,9 @@ def main() -> None:
         engine.dispose()
 
     cols = [("cold", "s"), ("server", "s"), ("read", "s"), ("json_kb", "kB"), ("html_kb", "kB"), ("paint", "s"),
-            ("dom", "s"), ("plots", "s"), ("importance", "s")]
+            ("dom", "s"), ("plots", "s"), ("importance", "s"), ("main_cpu", "s")]
     small, large = results[args.small], results[args.large]
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'trials':>8} " + " ".join(f"{c + ' ' + u:>12}" for c, u in cols))
     for n in (args.small, args.large):
         print(f"{n:>8} " + " ".join(f"{results[n][c]:>12.3f}" for c, _ in cols))

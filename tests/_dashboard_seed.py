@@ -73,6 +73,7 @@ def seed_sweep(
         sid = sweep.id
         done: list[tuple[float, Layout]] = []
         failures = ["nan", "crash", "timeout"]
+        times: dict[int, tuple[datetime, datetime | None]] = {}
         for number in range(n_trials + 6):
             phase, repeat = "search", 0
             if number < n_trials:
@@ -93,7 +94,7 @@ def seed_sweep(
                                    cause=f"predicted {result.peak_memory_bytes} bytes > device memory",
                                    predicted_memory_bytes=result.peak_memory_bytes, phase=phase)
                 lane = min(range(4), key=lanes.__getitem__)
-                _set_times(session, sid, number, lanes[lane], None)
+                times[number] = (lanes[lane], None)
                 continue
             if rich and result.ok and phase == "search" and number > 2 and failures:
                 kind = failures.pop()
@@ -111,9 +112,10 @@ def seed_sweep(
             lane = min(range(4), key=lanes.__getitem__)
             secs = (result.device_seconds or 0.0) / ws or 1.0
             start, lanes[lane] = lanes[lane], lanes[lane] + timedelta(seconds=secs + 1.0)
-            _set_times(session, sid, number, start, start + timedelta(seconds=secs))
+            times[number] = (start, start + timedelta(seconds=secs))
             if result.ok:
                 done.append((result.tokens_per_s_per_device, lay))
+        _set_times(session, sid, times)
         store.refresh_sweep_cache(session, sweep_id=sid)
         store.set_sweep_status(session, sweep_id=sid, status="running")
         if status != "running":
@@ -129,11 +131,13 @@ _MESSAGES = {
 _EXC = {"timeout": "TimeoutError", "crash": "RuntimeError", "nan": "FloatingPointError"}
 
 
-def _set_times(session, sweep_id: int, number: int, start: datetime, end: datetime | None) -> None:
-    session.execute(
-        sa.update(store.Trial).where(store.Trial.sweep_id == sweep_id, store.Trial.number == number)
-        .values(started_at=start if end else None, finished_at=end or start, created_at=start)
-    )
+def _set_times(session, sweep_id: int, times: dict[int, tuple[datetime, datetime | None]]) -> None:
+    """Spread the trials over a night, four at a time (one bulk UPDATE by primary key)."""
+    ids = dict(session.execute(sa.select(store.Trial.number, store.Trial.id).where(store.Trial.sweep_id == sweep_id)).all())
+    session.execute(sa.update(store.Trial), [
+        {"id": ids[n], "started_at": start if end else None, "finished_at": end or start, "created_at": start}
+        for n, (start, end) in times.items()
+    ])
 
 
 def _add_fixture_curves(result: TrialResult, lay: Layout, model, rng: random.Random) -> None:

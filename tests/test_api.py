@@ -202,6 +202,10 @@ def test_trials_ranking_csv_and_pareto(client: TestClient, finished_sweep: dict)
     assert [r["median"] for r in rows] == sorted((r["median"] for r in rows), reverse=True)
     assert rows[0]["layout_key"] == finished_sweep["best_layout_key"] or rows[0]["tied_with_best"]
     assert max(r["n"] for r in rows) == 2  # the re-measured leaders
+    assert ranking["total"] == len(rows)
+    page = client.get(f"/api/sweeps/{sid}/ranking?limit=2&offset=1").json()
+    assert page["rows"] == rows[1:3] and page["total"] == len(rows)
+    assert len(client.get(f"/api/sweeps/{sid}/ranking?format=csv&limit=1").text.strip().splitlines()) == 2
     useful = client.get(f"/api/sweeps/{sid}/ranking?metric=useful_tokens_per_s").json()
     assert useful["metric"] == "useful_tokens_per_s" and len(useful["rows"]) == len(rows)
 

@@ -1,7 +1,7 @@
 """Context and expert parallelism on CPU gloo ranks equal the single-process computation.
 
 Every rank also computes the single-process reference itself (same seed), so the comparison needs no
-result shipping. Tolerances are fp32 ones: the parallel runs compute the same sums in another order
+result shipping (the train-loop test at the end compares with workers.train.reference_losses). Tolerances are fp32 ones: the parallel runs compute the same sums in another order
 (attention split into two masked chunk calls instead of one causal call, gradients summed over ranks
 by a reduce-scatter/all-reduce, expert matmuls over other row groupings), so results differ by a few
 ulps per accumulation; over <= a few hundred terms that stays below rtol=1e-5 / atol=1e-6 (about 100
@@ -11,6 +11,7 @@ fp32 epsilons), while any mistake in masks, chunk order or routing moves values 
 from __future__ import annotations
 
 import copy
+import traceback
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from _dist import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from tuner import MODEL_PRESETS
+from tuner import MODEL_PRESETS, Layout, cluster_spec, model_spec, training_spec
+from workers import TrialRequest
 from workers._cp import (
     apply_context_parallel,
     attend_local_chunks,
@@ -35,10 +37,12 @@ RTOL, ATOL = 1e-5, 1e-6  # fp32, see the module docstring
 # After AdamW steps parameters are not compared element by element, for a measured reason: Adam's
 # first update of a gradient element g is lr*g/(|g|+eps) with eps=1e-8, whose slope near g=0 is
 # lr/eps, so an element with |g| ~ eps turns a 4e-10 reduction-order difference of its gradient into
-# a 1.8e-6 parameter difference (seen on tiny-moe, w2 of layer 0; up to lr/4 per 1e-9 in theory).
+# a 1.8e-6 parameter difference (seen on tiny-moe, w2 of layer 0; at worst lr*dg/(4*eps), 2.5e-5 for
+# dg=1e-9).
 # Instead every step's loss and every reduced gradient (at the updated parameters) are checked at
 # RTOL/ATOL, and so is the loss of the trained parameters on a fresh batch.
 LR = 1e-3
+
 
 def _spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks; a rank's exception fails the test."""
@@ -266,3 +270,61 @@ def _ep_checks(rank: int, world: int, steps: int) -> None:
 def test_expert_parallel_ep2_layer_and_ep2_dp2_training_match_single_process():
     """ep2 MoE layer fwd/bwd (random and skewed routing); tiny-moe ep2 x dp2, 3 AdamW steps."""
     _spawn(_ep_checks, 4, 3)
+
+
+# --- end to end through the train loop (workers.train.train_trial) --------------------------------
+
+# The numerics suite's rule (tests/test_workers_numerics.py): fp32 layouts differ from the reference
+# only in reduction order; loss and global gradient norm (Adam hides gradient-scale bugs from losses)
+# within rtol 1e-5 over 4 steps. Measured here: <= 1.7e-7 (loss), <= 5e-8 (gradient norm).
+E2E_RTOL = 1e-5
+E2E_STEPS = 4
+E2E_LAYOUTS = {
+    "cp2-dp2": ("tiny", Layout(cp=2, dp=2)),
+    "ep2-dp2": ("tiny-moe", Layout(ep=2, dp=2)),
+    "ep2-dp2-zero3": ("tiny-moe", Layout(ep=2, dp=2, zero=3)),  # FSDP2 of experts over dp only
+    "cp2-ep2": ("tiny-moe", Layout(cp=2, ep=2)),  # experts reduce over cp, dense over cp*ep
+}
+
+
+def _e2e_request(model: str, layout: Layout) -> TrialRequest:
+    return TrialRequest(
+        model=model_spec(model),
+        cluster=cluster_spec({"preset": "cpu-local", "devices_per_node": layout.world_size}),
+        training=training_spec({"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}),
+        layout=layout,
+        warmup_steps=1,
+        measure_steps=E2E_STEPS - 1,
+        options={"grad_norm": True},
+    )
+
+
+def _e2e_trials(rank: int, world: int, requests: dict[str, TrialRequest]) -> dict[str, object]:
+    from workers.train import train_trial
+
+    out: dict[str, object] = {}
+    for name, request in requests.items():
+        try:
+            report = train_trial(request, device=torch.device("cpu"))
+            out[name] = (report.losses, report.grad_norms)
+        except Exception:  # one broken layout must not hide the others' results
+            out[name] = traceback.format_exc()[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_cp_and_ep_layouts_train_like_the_single_process_reference():
+    from workers.train import reference_losses
+
+    refs = {m: reference_losses(_e2e_request(m, Layout()), steps=E2E_STEPS) for m in ("tiny", "tiny-moe")}
+    for losses, _ in refs.values():  # steps must differ far more than the tolerance
+        assert max(losses) - min(losses) > 1000 * E2E_RTOL * max(losses)
+    requests = {name: _e2e_request(m, layout) for name, (m, layout) in E2E_LAYOUTS.items()}
+    results = run_ranks(4, _e2e_trials, requests, timeout_s=400)
+    for name, (m, _) in E2E_LAYOUTS.items():
+        ref_losses, ref_norms = refs[m]
+        for rank, per_rank in enumerate(results):
+            got = per_rank[name]
+            assert not isinstance(got, str), f"{name} failed on rank {rank}:\n{got}"
+            assert got[0] == pytest.approx(ref_losses, rel=E2E_RTOL), f"{name} losses, rank {rank}"
+            assert got[1] == pytest.approx(ref_norms, rel=E2E_RTOL), f"{name} gradient norms, rank {rank}"

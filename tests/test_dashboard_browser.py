@@ -249,6 +249,15 @@ def test_running_sweep_refreshes_itself(page, coordinator):
         "() => document.querySelector('[data-fact=\"summary.best_tokens_per_s_per_device\"]').textContent.includes('123')",
         timeout=10_000,
     )
+    # When the sweep ends the page says so and stops polling.
+    with store.session_scope(coordinator["sessions"]) as session:
+        store.set_sweep_status(session, sweep_id=sid, status="completed")
+    page.page.wait_for_function("() => document.getElementById('refreshed').textContent === 'finished'", timeout=10_000)
+    assert page.page.locator('[data-fact="status"]').inner_text() == "completed"
+    requests: list[str] = []
+    page.page.on("request", lambda r: requests.append(r.url))
+    page.page.wait_for_timeout(1500)
+    assert not [u for u in requests if "data.json" in u]
     page.clean()
 
 

@@ -62,7 +62,8 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     settings, sessions = db
     sw = _sweep(sessions, search={"sampler": "tpe", "max_trials": 30, "warm_start_top_k": 0, "remeasure_top_k": 0},
                 trial={"options": {"oom_tp": 1}})
-    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend())
+    # One trial at a time: seeded TPE + seeded simulate is then deterministic.
+    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend(capacity=4))
     assert runner.run_sweep(sw.id).status == "completed"
     rows = _rows(sessions, sw.id)
     ooms = [t for t in rows if t.status == "oom"]
@@ -78,9 +79,10 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     infeasible = [t for t in told if t.constraints.get("memory", 0) > 0]
     assert len(infeasible) == len(ooms) and all(t.state.name == "COMPLETE" and t.values[0] == 0.0 for t in infeasible)
     assert all(t.params["tp"] == 1 for t in infeasible)
-    # TPE learns: after the start-up trials, tp=1 is proposed less often than at random.
+    # TPE learns from them: in the second half tp=1 comes up less often than its share of the space.
+    space = loop.problem.space.layouts
     late = [t for t in rows if t.number >= 15]
-    assert sum(t.layout["tp"] == 1 for t in late) < len(late) / 3
+    assert sum(t.layout["tp"] == 1 for t in late) / len(late) < sum(x.tp == 1 for x in space) / len(space)
 
 
 def test_crash_is_a_failure_with_cause_and_budgets_stop_the_search(db):
@@ -135,12 +137,13 @@ def test_concurrent_trials_when_capacity_allows(db):
     settings, sessions = db
     sw = _sweep(sessions, search={"sampler": "random", "max_trials": 6, "remeasure_top_k": 0},
                 trial={"options": {"sleep_s": 0.4}})
-    t0 = time.monotonic()
     runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: ScriptedBackend(capacity=8))
     assert runner.run_sweep(sw.id).status == "completed"
     rows = sorted(_rows(sessions, sw.id), key=lambda t: t.started_at)
-    assert time.monotonic() - t0 < 6 * 0.4  # 8 devices / 4 per trial = 2 at once
+    # 8 devices / 4 per trial = 2 at once: trials overlap in time, never more than 2.
     assert any(b.started_at < a.finished_at for a, b in zip(rows, rows[1:], strict=False))
+    for t in rows:
+        assert sum(o.started_at <= t.started_at < o.finished_at for o in rows) <= 2
 
 
 def test_cancel_stops_a_running_sweep_and_bad_backend_fails_it(db):

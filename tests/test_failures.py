@@ -78,12 +78,6 @@ def _request(*, model: object = "tiny", layout: Layout | None = None, **kw: obje
     )
 
 
-def _gang_pids() -> set[int]:
-    from workers._gangs import POOL
-
-    return {s.info["pid"] for g in POOL._gangs for s in g.ranks if s.info}
-
-
 def test_injected_crash_is_classified_with_rank_type_and_traceback(ray_backend) -> None:
     result = ray_backend.run(_request(options={"fail": "crash", "fail_rank": 2}, step_timeout_s=30))
     assert result.status == "crash" and not result.ok
@@ -118,19 +112,28 @@ def test_memory_cap_makes_a_too_big_model_oom_for_real(ray_backend) -> None:
     assert ray_backend.run(_request()).status == "completed"
 
 
-def test_hang_is_a_timeout_that_kills_only_its_processes_and_the_pool_recovers(ray_backend) -> None:
+def _rank_pids() -> list[int]:
+    from workers._gangs import POOL
+
+    (gang,) = [g for g in POOL._gangs if g.key == ("CPU", (4,))]
+    return [s.info["pid"] if s.info else -1 for s in gang.ranks]
+
+
+def test_hang_is_a_timeout_that_kills_only_the_hung_process_and_the_pool_recovers(ray_backend) -> None:
     assert ray_backend.run(_request()).status == "completed"  # warm gang
-    before = _gang_pids()
+    before = _rank_pids()
     result = ray_backend.run(_request(options={"fail": "hang", "fail_rank": 3}, step_timeout_s=3.0))
     assert result.status == "timeout"
+    assert result.error.rank == 3  # the hung rank, told apart from peers blocked in a collective
     assert "no progress" in result.error.message and "rank 3" in result.error.traceback_tail
     assert result.wall_s < 60
-    deadline = time.monotonic() + 30  # ray.kill is asynchronous: the processes exit shortly after
-    while any(psutil.pid_exists(pid) for pid in before) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: the process exits shortly after
+    while psutil.pid_exists(before[3]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(psutil.pid_exists(pid) for pid in before)  # the hung trial's rank processes are gone ...
-    assert psutil.pid_exists(os.getpid())
-    # ... this process is not, and the next trial on the same backend succeeds on fresh ranks.
+    assert not psutil.pid_exists(before[3])  # the hung rank's process is gone ...
+    assert all(psutil.pid_exists(pid) for pid in before[:3]) and psutil.pid_exists(os.getpid())  # ... no other
+    # The next trial on the same backend succeeds: the peers are reused, rank 3 is a fresh process.
     after = ray_backend.run(_request())
     assert after.status == "completed" and len(after.losses) == 3
-    assert not (_gang_pids() & before)
+    now = _rank_pids()
+    assert now[:3] == before[:3] and now[3] != before[3]

@@ -412,3 +412,18 @@ def test_junk_schedules_are_422_never_500(client) -> None:
     assert client.get("/api/alerts?limit=0").status_code == 422
     assert client.get(f"/api/schedules/{sid}/fires?status=bogus").status_code == 422
     assert client.get("/api/schedules").json()["total"] == 1
+
+
+def test_daylight_saving_nights_fire_once() -> None:
+    """02:30 Berlin: skipped on 29 Mar 2026 (fires at 03:00 CEST instead), twice on 25 Oct 2026 (fires once)."""
+    from api.schedules._cron import due_fires
+
+    def due(a: datetime, b: datetime) -> list[datetime]:
+        return sorted(due_fires("30 2 * * *", "Europe/Berlin", anchor=a, now=b, limit=10))
+
+    assert due(datetime(2026, 3, 28, 12, tzinfo=UTC), datetime(2026, 3, 29, 12, tzinfo=UTC)) == [
+        datetime(2026, 3, 29, 1, 0, tzinfo=UTC)]
+    assert due(datetime(2026, 10, 24, 12, tzinfo=UTC), datetime(2026, 10, 25, 12, tzinfo=UTC)) == [
+        datetime(2026, 10, 25, 0, 30, tzinfo=UTC)]  # 02:30 CEST; not again at 02:30 CET
+    # a scheduler that fired at 02:30 CEST and ticks again after 02:30 CET owes nothing
+    assert due(datetime(2026, 10, 25, 0, 30, tzinfo=UTC), datetime(2026, 10, 25, 2, tzinfo=UTC)) == []

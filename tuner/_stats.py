@@ -9,6 +9,7 @@ whose intervals overlap as tied: measurement cannot separate them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -42,11 +43,16 @@ def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Inte
     med = statistics.median(vals)
     if len(vals) == 1:
         return Interval(1, med, med, med)
+    mean = statistics.fmean(vals)
+    half = _t_quantile(0.5 + confidence / 2, len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+    return Interval(len(vals), med, min(mean - half, med), max(mean + half, med))
+
+
+@functools.lru_cache(maxsize=256)
+def _t_quantile(q: float, dof: int) -> float:
     from scipy.stats import t
 
-    mean = statistics.fmean(vals)
-    half = float(t.ppf(0.5 + confidence / 2, len(vals) - 1)) * statistics.stdev(vals) / math.sqrt(len(vals))
-    return Interval(len(vals), med, min(mean - half, med), max(mean + half, med))
+    return float(t.ppf(q, dof))
 
 
 @dataclass(frozen=True)
@@ -76,15 +82,18 @@ def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True
 
 def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
     """Keys of (key, throughput, memory) points that no other point dominates (higher-or-equal
-    throughput and lower-or-equal memory, one strictly), sorted by memory."""
-    front = []
-    for key, thr, mem in points:
-        dominated = any(
-            (t2 >= thr and m2 <= mem) and (t2 > thr or m2 < mem) for k2, t2, m2 in points if k2 != key
-        )
-        if not dominated:
-            front.append((mem, -thr, key))
-    return [k for _, _, k in sorted(set(front))]
+    throughput and lower-or-equal memory, one strictly), sorted by memory. O(n log n): sweep by
+    memory ascending (throughput descending on ties) keeping the best throughput seen."""
+    front: list[str] = []
+    best = -math.inf
+    ordered = sorted(points, key=lambda p: (p[2], -p[1], p[0]))
+    for i, (key, thr, mem) in enumerate(ordered):
+        if thr > best:
+            front.append(key)
+            best = thr
+        elif thr == best and front and ordered[i - 1][1:] == (thr, mem) and ordered[i - 1][0] in front:
+            front.append(key)  # an exact duplicate of a front point is not dominated either
+    return front
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:

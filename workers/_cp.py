@@ -11,6 +11,9 @@ pick its flash/efficient kernels instead of a materialised mask.
 Gradients: every cp rank computes the loss of its own tokens; the K/V gather's backward is a
 reduce-scatter (sum), so parameter gradients must then be averaged over the cp group like a data
 axis (dp*cp ranks with equal token counts -> the mean over them is the global token mean).
+
+GQA: the model hands attn_fn K/V already repeated to the query heads, so the gather moves
+heads/kv_heads times more than the distinct K/V would (exact, only more traffic).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 # torch 2.13 renamed the single-tensor collectives; keep the older names working (torch >= 2.8).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -108,7 +112,7 @@ def attend_local_chunks(
 ) -> torch.Tensor:
     """Causal attention of the local queries (global chunks ``chunks``, c rows each) against the whole
     sequence's keys/values in global order. Keys after chunk g are masked for all of its queries, so
-    they are not even passed: both ranks' work is c*c*(2cp+1) score entries."""
+    they are not even passed: every rank's work is c*c*(2cp+1) score entries."""
     c = q.shape[2] // 2
     outs = []
     for j, g in enumerate(chunks):
@@ -143,6 +147,8 @@ class ContextParallelAttention:
         return kv[0], kv[1]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if isinstance(q, DTensor) or isinstance(k, DTensor):
+            raise TypeError("context parallel attention needs plain local q/k/v (TP plans with use_local_output=True)")
         assert q.shape[2] % 2 == 0 and k.shape[2] == q.shape[2], (q.shape, k.shape)
         k_all, v_all = self.gather_kv(k, v)
         return attend_local_chunks(q, k_all, v_all, self.chunks)

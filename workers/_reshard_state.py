@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from tuner import LayoutError, microbatches
@@ -25,6 +25,8 @@ from workers.model import Transformer, synthetic_batch
 from workers.parallelize import build_mesh, coordinate, parallelize_model
 from workers.reshard import TensorMismatch, canonical_fqn
 from workers.train import _accumulate, _build_schedule, _pipeline_step, _precision
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Trainer:
@@ -112,41 +114,42 @@ def shell(chunks: list[nn.Module]) -> nn.Module:
 
 
 def save_state(trainer: Trainer) -> dict[str, Any]:
-    """``get_state_dict`` of the trainer, keys made canonical (ReplicatedKV's ``linear.`` dropped;
-    ``get_state_dict`` already drops the checkpoint wrapper), for ``dcp.save``/``dcp.load``. The
-    layout's own names are kept under ``"_local"`` (not saved) to map back in ``load_state``."""
-    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer)
-    local = {canonical_fqn(k): k for k in model_sd}
-    optim = dict(optim_sd)
-    optim["state"] = {canonical_fqn(k): v for k, v in optim_sd["state"].items()}
-    optim["param_groups"] = [
-        {**g, "params": [canonical_fqn(k) for k in g["params"]]} for g in optim_sd["param_groups"]
-    ]
-    trainer._local_names = local  # type: ignore[attr-defined]
-    return {"model": {canonical_fqn(k): v for k, v in model_sd.items()}, "optim": optim}
+    """``get_state_dict`` of the trainer for ``dcp.save``/``dcp.load``, keys made canonical
+    (ReplicatedKV's ``linear.`` dropped; ``get_state_dict`` already drops the checkpoint wrapper).
+
+    The optimizer state is flattened (``flatten_optimizer_state_dict``: one key per parameter and
+    state, param-group settings per parameter, as torchtitan saves it): a nested ``param_groups``
+    list holds one rank's FQNs and would not map onto another pipeline split. The layout's own key
+    names are kept on the trainer to map back in ``load_state``."""
+    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer, options=_OPTIONS)
+    trainer._local_names = {  # type: ignore[attr-defined]
+        "model": {canonical_fqn(k): k for k in model_sd}, "optim": {canonical_fqn(k): k for k in optim_sd},
+    }
+    return {"model": {canonical_fqn(k): v for k, v in model_sd.items()},
+            "optim": {canonical_fqn(k): v for k, v in optim_sd.items()}}
 
 
 def load_state(trainer: Trainer, state: dict[str, Any]) -> None:
-    local: dict[str, str] = trainer._local_names  # type: ignore[attr-defined]
-    optim = dict(state["optim"])
-    optim["state"] = {local[k]: v for k, v in optim["state"].items()}
-    optim["param_groups"] = [{**g, "params": [local[k] for k in g["params"]]} for g in optim["param_groups"]]
+    local: dict[str, dict[str, str]] = trainer._local_names  # type: ignore[attr-defined]
     set_state_dict(trainer.module, trainer.optimizer,
-                   model_state_dict={local[k]: v for k, v in state["model"].items()}, optim_state_dict=optim)
+                   model_state_dict={local["model"][k]: v for k, v in state["model"].items()},
+                   optim_state_dict={local["optim"][k]: v for k, v in state["optim"].items()}, options=_OPTIONS)
 
 
 def corrupt_state(state: dict[str, Any], how: str) -> None:
     """The deliberately wrong reshard. "swap-layers": swap the two lowest layers' tensors that this
-    rank holds (model and optimizer state), as a shard mapping that is off by one layer would."""
+    rank holds (model and optimizer state), as a shard mapping that is off by one layer would.
+    Swapped as copies: a state dict's tensors may share storage with the live parameters."""
     assert how == "swap-layers", how
     ids = sorted({int(k.split(".")[1]) for k in state["model"] if k.startswith("layers.")})
     if len(ids) < 2:
         return
     a, b = f"layers.{ids[0]}.", f"layers.{ids[1]}."
-    for d in (state["model"], state["optim"]["state"]):
-        for key in [k for k in d if k.startswith(a)]:
-            other = b + key[len(a):]
-            d[key], d[other] = d[other], d[key]
+    for d, prefix in ((state["model"], ""), (state["optim"], "state.")):
+        for key in [k for k in d if k.startswith(prefix + a)]:
+            other = prefix + b + key[len(prefix + a):]
+            if torch.is_tensor(d[key]):
+                d[key], d[other] = d[other].clone(), d[key].clone()
 
 
 # --- full-state snapshot and comparison -------------------------------------------------------------

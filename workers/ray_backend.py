@@ -16,9 +16,12 @@ Failures
     the actor's separate "control" concurrency group; a rank idle longer than ``step_timeout_s`` (or
     than ``init_timeout_s + step_timeout_s`` before its first step) ends the trial as ``timeout``,
     with every rank's step count and stack in the error.
-  - Whenever a trial does not end with every rank returning (timeout, a dead process, peers stuck
-    after one rank failed), *that gang's* actors are killed — never another's — and respawned in
-    the same placement groups on next use. One failing trial never breaks the pool or the caller.
+  - On a timeout, the hung ranks (stalled and *not* waiting inside a torch.distributed call, by
+    their stacks) are killed first; their gloo peers then fail out of the collective and stay
+    reusable. Whenever a trial still does not end with every remaining rank returning (peers that
+    do not notice, a dead process, peers stuck after one rank failed), *that gang's* actors are
+    killed — never another's. Killed ranks are respawned in the same placement groups on next use.
+    One failing trial never breaks the pool or the caller.
 """
 
 from __future__ import annotations
@@ -232,15 +235,21 @@ class RayBackend:
                 continue
             verdict = self._stalled(pending, ranks, request, init_timeout, start)
             if verdict is not None:
-                return reports, verdict, False
+                error, culprits = verdict
+                if culprits and len(culprits) < len(pending):
+                    return reports, error, self._kill_culprits(pending, ranks, culprits)
+                return reports, error, False
         if errors:
             return reports, _primary(errors, secondary), not pending
         return reports, None, True
 
     def _stalled(
         self, pending: dict[Any, int], ranks: list[Slot], request: TrialRequest, init_timeout: float, start: float
-    ) -> TrialError | None:
-        """A timeout verdict if a pending rank made no progress for too long, else None."""
+    ) -> tuple[TrialError, list[int]] | None:
+        """(timeout error, culprit ranks) if a pending rank made no progress for too long, else None.
+
+        Culprits are the stalled ranks *not* waiting inside a torch.distributed call (by their
+        stack): the hung ones, as opposed to their peers blocked in a collective with them."""
         waiting = sorted(pending.values())
         try:
             snaps = ray.get([ranks[r].actor.snapshot.remote() for r in waiting], timeout=5.0)
@@ -263,15 +272,39 @@ class RayBackend:
             snaps = ray.get([ranks[r].actor.snapshot.remote(with_stack=True) for r in waiting], timeout=5.0)
         steps = {r: s["steps"] for r, s in zip(waiting, snaps, strict=True)}
         fewest = min(steps.values())
-        laggards = [r for r, n in steps.items() if n == fewest]
-        rank, _, idle, what = stalled[0]
+        stalled_ranks = {r for r, *_ in stalled}
+        culprits = [
+            r for r, s in zip(waiting, snaps, strict=True)
+            if r in stalled_ranks and "stack" in s and not _waiting_in_collective(s["stack"])
+        ]
+        laggards = culprits or [r for r, n in steps.items() if n == fewest]
+        _, _, idle, what = stalled[0]
         error = timeout_error(
             rank=laggards[0] if len(laggards) == 1 else None, seconds=idle, what=what, steps_done=fewest
         )
         error.message += f"; optimizer steps per rank: {steps}"
         stacks = [f"rank {r}:\n{s.get('stack', '(no stack)')}" for r, s in zip(waiting, snaps, strict=True)]
         error.traceback_tail = "\n".join(stacks)[-8000:]
-        return error
+        return error, culprits
+
+    @staticmethod
+    def _kill_culprits(pending: dict[Any, int], ranks: list[Slot], culprits: list[int]) -> bool:
+        """Kill only the hung ranks; their peers then fail out of the collective (gloo notices the
+        closed connections) and stay reusable. True if every peer returned within the grace time;
+        False leaves the caller to kill the rest (e.g. NCCL peers that do not notice)."""
+        for r in culprits:
+            with contextlib.suppress(Exception):
+                ray.kill(ranks[r].actor, no_restart=True)
+            ranks[r].actor, ranks[r].info = None, None
+        rest = [ref for ref, r in pending.items() if r not in culprits]
+        done, _ = ray.wait(rest, num_returns=len(rest), timeout=ERROR_GRACE_S + 3.0)
+        return len(done) == len(rest)
+
+
+def _waiting_in_collective(stack: str) -> bool:
+    """Whether the innermost frame of a formatted stack is inside torch.distributed."""
+    frames = [line for line in stack.splitlines() if line.lstrip().startswith('File "')]
+    return bool(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[-1]
 
 
 def _primary(errors: list[TrialError], secondary: set[int]) -> TrialError:

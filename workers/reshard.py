@@ -32,7 +32,7 @@ import math
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from tuner import ClusterSpec, Layout, LayoutError, ModelSpec, SpecError, TrainingSpec, check_layout
@@ -89,8 +89,9 @@ class ReshardJob:
         if self.model.tied_embeddings and self.from_layout.pp != self.to_layout.pp and 1 in (
             self.from_layout.pp, self.to_layout.pp
         ):
-            raise LayoutError("from_layout.pp/to_layout.pp: a tied-embedding model trains untied under pp>1 "
-                              "(two copies), so moving between pp=1 and pp>1 cannot keep its state")
+            raise LayoutError(f"to_layout.pp={self.to_layout.pp} with from_layout.pp={self.from_layout.pp}: a "
+                              "tied-embedding model trains untied under pp>1 (two copies), so moving between "
+                              "pp=1 and pp>1 cannot keep its state")
 
     def request(self, layout: Layout) -> TrialRequest:
         """The TrialRequest the launchers and run_rank expect (its layout sets the world size)."""
@@ -211,7 +212,14 @@ def reshard_rank(job: ReshardJob, *, device: Any) -> RankOutcome:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from workers._reshard_state import Trainer, compare_full_state, corrupt_state, full_state, load_state, save_state
+    from workers._reshard_state import (
+        Trainer,
+        compare_full_state,
+        corrupt_state,
+        full_state,
+        load_state,
+        save_state,
+    )
 
     device = torch.device(device)
     rank = dist.get_rank()
@@ -266,7 +274,3 @@ def run_jobs(rank: int, world: int, jobs: list[ReshardJob]) -> list[Any]:
         except Exception:  # noqa: BLE001 - reported to the caller per job
             out.append(traceback.format_exc()[-3000:])
     return out
-
-
-def with_checkpoint_dir(job: ReshardJob, path: str) -> ReshardJob:
-    return replace(job, checkpoint_dir=path)

@@ -27,8 +27,7 @@ def _program(job: ReshardJob, request: Any, *, device: Any) -> Any:
 
 
 def run_reshard_check(job: ReshardJob, *, backend: Any = None) -> ReshardReport:
-    """Run ``job`` on Ray (``backend``: a ``RayBackend``; default a new one, closed after).
-    A job whose ``checkpoint_dir`` is "" gets a temporary directory, removed afterwards."""
+    """Run ``job`` on Ray (``backend``: a ``RayBackend``; default a new one, closed after)."""
     import ray
 
     from workers._gangs import POOL, ensure_actors, kill_actors

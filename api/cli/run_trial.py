@@ -143,6 +143,8 @@ def print_summary(request: TrialRequest, result: TrialResult) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or captured: do not wrap the summary at 80 columns
+        console = Console(width=160)
     label = " [yellow](SIMULATED: analytical model, not a measurement)[/]" if result.simulated else ""
     colour = "green" if result.ok else "red"
     console.print(

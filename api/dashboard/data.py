@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -161,17 +162,30 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
 
 # A finished sweep no longer changes: its state is kept (a few MB for 2,000 trials) so that page
 # reloads, table pages and the importance fetch do not read every trial again. Keyed on the
-# sweep's counters too, so a re-opened or re-measured sweep is read afresh.
+# sweep's counters too, so a re-opened or re-measured sweep is read afresh. A running sweep's state
+# is shared for LIVE_TTL_S, so that any number of open pages polling it cost one read per period.
 _finished: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 _finished_lock = threading.Lock()
 _FINISHED_KEEP = 8
+LIVE_TTL_S = 2.0
+_live: dict[int, tuple[float, dict[str, Any]]] = {}
 
 
 def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     """Sweep header, trial rows, ranking rows and chart bundle of one sweep (raises NotFoundError)."""
     sweep = service.get_sweep(session, sweep_id=sweep_id)
     if sweep.status in LIVE_STATUSES:
-        return _read_state(session, sweep)
+        now = time.monotonic()
+        with _finished_lock:
+            hit = _live.get(sweep.id)
+            if hit is not None and now - hit[0] < LIVE_TTL_S and hit[1]["sweep"]["status"] == sweep.status:
+                return hit[1]
+        state = _read_state(session, sweep)
+        with _finished_lock:
+            for sid in [k for k, (t, _) in _live.items() if now - t >= LIVE_TTL_S]:
+                del _live[sid]
+            _live[sweep.id] = (now, state)
+        return state
     key = (sweep.id, sweep.status, sweep.finished_at, sweep.n_trials, sweep.n_completed, sweep.device_seconds)
     with _finished_lock:
         if key in _finished:

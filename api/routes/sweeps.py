@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response, status
@@ -113,12 +114,21 @@ def ranking(
         "tokens_per_s_per_device"
     ),
     format: Annotated[Literal["json", "csv"] | None, Query(description="json or csv (default: by Accept).")] = None,
+    limit: Annotated[int | None, Query(ge=1, le=1_000_000, description="Only this many rows (default: all).")] = None,
+    offset: Offset = 0,
 ) -> Response:
     """Measured layouts ranked by the median of their measurements, with a 95% interval; layouts whose
-    intervals overlap the best one's are marked tied. CSV has one row per layout. Answers are cached
-    per sweep until its next recorded trial (api/routes/_cache.py)."""
+    intervals overlap the best one's are marked tied. CSV has one row per layout. ``limit``/``offset``
+    page through the rows (``total`` counts them all). Answers are cached per sweep until its next
+    recorded trial (api/routes/_cache.py)."""
     wants_csv = format == "csv" or (format is None and CSV in request.headers.get("accept", ""))
-    json_bytes, csv_text = _cached(session, sweep_id, ("ranking", metric), lambda: _ranking(session, sweep_id, metric))
+    result, json_bytes, csv_text = _cached(
+        session, sweep_id, ("ranking", metric), lambda: _ranking(session, sweep_id, metric)
+    )
+    if limit is not None or offset:  # a page: serialise the slice (the whole answer is cached as bytes)
+        end = None if limit is None else offset + limit
+        page = dataclasses.replace(result, rows=result.rows[offset:end])
+        json_bytes, csv_text = _ranking_json(page, total=len(result.rows)), service.ranking_csv(page)
     if wants_csv:
         return Response(
             csv_text,
@@ -128,9 +138,14 @@ def ranking(
     return Response(json_bytes, media_type="application/json")
 
 
-def _ranking(session: SessionDep, sweep_id: int, metric: str) -> tuple[bytes, str]:
+def _ranking_json(result: service.Ranking, *, total: int) -> bytes:
+    out = RankingOut.model_validate(result, from_attributes=True)
+    return out.model_copy(update={"total": total}).model_dump_json().encode()
+
+
+def _ranking(session: SessionDep, sweep_id: int, metric: str) -> tuple[service.Ranking, bytes, str]:
     result = service.ranking(session, sweep_id=sweep_id, metric=metric)
-    return RankingOut.model_validate(result, from_attributes=True).model_dump_json().encode(), service.ranking_csv(result)
+    return result, _ranking_json(result, total=len(result.rows)), service.ranking_csv(result)
 
 
 def _cached(session: SessionDep, sweep_id: int, what: tuple, compute):  # noqa: ANN001, ANN202

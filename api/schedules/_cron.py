@@ -69,15 +69,30 @@ class FirePlan:
 
 
 def due_fires(expr: str, tz_name: str, *, anchor: datetime, now: datetime, limit: int) -> list[datetime]:
-    """Fire times in (anchor, now], newest first, at most ``limit`` of them (UTC)."""
+    """Fire times in (anchor, now], newest first, at most ``limit`` of them (UTC).
+
+    A wall-clock time that happens twice when daylight saving time ends (02:30 on the last Sunday of
+    October in Europe/Berlin) fires once, at its first occurrence, as cron does; a wall-clock time
+    skipped when DST starts fires at the first instant after the gap (croniter's rule).
+    """
+    tz = ZoneInfo(tz_name)
     anchor, now = as_utc(anchor), as_utc(now)
-    it = croniter(expr, now.astimezone(ZoneInfo(tz_name)) + timedelta(microseconds=1))
+    anchor_wall = anchor.astimezone(tz).replace(tzinfo=None)
+    it = croniter(expr, now.astimezone(tz) + timedelta(microseconds=1))
     out: list[datetime] = []
+    walls: list[datetime] = []
     while len(out) < limit:
         t = as_utc(it.get_prev(datetime))
         if t <= anchor:
             break
+        wall = t.astimezone(tz).replace(tzinfo=None)
+        if wall == anchor_wall:  # the repeat of a wall time already fired: skip it
+            continue
+        if walls and wall == walls[-1]:  # the same wall time twice in this window: keep the first
+            out[-1] = t
+            continue
         out.append(t)
+        walls.append(wall)
     return out
 
 

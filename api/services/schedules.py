@@ -18,7 +18,7 @@ from api.schedules._launch import fire_schedule
 from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES, Schedule, ScheduleFire
 from api.schedules.schemas import ScheduleIn, ScheduleOut, ScheduleUpdate
 from api.store._models import utcnow
-from tuner import NotFoundError, SpecError
+from tuner import ConflictError, NotFoundError, SpecError
 
 MAX_PAGE = 1000
 MAX_ID = 2**31 - 1  # ids are 32-bit integers on every database
@@ -103,7 +103,9 @@ def run_now(session: Session, *, schedule_id: int, by: str | None = None) -> Sch
     schedule = get_schedule(session, schedule_id=schedule_id)
     fire_id = fire_schedule(session, schedule=schedule, fire_time=utcnow(), claimed_by=f"run-now:{by or '-'}",
                             trigger="manual")
-    assert fire_id is not None, "a manual fire time is unique to the microsecond"
+    if fire_id is None:  # another run-now of this schedule in the same microsecond
+        session.rollback()
+        raise ConflictError(f"schedule {schedule_id} was fired by someone else at this very instant; retry")
     session.commit()
     return _store.get_fire(session, fire_id=fire_id)
 

@@ -138,6 +138,8 @@
     fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(async function (b) {
       await drawAll(b);
       setFacts(b);
+      const badge = document.querySelector('[data-fact="status"]');
+      if (badge) badge.className = "badge s-" + b.status;
       if (b.summary.counts.completed !== lastCompleted) { lastCompleted = b.summary.counts.completed; loadImportance(); }
       const tables = document.getElementById("tables");
       const counts = JSON.stringify(b.summary.counts);
