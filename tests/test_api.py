@@ -434,3 +434,17 @@ def test_serve_with_an_unreachable_database_exits_2_naming_the_url(
     assert main(["serve", "--migrate-only"]) == 0
     assert main(["serve", "--migrate-only"]) == 0  # idempotent
     assert store.current_revision(f"sqlite:///{tmp_path / 'fresh.db'}")
+
+
+def test_ray_addresses_resolve_to_the_port_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.routes import health
+
+    assert health._ray_target("ray://head:10001") == ("head", 10001)
+    assert health._ray_target("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert health._ray_target("[::1]:6379") == ("::1", 6379)
+    assert health._ray_target("nonsense") is None
+    current = tmp_path / "ray_current_cluster"
+    monkeypatch.setattr(health, "RAY_CURRENT_CLUSTER", current)
+    assert health._ray_target("auto") is None  # `ray start` has not run on this node
+    current.write_text("192.0.2.7:6379\n")
+    assert health._ray_target("auto") == ("192.0.2.7", 6379)

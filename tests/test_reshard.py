@@ -146,6 +146,16 @@ def test_verdict_rules(tmp_path):
     assert type(corrupted).from_dict(corrupted.to_dict()) == corrupted
 
 
+def test_cli_summary_names_verdict_and_mismatches(tmp_path, capsys):
+    from api.cli.reshard import print_summary
+
+    job = ReshardJob(model=TINY, cluster=CLUSTER, training=TRAINING, from_layout=Layout(dp=4),
+                     to_layout=Layout(tp=2, dp=2), checkpoint_dir=str(tmp_path), steps_before=1, steps_after=2)
+    print_summary(report_from_ranks(job, [_outcome([5.0, 4.0, 3.0], [4.0, 3.0], ["model/norm.weight"])], backend="x"))
+    out = capsys.readouterr().out
+    assert "corrupted" in out and "model/norm.weight" in out and "tp2-cp1-ep1-dp2" in out
+
+
 def test_canonical_fqn_drops_layout_wrappers():
     assert canonical_fqn("layers.3._checkpoint_wrapped_module.attention.wq.weight") == "layers.3.attention.wq.weight"
     assert canonical_fqn("layers.0.attention.wk.linear.weight") == "layers.0.attention.wk.weight"

@@ -10,8 +10,9 @@ fresh process group on a fresh port (workers/_launch.py).
 The pool is one per driver process, shared by every ``RayBackend`` in it, so two backends (a sweep
 and a ``run-trial``, or two tests) never starve each other with idle reservations: a trial of a
 new shape evicts idle gangs, least recently used first, when Ray lacks room. A gang serves one
-trial at a time. A trial that leaves ranks stuck (timeout, dead peer) gets its gang's actors killed
-— only that gang's — and the placement groups stay, so replacements start in the same bundles.
+trial at a time. A trial that leaves ranks stuck (timeout, dead peer) gets those ranks — or, when
+its peers cannot recover, all of its gang's actors — killed, never another gang's; the placement
+groups stay, so replacements start in the same bundles on next use.
 If Ray was shut down and started again, the pool notices (a new job id) and forgets stale gangs.
 """
 

@@ -22,6 +22,10 @@ Failures
     do not notice, a dead process, peers stuck after one rank failed), *that gang's* actors are
     killed — never another's. Killed ranks are respawned in the same placement groups on next use.
     One failing trial never breaks the pool or the caller.
+
+Request options read here: ``init_timeout_s`` (start-up allowance before the first step, default
+the backend's ``init_timeout_s``); ``memory_cap_bytes`` (validated here, applied by
+workers/_launch.py); the rank program reads the rest (``fail``, ``sleep_per_step_s``, ...).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 import tuner
-from tuner import BackendError, check_layout
+from tuner import BackendError, SpecError, check_layout
 from workers._contract import TrialError, TrialRequest, TrialResult
 from workers._gangs import POOL, Slot, ensure_actors, kill_actors
 from workers.aggregate import aggregate
@@ -134,6 +138,9 @@ class RayBackend:
         """Everything that can be known before a process starts; returns (resource, node groups)."""
         layout, cluster = request.layout, request.cluster
         check_layout(layout, model=request.model, cluster=cluster, training=request.training)
+        cap = request.options.get("memory_cap_bytes")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise SpecError(f"options.memory_cap_bytes must be a non-negative integer, got {cap!r}")
         groups = self._node_groups(request)
         resource = "GPU" if cluster.device_kind == "cuda" else "CPU"
         self._ensure_ray(min_cpus=layout.world_size if resource == "CPU" else 0)

@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from jinja2 import pass_context
+from starlette.concurrency import run_in_threadpool
 from starlette.routing import NoMatchFound
 
 from api.auth import ANONYMOUS, match_token
@@ -195,13 +196,18 @@ def sweeps_list(
 
 @router.post("/sweeps", name="dashboard_submit")
 async def submit(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
-    raw = await request.form()
-    values = {k: str(raw.get(k, form.DEFAULTS[k])) for k in form.FIELDS}
+    raw = {k: str(v) for k, v in (await request.form()).items()}
+    # The store is synchronous: validate, write and render off the event loop.
+    return await run_in_threadpool(_submit, request, session, settings, raw)
+
+
+def _submit(request: Request, session: Any, settings: Settings, raw: dict[str, str]) -> Response:
+    values = {k: raw.get(k, form.DEFAULTS[k]) for k in form.FIELDS}
     spec, state = form.validate(values)
     owner: str | None = ANONYMOUS  # as POST /api/sweeps records a sweep when auth is off
     code = 422
     if settings.api_tokens:  # the same rule as POST /api/sweeps: a valid token, its name is the owner
-        token = str(raw.get("token", ""))
+        token = raw.get("token", "")
         owner = match_token(token, settings.api_tokens) if token else None
         if owner is None:
             state.errors.insert(0, "token: missing — this coordinator needs a token to submit" if not token

@@ -29,7 +29,7 @@ def sweep_version(sweep: Any) -> tuple:
 
 
 class VersionedCache:
-    def __init__(self, max_entries: int = 64) -> None:
+    def __init__(self, max_entries: int = 32) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[Hashable, tuple[Hashable, Any]] = OrderedDict()
         self._guard = threading.Lock()

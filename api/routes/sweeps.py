@@ -128,7 +128,10 @@ def ranking(
     if limit is not None or offset:  # a page: serialise the slice (the whole answer is cached as bytes)
         end = None if limit is None else offset + limit
         page = dataclasses.replace(result, rows=result.rows[offset:end])
-        json_bytes, csv_text = _ranking_json(page, total=len(result.rows)), service.ranking_csv(page)
+        if wants_csv:
+            csv_text = service.ranking_csv(page)
+        else:
+            json_bytes = _ranking_json(page, total=len(result.rows))
     if wants_csv:
         return Response(
             csv_text,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -162,24 +163,55 @@ def _median(values: list[float]) -> float | None:
     return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
 
 
+_CACHE_LOCK = threading.Lock()
+_CACHE: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def _cached(session: Session, sweep: Sweep, what: str, build: Any) -> Any:
+    """Memoise a derived view of a sweep until any of its counters changes (each recorded trial
+    changes them; a finished sweep never changes): ranking 10,000 trials is then a dict lookup.
+    The cached objects are shared: callers read them and never mutate them."""
+    key = (
+        str(session.get_bind().url), sweep.id, what, sweep.status, sweep.n_trials, sweep.n_completed,
+        sweep.n_failed, sweep.n_pruned, sweep.device_seconds, sweep.best_tokens_per_s_per_device,
+        repr(sweep.calibration),
+    )
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    value = build()
+    with _CACHE_LOCK:
+        _CACHE[key] = value
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return value
+
+
 def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> Ranking:
     """Measured layouts ranked by ``metric`` (median over re-measurements, 95% interval, ties)."""
     if metric not in RANKING_METRICS:
         raise SpecError(f"metric={metric!r} is not a ranking metric (one of {', '.join(RANKING_METRICS)})")
     sweep = get_sweep(session, sweep_id=sweep_id)
-    by_key: dict[str, list[Trial]] = defaultdict(list)
-    for t in store.measured_trials(session, sweep_id=sweep_id):
+    return _cached(session, sweep, f"ranking:{metric}", lambda: _ranking(session, sweep, metric))
+
+
+def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
+    by_key: dict[str, list[Any]] = defaultdict(list)
+    for t in store.measured_trials(session, sweep_id=sweep.id):
         if getattr(t, metric) is not None:
             by_key[t.layout_key].append(t)
     ranked = rank({k: [getattr(t, metric) for t in ts] for k, ts in by_key.items()})
+    layouts = store.layouts_of(session, sweep_id=sweep.id, keys=list(by_key))
     rows = []
     for r in ranked:
         ts = by_key[r.key]
-        first = min(ts, key=lambda t: t.number)
+        first = ts[0]  # rows come in trial-number order
         tps = _median([t.tokens_per_s_per_device for t in ts])
         peak = _median([t.peak_memory_bytes for t in ts])
         rows.append(RankingRow(
-            rank=r.rank, layout_key=r.key, layout=first.layout, n=r.interval.n, median=r.interval.median,
+            rank=r.rank, layout_key=r.key, layout=layouts.get(r.key, {}), n=r.interval.n, median=r.interval.median,
             low=r.interval.low, high=r.interval.high, tie_group=r.tie_group, tied_with_best=r.tied_with_best,
             tokens_per_s_per_device=tps, useful_tokens_per_s=_median([t.useful_tokens_per_s for t in ts]),
             peak_memory_bytes=None if peak is None else int(peak),
@@ -187,9 +219,9 @@ def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_
             prediction_error=relative_error(first.predicted_tokens_per_s_per_device, tps),
             predicted_memory_bytes=first.predicted_memory_bytes,
             memory_prediction_error=relative_error(first.predicted_memory_bytes, peak),
-            simulated=any(t.simulated for t in ts), trial_numbers=sorted(t.number for t in ts),
+            simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
-    return Ranking(sweep_id, metric, rows, sweep.calibration, any(r.simulated for r in rows))
+    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows))
 
 
 CSV_COLUMNS = (
@@ -212,9 +244,13 @@ def ranking_csv(result: Ranking) -> str:
 
 def pareto(session: Session, *, sweep_id: int) -> list[ParetoPoint]:
     """Every measured layout (medians) with whether it is on the throughput-vs-peak-memory front."""
-    get_sweep(session, sweep_id=sweep_id)
-    by_key: dict[str, list[Trial]] = defaultdict(list)
-    for t in store.measured_trials(session, sweep_id=sweep_id):
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    return _cached(session, sweep, "pareto", lambda: _pareto(session, sweep))
+
+
+def _pareto(session: Session, sweep: Sweep) -> list[ParetoPoint]:
+    by_key: dict[str, list[Any]] = defaultdict(list)
+    for t in store.measured_trials(session, sweep_id=sweep.id):
         if t.peak_memory_bytes is not None:
             by_key[t.layout_key].append(t)
     points = [
@@ -222,8 +258,9 @@ def pareto(session: Session, *, sweep_id: int) -> list[ParetoPoint]:
         for k, ts in by_key.items()
     ]
     front = set(pareto_front(points))
+    layouts = store.layouts_of(session, sweep_id=sweep.id, keys=list(by_key))
     out = [
-        ParetoPoint(k, by_key[k][0].layout, thr, int(mem), k in front, any(t.simulated for t in by_key[k]))
+        ParetoPoint(k, layouts.get(k, {}), thr, int(mem), k in front, any(t.simulated for t in by_key[k]))
         for k, thr, mem in points
     ]
     return sorted(out, key=lambda p: (not p.on_front, p.peak_memory_bytes, -p.tokens_per_s_per_device))

@@ -10,7 +10,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, load_only
+from sqlalchemy.orm import Session
 
 from api.store._models import Trial, utcnow
 from workers import TrialResult
@@ -177,21 +177,34 @@ def all_trials(session: Session, *, sweep_id: int) -> list[Trial]:
 
 
 RANKING_COLUMNS = (
-    Trial.id, Trial.sweep_id, Trial.number, Trial.attempt, Trial.phase, Trial.repeat, Trial.layout,
-    Trial.layout_key, Trial.status, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s,
+    Trial.number, Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s,
     Trial.peak_memory_bytes, Trial.predicted_tokens_per_s_per_device, Trial.predicted_memory_bytes,
     Trial.step_time_s, Trial.simulated,
 )
 
 
-def measured_trials(session: Session, *, sweep_id: int) -> list[Trial]:
-    """Completed measurements of a sweep (search and re-measurement), for ranking and calibration.
-    Only the columns ranking needs are loaded (not step times, losses, env): 10,000 rows stay fast."""
-    return list(session.scalars(
-        sa.select(Trial).options(load_only(*RANKING_COLUMNS)).where(Trial.sweep_id == sweep_id, Trial.status == "completed",
-                               Trial.tokens_per_s_per_device.is_not(None))
-        .order_by(Trial.number).execution_options(populate_existing=True)
+def measured_trials(session: Session, *, sweep_id: int) -> list[Any]:
+    """Completed measurements of a sweep (search and re-measurement) as light rows (Core, not ORM:
+    only the columns ranking needs, so 10,000 trials stay fast). ``layouts_of`` gives the layouts."""
+    return list(session.execute(
+        sa.select(*RANKING_COLUMNS).where(Trial.sweep_id == sweep_id, Trial.status == "completed",
+                                          Trial.tokens_per_s_per_device.is_not(None))
+        .order_by(Trial.number)
     ).all())
+
+
+def layouts_of(session: Session, *, sweep_id: int, keys: list[str]) -> dict[str, dict[str, Any]]:
+    """Layout dicts of the given layout keys in a sweep (from their first search trial)."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(keys), 500):
+        chunk = keys[i:i + 500]
+        for key, layout in session.execute(
+            sa.select(Trial.layout_key, Trial.layout)
+            .where(Trial.sweep_id == sweep_id, Trial.layout_key.in_(chunk), Trial.repeat == 0)
+            .order_by(Trial.number)
+        ):
+            out.setdefault(key, layout)
+    return out
 
 
 def next_number(session: Session, *, sweep_id: int) -> int:
