@@ -35,6 +35,12 @@ CASES = {  # name: (model, from, to, corruption)
     "tp2pp2-to-dp4": (TINY, Layout(tp=2, pp=2), Layout(dp=4), None),
     "zero3-to-zero0": (TINY, Layout(dp=4, zero=3), Layout(dp=4, zero=0), None),
     "pp2-uneven-to-pp4": (TINY5, Layout(pp=2, dp=2), Layout(pp=4), None),
+    # Layout-specific FQNs on the save side (tp4 > kv_heads: ReplicatedKV's wk.linear; selective AC's
+    # checkpoint wrapper), two pipeline chunks per rank on the load side (interleaved, one shell).
+    "tp4sp-acsel-to-interleaved-pp2v2dp2-zero1": (
+        TINY, Layout(tp=4, sp=True, ac="selective"),
+        Layout(pp=2, dp=2, schedule="interleaved", vpp=2, zero=1), None,
+    ),
     "wrong-reshard-swap-layers": (TINY, Layout(dp=4), Layout(tp=2, dp=2), "swap-layers"),
 }
 
