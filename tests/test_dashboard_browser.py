@@ -50,7 +50,7 @@ def coordinator(tmp_path_factory) -> Iterator[dict]:
         "live": seed_sweep(sessions, n_trials=10, name="still running", status="running", seed=2),
     }
     seed_s = time.perf_counter() - t0
-    settings = Settings(database_url=url, api_tokens={"alice": TOKEN}, backend="simulate")
+    settings = Settings(database_url=url, api_tokens={"alice": TOKEN}, read_requires_auth=False, backend="simulate")
     app = create_app(settings, run_engine=False)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

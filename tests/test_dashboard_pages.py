@@ -105,7 +105,7 @@ def stored(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stored):
-    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}), run_engine=False)
+    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False), run_engine=False)
     with TestClient(app) as c:
         yield c
 

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from engine_backends import ScriptedBackend
+from _engine_backends import ScriptedBackend
 
 import tuner
 from api import store
 from api.engine import SweepRunner
-from api.engine._runner import _SweepLoop
+from api.engine._loop import SweepLoop
 from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
@@ -72,7 +72,7 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     assert len(keys) == len(set(keys)) == 30  # dedupe by layout key: nothing proposed twice
     # What the sampler was told: every OOM is a COMPLETE trial with a violated constraint (not FAIL,
     # which TPE ignores), rebuilt the same way on resume.
-    loop = _SweepLoop(runner, sw.id, threading.Event(), None)
+    loop = SweepLoop(runner, sw.id, threading.Event(), None)
     loop._recover()
     loop._rebuild()
     told = loop.proposer.study.trials

@@ -49,7 +49,7 @@ def test_killed_coordinator_resumes_with_every_trial_exactly_once(backend_db, tm
         "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
         "search": {"sampler": "tpe", "max_trials": 14, "warm_start_top_k": 2, "remeasure_top_k": 1, "repeats": 2},
         # 8 "devices" of capacity / 4 per trial: two trials in flight when the coordinator dies.
-        "trial": {"options": {"sleep_s": 0.4}}, "backend": "engine_backends:ScriptedBackend",
+        "trial": {"options": {"sleep_s": 0.4}}, "backend": "_engine_backends:ScriptedBackend",
     })
     with sessions() as s:
         sweep_id = svc.create_sweep(s, spec=spec, owner="t").id

@@ -1,4 +1,4 @@
-"""Test backends for the engine (importable as ``engine_backends:...`` with tests/ on sys.path).
+"""Test backends for the engine (importable as ``_engine_backends:...`` with tests/ on sys.path).
 
 ``ScriptedBackend`` answers like the simulate backend (results stay labelled simulated) but lets a
 spec's ``trial.options`` inject what real runs do: a slow step (``sleep_s``), an OOM the memory model

@@ -1,0 +1,356 @@
+"""One sweep's loop: propose -> prune by the memory model -> run on the backend -> record -> tell.
+
+All database writes and all Optuna calls happen on the loop's thread; worker threads only call
+``backend.run`` (so SQLite sees one writer per coordinator and the in-memory study needs no lock).
+
+Budgets: ``max_trials`` counts search trial numbers (pruned ones included); ``max_device_seconds``
+stops new trials once the recorded trials have held devices that long; ``patience`` stops after k
+trials that ran (not pruned) in number order without beating the best measured tokens/s per device.
+Trials in flight when a budget is reached finish and are recorded. Then the top ``remeasure_top_k``
+layouts are topped up to ``repeats`` measurements (within ``max_device_seconds``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from api import store
+from api.engine._model import Problem
+from api.engine._space import ListProposer, OptunaProposer
+from api.spec import SweepSpec
+from tuner import BackendError, Layout
+from workers import TrialError, TrialRequest, TrialResult
+
+if TYPE_CHECKING:
+    from api.engine._runner import SweepRunner
+
+MAX_THREADS = 32
+HEARTBEAT_S = 2.0
+
+
+@dataclass
+class Ticket:
+    """One trial attempt in flight."""
+
+    number: int
+    attempt: int
+    layout: Layout
+    phase: str
+    handle: Any  # the asked Optuna trial, or None
+    future: Future | None = None
+
+
+class SweepLoop:
+    def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
+        self.r = runner
+        self.sweep_id = sweep_id
+        self.stop = stop
+        self.on_progress = on_progress or (lambda event: None)
+        with runner.sessions() as s:
+            sweep = store.get_sweep(s, sweep_id=sweep_id)
+            self.spec = SweepSpec.model_validate(sweep.spec)
+            calibration = sweep.calibration
+        self.problem = Problem.from_spec(self.spec, calibration=calibration)
+        self.search = self.spec.search
+        space = self.problem.space
+        if self.search.sampler in ("grid", "random"):
+            seed = None if self.search.sampler == "grid" else self.search.seed
+            self.proposer: Any = ListProposer(space, shuffle_seed=seed)
+        else:
+            self.proposer = OptunaProposer(space, sampler=self.search.sampler, seed=self.search.seed,
+                                           max_trials=self.search.max_trials)
+        self.in_flight: dict[Future, Ticket] = {}
+        self.last_beat = 0.0
+
+    # --- state from the store ---------------------------------------------------------------------
+
+    def _load_rows(self) -> None:
+        """Cache of the sweep's live rows by number (the loop is the only writer while it runs)."""
+        with self.r.sessions() as s:
+            self.rows = {t.number: t for t in store.all_trials(s, sweep_id=self.sweep_id) if t.status != "interrupted"}
+            self.spent = sum(t.device_seconds or 0.0 for t in store.all_trials(s, sweep_id=self.sweep_id))
+
+    def _rows(self) -> list[store.Trial]:
+        return list(self.rows.values())
+
+    def _reload(self, s: Any, number: int, attempt: int | None = None) -> store.Trial:
+        row = store.get_trial_by_number(s, sweep_id=self.sweep_id, number=number, attempt=attempt)
+        self.rows[number] = row
+        return row
+
+    def _recover(self) -> list[store.Trial]:
+        """The documented restart rule: a trial found "running" belonged to a coordinator that died;
+        its row becomes "interrupted" and the trial re-runs under the same number as attempt + 1."""
+        with store.session_scope(self.r.sessions) as s:
+            store.mark_interrupted(s, sweep_id=self.sweep_id)
+            rows = store.all_trials(s, sweep_id=self.sweep_id)
+            live = {t.number for t in rows if t.status != "interrupted"}
+            redo: dict[int, store.Trial] = {}
+            for t in rows:
+                if t.number not in live and (t.number not in redo or t.attempt > redo[t.number].attempt):
+                    redo[t.number] = t
+            for t in redo.values():
+                store.insert_trial(
+                    s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt + 1, phase=t.phase,
+                    source=t.source, repeat=t.repeat, layout=t.layout, layout_key=t.layout_key,
+                    world_size=t.world_size, predicted_memory_bytes=t.predicted_memory_bytes,
+                    predicted_step_time_s=t.predicted_step_time_s,
+                    predicted_tokens_per_s_per_device=t.predicted_tokens_per_s_per_device,
+                    useful_fraction=t.useful_fraction, backend=t.backend,
+                )
+        self._load_rows()
+        return [t for t in self._rows() if t.status == "running"]
+
+    def _rebuild(self) -> list[store.Trial]:
+        """Replay every finished search trial into the in-memory study (Optuna's state is derived)."""
+        rows = self._rows()
+        for t in sorted(rows, key=lambda t: t.number):
+            if t.phase == "search" and t.status in store.TERMINAL_TRIAL_STATUSES:
+                self._tell(Layout(**t.layout), None, t)
+        return rows
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        rerun = self._recover()
+        rows = self._rebuild()
+        self.seen = {t.layout_key for t in rows if t.phase == "search"}
+        self.warm = [(lay, src) for lay, src in self.problem.warm_start(self.search) if lay.key not in self.seen]
+        self.next_number = max((t.number for t in rows), default=-1) + 1
+        self.backend = self.r.backend_factory(self.spec)
+        try:
+            self.slots = self._slots()
+            with ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}") as pool:
+                self.pool = pool
+                for t in rerun:
+                    self._submit(Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None))
+                finished = self._loop()
+        finally:
+            self.backend.close()
+        if finished:
+            with store.session_scope(self.r.sessions) as s:
+                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+                store.set_sweep_status(s, sweep_id=self.sweep_id, status="completed", only_from=("running",))
+        self._progress("end")
+
+    def _slots(self) -> int:
+        world = self.problem.cluster.devices
+        capacity = int(self.backend.capacity())
+        slots = capacity // world if capacity >= 2 * world else 1
+        if self.r.settings.max_concurrent_trials > 0:
+            slots = min(slots, self.r.settings.max_concurrent_trials)
+        return max(1, min(slots, MAX_THREADS))
+
+    def _loop(self) -> bool:
+        """Returns True when the sweep ran to its end (not cancelled, stopped or taken over)."""
+        phase = "search"
+        remeasure: list[tuple[Layout, int]] = []
+        while True:
+            halted = self._beat() != "running" or self.stop.is_set()
+            self._collect([f for f in list(self.in_flight) if f.done()])
+            while not halted and len(self.in_flight) < self.slots:
+                if phase == "search":
+                    if not self._search_done():
+                        self._launch_search()  # a pruned proposal takes no slot
+                        continue
+                    if self.in_flight:
+                        break  # re-measurement starts from the final search results
+                    phase, remeasure = "remeasure", self._remeasure_plan()
+                if not remeasure or self._over_device_budget():
+                    break
+                layout, repeat = remeasure.pop(0)
+                self._launch(layout, phase="remeasure", source="remeasure", repeat=repeat, handle=None)
+            if not self.in_flight:
+                if halted:
+                    return False
+                if phase == "remeasure":
+                    return True
+                continue
+            wait(list(self.in_flight), timeout=self.r.poll_s if halted else 0.5, return_when=FIRST_COMPLETED)
+
+    def _beat(self) -> str | None:
+        now = time.monotonic()
+        if now - self.last_beat < HEARTBEAT_S and hasattr(self, "_status"):
+            return self._status
+        self.last_beat = now
+        with store.session_scope(self.r.sessions) as s:
+            self._status = store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id)
+        return self._status
+
+    # --- budgets -------------------------------------------------------------------------------
+
+    def _search_rows(self) -> list[store.Trial]:
+        return [t for t in self._rows() if t.phase == "search"]
+
+    def _over_device_budget(self) -> bool:
+        limit = self.search.max_device_seconds
+        return limit is not None and self.spent >= limit
+
+    def _search_done(self) -> bool:
+        rows = self._search_rows()
+        if len(rows) >= self.search.max_trials or self._over_device_budget():
+            return True
+        if self.search.patience is not None:
+            ran = sorted((t for t in rows if t.status not in ("pruned", "running")), key=lambda t: t.number)
+            best, since = None, 0
+            for t in ran:
+                v = t.tokens_per_s_per_device if t.status == "completed" else None
+                if v is not None and (best is None or v > best):
+                    best, since = v, 0
+                else:
+                    since += 1
+            if since >= self.search.patience:
+                return True
+        return self._exhausted
+
+    _exhausted = False
+
+    def _launch_search(self) -> bool:
+        """Propose one layout; prune it or start it. False when nothing more can be proposed now."""
+        if self.warm:
+            layout, source = self.warm.pop(0)
+            handle = None
+        else:
+            proposal = self.proposer.propose(self.seen)
+            if proposal is None:
+                self._exhausted = True
+                return False
+            (layout, handle), source = proposal, "sampler"
+        self.seen.add(layout.key)
+        prediction = self.problem.predict(layout)
+        if not prediction.fits:
+            number = self._take_number()
+            with store.session_scope(self.r.sessions) as s:
+                store.insert_trial(
+                    s, sweep_id=self.sweep_id, number=number, layout=dataclasses.asdict(layout),
+                    layout_key=layout.key, world_size=layout.world_size, source=source, status="pruned",
+                    cause=prediction.prune_cause, **prediction.columns(), backend=self.backend.name,
+                )
+                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+                row = self._reload(s, number)
+            self._tell(layout, handle, row)
+            self._progress("pruned", row)
+            return True
+        self._launch(layout, phase="search", source=source, repeat=0, handle=handle, prediction=prediction)
+        return True
+
+    def _take_number(self) -> int:
+        number = self.next_number
+        self.next_number += 1
+        return number
+
+    def _launch(self, layout: Layout, *, phase: str, source: str, repeat: int, handle: Any, prediction: Any = None) -> None:
+        prediction = prediction or self.problem.predict(layout)
+        number = self._take_number()
+        with store.session_scope(self.r.sessions) as s:
+            store.insert_trial(
+                s, sweep_id=self.sweep_id, number=number, layout=dataclasses.asdict(layout), layout_key=layout.key,
+                world_size=layout.world_size, phase=phase, source=source, repeat=repeat, **prediction.columns(),
+                backend=self.backend.name,
+            )
+            self._reload(s, number)
+        self._submit(Ticket(number, 0, layout, phase, handle))
+
+    def _submit(self, ticket: Ticket) -> None:
+        trial = self.spec.trial
+        request = TrialRequest(
+            model=self.problem.model, cluster=self.problem.cluster, training=self.problem.training,
+            layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=trial.measure_steps,
+            step_timeout_s=trial.step_timeout_s, seed=self.spec.search.seed,
+            trial_id=f"{self.sweep_id}-{ticket.number}-{ticket.attempt}", options=dict(trial.options),
+        )
+        ticket.future = self.pool.submit(self._run_one, request)
+        self.in_flight[ticket.future] = ticket
+        self._progress("started")
+
+    def _run_one(self, request: TrialRequest) -> TrialResult:
+        try:
+            return self.backend.run(request)
+        except BackendError:
+            raise
+        except Exception as exc:  # a backend bug is recorded as this trial's crash, not the sweep's end
+            return TrialResult(
+                status="crash", backend=getattr(self.backend, "name", "?"),
+                error=TrialError(kind="crash", message=f"backend raised {type(exc).__name__}: {exc}",
+                                 exception_type=type(exc).__name__),
+            )
+
+    def _collect(self, done: list[Future]) -> None:
+        for fut in done:
+            ticket = self.in_flight.pop(fut)
+            try:
+                result = fut.result()
+            except BackendError as exc:  # the backend cannot run anything: record, then fail the sweep
+                result = TrialResult(status="crash", backend=getattr(self.backend, "name", "?"),
+                                     error=TrialError(kind="crash", message=f"backend error: {exc}",
+                                                      exception_type="BackendError"))
+                self._record_failure(ticket, result)
+                raise
+            with store.session_scope(self.r.sessions) as s:
+                row = self.rows.get(ticket.number)
+                store.record_result(s, sweep_id=self.sweep_id, number=ticket.number, attempt=ticket.attempt,
+                                    result=result, useful_fraction=row.useful_fraction if row else None)
+                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+                row = self._reload(s, ticket.number, ticket.attempt)
+            self.spent += row.device_seconds or 0.0
+            if ticket.phase == "search":
+                self._tell(ticket.layout, ticket.handle, row)
+                if row.status == "completed":
+                    self._maybe_calibrate()
+            self._progress("finished", row)
+
+    def _record_failure(self, ticket: Ticket, result: TrialResult) -> None:
+        """Record ``result`` for the failed trial and every other one in flight (the sweep ends)."""
+        with store.session_scope(self.r.sessions) as s:
+            for t in [ticket, *self.in_flight.values()]:
+                store.record_result(s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt, result=result)
+            store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+
+    def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:
+        device_memory = self.problem.cluster.device_memory
+        if row.status == "completed":
+            values = [row.tokens_per_s_per_device or 0.0, float(row.peak_memory_bytes or 0)]
+            self.proposer.tell(layout, handle, values=values, violation=0.0)
+        elif row.status in store.INFEASIBLE_TRIAL_STATUSES:
+            peak = row.predicted_memory_bytes if row.status == "pruned" else row.peak_memory_bytes
+            peak = peak or 2 * device_memory
+            violation = max(peak / device_memory - 1.0, 1e-3) if row.status != "timeout" else 1.0
+            self.proposer.tell(layout, handle, values=[0.0, float(max(peak, device_memory))], violation=violation)
+        else:  # crash / nan: a failure with its cause
+            self.proposer.tell(layout, handle, values=None, violation=0.0)
+
+    def _maybe_calibrate(self) -> None:
+        rows = [t for t in self._rows() if t.status == "completed" and t.step_time_s]
+        calibration = self.problem.maybe_calibrate(rows)
+        if calibration is not None:
+            with store.session_scope(self.r.sessions) as s:
+                store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
+
+    def _remeasure_plan(self) -> list[tuple[Layout, int]]:
+        """Top-k layouts by median measured tokens/s per device, each topped up to ``repeats``
+        measurements (counting earlier re-measurement attempts, so a resume never repeats one)."""
+        k, repeats = self.search.remeasure_top_k, self.search.repeats
+        if k <= 0 or repeats <= 1:
+            return []
+        rows = self._rows()
+        best: dict[str, float] = {}
+        for t in rows:
+            if t.phase == "search" and t.status == "completed" and t.tokens_per_s_per_device is not None:
+                best[t.layout_key] = max(best.get(t.layout_key, 0.0), t.tokens_per_s_per_device)
+        plan = []
+        for key in sorted(best, key=lambda key: -best[key])[:k]:
+            done = [t.repeat for t in rows if t.layout_key == key and t.phase == "remeasure"]
+            layout = self.problem.space.layouts[self.problem.space.index[key]]
+            plan += [(layout, rep) for rep in range(1, repeats) if rep not in done]
+        return plan
+
+    def _progress(self, event: str, row: Any = None) -> None:
+        self.on_progress({
+            "event": event, "sweep_id": self.sweep_id, "in_flight": len(self.in_flight),
+            "max_trials": self.search.max_trials, "trial": row,
+        })
