@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import dashboard, errors, store
-from api.routes import health, metrics, plan, presets, schedules, sweeps
-from api.routes import reshard as reshard_routes  # issue 8: reshard-check
+from api.dashboard import trends
+from api.routes import health, metrics, plan, presets, reshard, schedules, sweeps
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("meshtune.api")
@@ -83,7 +83,7 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     )
     app.state.settings = settings
     errors.install(app)
-    for module in (sweeps, plan, presets, health, metrics, schedules, dashboard):
+    # API routers first, then the dashboard's pages (the dashboard owns "/").
+    for module in (sweeps, plan, presets, health, metrics, schedules, reshard, dashboard, trends):
         app.include_router(module.router)
-    app.include_router(reshard_routes.router)
     return app
