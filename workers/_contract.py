@@ -23,9 +23,25 @@ class TrialRequest:
 
     ``warmup_steps`` are run and discarded, then ``measure_steps`` are timed. ``step_timeout_s`` is
     the per-step watchdog: a step that takes longer kills the trial (status ``timeout``).
-    ``options`` are test/diagnostic hooks understood by the workers, e.g. ``sleep_per_step_s``
-    (an injected slowdown), ``fail`` in {"crash", "hang", "oom", "nan"} with ``fail_rank``,
-    ``memory_cap_bytes`` (per-rank cap; CPU: RLIMIT_AS-free accounting, see workers docs).
+
+    ``options`` are test/diagnostic hooks understood by the workers (all optional):
+
+    - ``fail``: one of "crash", "hang", "oom", "nan", injected on rank ``fail_rank`` (default 0)
+      before step ``fail_step`` (default 1) — a real raised error, sleep, 1 PiB allocation or
+      infinite embedding output;
+    - ``sleep_per_step_s``: seconds slept inside every timed step (an injected slowdown);
+    - ``memory_cap_bytes``: a real per-rank memory cap for the trial (CUDA: the caching
+      allocator's per-process fraction; CPU: ``RLIMIT_DATA`` above what the process already
+      holds; see ``workers._launch.memory_cap``);
+    - ``init_timeout_s``: start-up allowance before the first step (Ray backend watchdog);
+    - ``grad_norm``: if true, every rank records the global gradient norm of each step before the
+      optimiser update (``RankReport.grad_norms``; a numerics diagnostic, since Adam hides a wrong
+      gradient scale from the losses). Its gathers then count in the step time;
+    - ``cpu_bf16``: if true and ``training.precision`` is "bf16", CPU ranks run the GPU's mixed-
+      precision path instead of falling back to fp32 (the fallback is noted in the result), so CI
+      exercises it: bf16 compute with fp32 master weights and optimiser state — FSDP's
+      MixedPrecisionPolicy (bf16 parameters in forward/backward, fp32 gradient reduction) under
+      FSDP (ZeRO >= 1 with data parallelism), ``torch.autocast`` otherwise. Ignored on CUDA ranks, which run bf16 when asked.
     """
 
     model: ModelSpec

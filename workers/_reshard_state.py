@@ -1,9 +1,9 @@
 """The torch side of reshard-check: a layout's model + optimizer that can step, DCP state dicts keyed
 by single-model FQNs, the deliberate corruption, and the full-state snapshot and comparison.
 
-``Trainer`` builds a layout exactly as ``workers.train._run_trial`` does (same mesh, seed, init,
-``parallelize_model``, AdamW, pipeline schedule, loss) and runs one step at a time without the
-trial's measurements, so the losses it reports are the trial's losses for the same steps.
+``Trainer`` builds and steps a layout with the trial's own functions (``workers.train``:
+``build_rank_model``, ``rank_batch``, ``train_step``, ``global_loss``) one step at a time without
+the trial's measurements, so the losses it reports are the trial's losses for the same steps.
 """
 
 from __future__ import annotations
@@ -18,79 +18,32 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from tuner import LayoutError, microbatches
-from workers import measure
 from workers._contract import TrialRequest
-from workers.model import Transformer, synthetic_batch
-from workers.parallelize import build_mesh, coordinate, parallelize_model
 from workers.reshard import TensorMismatch, canonical_fqn
-from workers.train import _accumulate, _build_schedule, _pipeline_step, _precision
+from workers.train import build_rank_model, global_loss, rank_batch, train_step
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Trainer:
-    """This rank's share of one layout: model chunks, optimizer, schedule; ``step(i)`` trains on
-    the global batch of step ``i`` and returns the global loss (on every rank)."""
+    """This rank's share of one layout for reshard-check: ``workers.train.build_rank_model``, as
+    every trial builds it, plus ``module``, one shell over the rank's chunks with the single
+    model's FQNs. ``step(i)`` trains on the global batch of step ``i`` (``train_step``, the trial's
+    step without its measurements) and returns the global loss, on every rank."""
 
     def __init__(self, request: TrialRequest, device: torch.device) -> None:
-        layout, spec, training = request.layout, request.model, request.training
-        if dist.get_world_size() != layout.world_size:
-            raise LayoutError(f"layout world size {layout.world_size} != process group size {dist.get_world_size()}")
-        self.layout, self.spec, self.training, self.device = layout, spec, training, device
-        self.m = microbatches(layout, training)
-        dtype = _precision(training, device, [], dict(request.options))
-        self.dtype = str(dtype).removeprefix("torch.")
-        self.mesh = build_mesh(layout, request.cluster, device.type)
-        torch.manual_seed(training.seed)
-        with torch.device(device):
-            model = Transformer(spec)
-        model.init_weights(training.seed)
-        self.par = parallelize_model(model, self.mesh, layout, param_dtype=dtype)
-        self.autocast = dtype != torch.float32 and not self.par.fsdp
-        self.amp_dtype = dtype
-        stage_ids = [s for s, _ in self.par.chunks]
-        self.has_first, self.has_last = 0 in stage_ids, layout.stages - 1 in stage_ids
-        self.data_index = coordinate(self.mesh, "dp") * layout.ep + coordinate(self.mesh, "ep")
-        self.local_batch = training.global_batch // layout.data_ranks
-        self.loss_share = 1.0 / (layout.dp * layout.cp * layout.ep)
-        self.reports_loss = self.has_last and coordinate(self.mesh, "tp") == 0
-        params = [p for _, c in self.par.chunks for p in c.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=training.lr)
-        self.timer = measure.ComputeTimer(device)
-        self.schedule = (
-            _build_schedule(self.par, layout, self.m, device, self.mesh["pp"].get_group(), self.timer)
-            if layout.pp > 1 else None
-        )
-        self.module = shell([c for _, c in self.par.chunks])
+        self.rm = build_rank_model(request, device)
+        self.optimizer = self.rm.optimizer
+        self.dtype = str(self.rm.dtype).removeprefix("torch.")
+        self.module = shell([c for _, c in self.rm.par.chunks])
 
     def step(self, step: int) -> float:
-        layout, spec = self.layout, self.spec
-        tokens, targets = synthetic_batch(spec, batch=self.training.global_batch, step=step, seed=self.training.seed)
-        rows = slice(self.data_index * self.local_batch, (self.data_index + 1) * self.local_batch)
-        tokens, targets = tokens[rows].to(self.device), targets[rows].to(self.device)
-        positions = torch.arange(spec.seq_len, device=self.device)
-        if layout.cp > 1:
-            from workers._cp import shard_sequence
-
-            tokens, targets, positions = shard_sequence(tokens, targets, self.mesh["cp"])
-        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.autocast):
-            if self.schedule is None:
-                local = _accumulate(self.par, layout, tokens, targets, positions, self.m, self.timer)
-            else:
-                local = _pipeline_step(self.schedule, self.has_first, self.has_last, tokens, targets, positions)
-        if self.par.grad_sync is not None:
-            self.par.grad_sync()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        share = local * self.loss_share if self.reports_loss and local is not None else torch.zeros((), device=self.device)
-        total = share.detach().float().reshape(1).clone()
-        dist.all_reduce(total)
-        self.timer.take()
-        return float(total.item())
+        loss = global_loss(self.rm, train_step(self.rm, *rank_batch(self.rm, step)))
+        self.rm.timer.take()  # nothing is measured here: drop the step's compute spans
+        return loss
 
     def close(self) -> None:
-        self.schedule = None
+        self.rm.schedule = None
         self.optimizer.state.clear()
 
 

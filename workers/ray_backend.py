@@ -6,6 +6,11 @@ placement group per node of the tuner's ``Placement`` and one long-lived ``RankW
 ranks per node) reuses the same processes with a fresh process group on a fresh port, so launch
 costs one Ray call per rank instead of process start-up and ``import torch``.
 
+``run(request)`` is ``run_program(request)`` with the trial's rank program (workers.train) and the
+ranks' reports merged into a ``TrialResult``; ``run_program(request, program)`` runs any picklable
+rank program on the trial's gang with the same validation, watchdog and clean-up (reshard-check's
+launcher, workers/reshard_launch.py, is one).
+
 Failures
   - Validation happens before any process starts: ``check_layout`` (world size vs the cluster's
     devices, divisibility), the tuner's placement, and the Ray resources (total and per node) ->
@@ -36,6 +41,8 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,6 +56,17 @@ from workers.aggregate import aggregate
 from workers.failures import died_error, timeout_error
 
 ERROR_GRACE_S = 2.0  # after one rank fails, how long its peers get to return before they are killed
+
+
+@dataclass
+class GangRun:
+    """What ``RayBackend.run_program`` returns: every rank's report (rank order; empty on failure),
+    or the error that explains the failure; the hosts the ranks ran on; wall time incl. launch."""
+
+    reports: list[dict[str, Any]]
+    error: TrialError | None
+    hosts: list[str]
+    wall_s: float
 
 
 def _reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -161,6 +179,28 @@ class RayBackend:
     # --- one trial --------------------------------------------------------------------------------
 
     def run(self, request: TrialRequest) -> TrialResult:
+        out = self.run_program(request)
+        if out.error is None:
+            return aggregate(out.reports, request, backend=self.name, wall_s=out.wall_s)
+        world = request.layout.world_size
+        return TrialResult(
+            status=out.error.kind,
+            backend=self.name,
+            error=out.error,
+            env={"hosts": out.hosts, "world_size": world},
+            wall_s=out.wall_s,
+            device_seconds=out.wall_s * world,
+        )
+
+    def run_program(self, request: TrialRequest, program: Callable[..., Any] | None = None) -> GangRun:
+        """Run ``program`` on every rank of ``request``'s layout, on a pooled gang, watched.
+
+        ``program(request, device=...)`` is called in each rank's process after the process group
+        is up (``workers._launch.run_rank``; default ``workers.train.train_trial``); it must be
+        picklable (a module-level function or a ``functools.partial`` of one) and return a
+        dataclass or dict. Validation (``_validate``), the watchdog, and the clean-up of ranks a
+        failure left stuck are those of ``run``: raises LayoutError/BackendError before any
+        process starts; a failing rank is ``GangRun.error``, never an exception."""
         t0 = time.monotonic()
         resource, groups = self._validate(request)
         world = request.layout.world_size
@@ -187,6 +227,7 @@ class RayBackend:
                     "master_port": port,
                     "device": device,
                     "init_timeout_s": init_timeout,
+                    "program": program,
                 }
                 refs[slot.actor.run.remote(request, launch)] = rank
             reports, error, clean = self._watch(refs, ranks, request, init_timeout)
@@ -194,17 +235,8 @@ class RayBackend:
             if not clean:
                 kill_actors(gang)
             POOL.release(gang)
-        wall = time.monotonic() - t0
-        if error is None:
-            return aggregate([reports[r] for r in sorted(reports)], request, backend=self.name, wall_s=wall)
-        return TrialResult(
-            status=error.kind,
-            backend=self.name,
-            error=error,
-            env={"hosts": hosts, "world_size": world},
-            wall_s=wall,
-            device_seconds=wall * world,
-        )
+        ordered = [reports[r] for r in sorted(reports)] if error is None else []
+        return GangRun(reports=ordered, error=error, hosts=hosts, wall_s=time.monotonic() - t0)
 
     def _watch(
         self, refs: dict[Any, int], ranks: list[Slot], request: TrialRequest, init_timeout: float

@@ -5,6 +5,10 @@
 into a ``TrialResult``. Every layout trains the same model on the same global batch with the same
 loss (mean cross-entropy over all tokens of the global batch), so losses are comparable with the
 single-process ``reference_losses``.
+
+Building and stepping a layout are public, for every rank program that trains one (reshard-check's
+``Trainer`` too): ``build_rank_model`` -> ``RankModel``; per step ``rank_batch``, ``train_step``,
+``global_loss``. ``train_trial`` adds the measurements and the injected failures around them.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def _nan_hook(options: dict[str, Any], state: dict[str, int]):
     return hook
 
 
-# --- the trial -----------------------------------------------------------------------------------
+# --- building blocks -----------------------------------------------------------------------------
 
 
 def _precision(training: TrainingSpec, device: torch.device, notes: list[str], options: dict) -> torch.dtype:
@@ -181,6 +185,111 @@ def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_
     return cls(stages[0], m, **kw)
 
 
+# --- one layout on this rank: build it, step it (shared by trials and reshard-check) ---------------
+
+
+@dataclass
+class RankModel:
+    """This rank's share of one layout, ready to train: mesh, parallelised model chunks, AdamW over
+    their parameters, the pipeline schedule (``None`` when pp == 1) and the compute timer its
+    chunks report to. Built by ``build_rank_model``, stepped by ``rank_batch`` + ``train_step`` +
+    ``global_loss``; every layout built this way starts from the single model's weights."""
+
+    request: TrialRequest
+    device: torch.device
+    dtype: torch.dtype  # parameters and activations: bfloat16 (mixed precision) or float32
+    mesh: Any
+    par: Parallelized
+    optimizer: torch.optim.Optimizer
+    timer: measure.ComputeTimer
+    schedule: Any
+    microbatches: int
+
+    @property
+    def stage_ids(self) -> list[int]:
+        return [s for s, _ in self.par.chunks]
+
+    @property
+    def autocast(self) -> bool:
+        return self.dtype != torch.float32 and not self.par.fsdp  # FSDP casts itself (MixedPrecisionPolicy)
+
+
+def build_rank_model(request: TrialRequest, device: torch.device, *, notes: list[str] | None = None) -> RankModel:
+    """Build ``request.layout`` on this rank (process group already initialised). ``notes``
+    collects what the build could not honour (e.g. bf16 on CPU ranks)."""
+    layout, spec, training = request.layout, request.model, request.training
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(f"layout world size {layout.world_size} != process group size {dist.get_world_size()}")
+    notes = [] if notes is None else notes
+    dtype = _precision(training, device, notes, dict(request.options))
+    # 1. Mesh and the model, built identically on every rank before any sharding.
+    mesh = build_mesh(layout, request.cluster, device.type)
+    torch.manual_seed(training.seed)
+    with torch.device(device):
+        model = Transformer(spec)
+    model.init_weights(training.seed)
+    # 2.-7. Parallelisms, in the order documented in workers/parallelize.py.
+    par = parallelize_model(model, mesh, layout, param_dtype=dtype)
+    notes += par.notes
+    optimizer = torch.optim.AdamW([p for _, c in par.chunks for p in c.parameters()], lr=training.lr)
+    timer = measure.ComputeTimer(device)
+    m = microbatches(layout, training)
+    schedule = _build_schedule(par, layout, m, device, mesh["pp"].get_group(), timer) if layout.pp > 1 else None
+    return RankModel(request, device, dtype, mesh, par, optimizer, timer, schedule, m)
+
+
+def rank_batch(rm: RankModel, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, targets, positions) of global step ``step`` that this rank trains on: its
+    data-parallel rows of the global batch, and its sequence shard under context parallelism."""
+    layout, spec, training, device = rm.request.layout, rm.request.model, rm.request.training, rm.device
+    tokens, targets = synthetic_batch(spec, batch=training.global_batch, step=step, seed=training.seed)
+    local_batch = training.global_batch // layout.data_ranks
+    data_index = coordinate(rm.mesh, "dp") * layout.ep + coordinate(rm.mesh, "ep")
+    rows = slice(data_index * local_batch, (data_index + 1) * local_batch)
+    tokens, targets = tokens[rows].to(device), targets[rows].to(device)
+    # Explicit positions: a later pipeline stage under sequence parallelism sees only a shard.
+    positions = torch.arange(spec.seq_len, device=device)
+    if layout.cp > 1:
+        from workers._cp import shard_sequence
+
+        tokens, targets, positions = shard_sequence(tokens, targets, rm.mesh["cp"])
+    return tokens, targets, positions
+
+
+def train_step(
+    rm: RankModel, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+    *, grad_norms: list[float] | None = None,
+) -> torch.Tensor | None:
+    """One optimiser step: forward + backward over the micro-batches (accumulation, or the pipeline
+    schedule), gradient sync, AdamW. Returns this rank's mean loss (``None`` off the last stage).
+    ``grad_norms``: append the global gradient norm before the update (a diagnostic)."""
+    layout = rm.request.layout
+    with torch.autocast(rm.device.type, dtype=rm.dtype, enabled=rm.autocast):
+        step = _accumulate if rm.schedule is None else _pipeline_step
+        local_loss = step(rm, tokens, targets, positions)
+    if rm.par.grad_sync is not None:
+        rm.par.grad_sync()
+    if grad_norms is not None:
+        grad_norms.append(_global_grad_norm(rm.par, layout))
+    rm.optimizer.step()
+    rm.optimizer.zero_grad(set_to_none=True)
+    return local_loss
+
+
+def global_loss(rm: RankModel, local_loss: torch.Tensor | None) -> float:
+    """The step's global loss, on every rank (a collective): the last stage's tp-rank-0 replicas
+    hold the shares, each (dp, cp, ep) rank's loss being the mean over its own tokens."""
+    layout = rm.request.layout
+    holds = layout.stages - 1 in rm.stage_ids and coordinate(rm.mesh, "tp") == 0 and local_loss is not None
+    share = local_loss * (1.0 / (layout.dp * layout.cp * layout.ep)) if holds else torch.zeros((), device=rm.device)
+    total = share.detach().float().reshape(1).clone()
+    dist.all_reduce(total)
+    return float(total.item())
+
+
+# --- the trial -----------------------------------------------------------------------------------
+
+
 def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
     """Run ``request`` on this rank (process group already initialised); see the module docstring.
 
@@ -199,94 +308,38 @@ def train_trial(request: TrialRequest, *, device: torch.device) -> RankReport:
 def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
     layout, spec, training = request.layout, request.model, request.training
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != layout.world_size:
-        raise LayoutError(f"layout world size {layout.world_size} != process group size {world}")
-    m = microbatches(layout, training)
     options = dict(request.options)
     notes: list[str] = []
     if device.type == "cuda":
         torch.cuda.set_device(device)
     measure.reset_peak_memory(device)
-    dtype = _precision(training, device, notes, options)
-
-    # 1. Mesh and the model, built identically on every rank before any sharding.
-    mesh = build_mesh(layout, request.cluster, device.type)
-    torch.manual_seed(training.seed)
-    with torch.device(device):
-        model = Transformer(spec)
-    model.init_weights(training.seed)
-    # 2.-7. Parallelisms, in the order documented in workers/parallelize.py.
-    par = parallelize_model(model, mesh, layout, param_dtype=dtype)
-    notes += par.notes
-    autocast = dtype != torch.float32 and not par.fsdp  # FSDP casts itself (MixedPrecisionPolicy)
-
-    stage_ids = [s for s, _ in par.chunks]
-    has_first, has_last = 0 in stage_ids, layout.stages - 1 in stage_ids
-    tp_rank, cp_mesh = coordinate(mesh, "tp"), mesh["cp"]
-    data_index = coordinate(mesh, "dp") * layout.ep + coordinate(mesh, "ep")
-    local_batch = training.global_batch // layout.data_ranks
-    # Each (dp, cp, ep) rank's loss is the mean over its tokens; the global loss is their mean.
-    loss_share = 1.0 / (layout.dp * layout.cp * layout.ep)
-    reports_loss = has_last and tp_rank == 0
+    rm = build_rank_model(request, device, notes=notes)
 
     step_state = {"step": -1}
     if options.get("fail") == "nan":
-        for _, chunk in par.chunks:
+        for _, chunk in rm.par.chunks:
             if chunk.tok_embeddings is not None:
                 chunk.tok_embeddings.register_forward_hook(_nan_hook(options, step_state))
-
-    params = [p for _, c in par.chunks for p in c.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=training.lr)
-    timer = measure.ComputeTimer(device)
-    schedule = (
-        _build_schedule(par, layout, m, device, mesh["pp"].get_group(), timer) if layout.pp > 1 else None
-    )
     sleep_s = float(options.get("sleep_per_step_s", 0.0))
 
     # options.grad_norm: record the global gradient norm of every step (a diagnostic for the numerics
     # tests: Adam is invariant to the scale of the gradient, so losses alone would not show a wrong
     # 1/m or 1/dp factor). Its all-gathers then count in the step time.
-    record_grad_norm = bool(options.get("grad_norm", False))
-    grad_norms: list[float] = []
+    grad_norms: list[float] | None = [] if options.get("grad_norm", False) else None
     losses, warm_times, step_times, compute_times = [], [], [], []
-    total = request.warmup_steps + request.measure_steps
-    for step in range(total):
+    for step in range(request.warmup_steps + request.measure_steps):
         step_state["step"] = step
-        tokens, targets = synthetic_batch(spec, batch=training.global_batch, step=step, seed=training.seed)
-        rows = slice(data_index * local_batch, (data_index + 1) * local_batch)
-        tokens, targets = tokens[rows].to(device), targets[rows].to(device)
-        # Explicit positions: a later pipeline stage under sequence parallelism sees only a shard.
-        positions = torch.arange(spec.seq_len, device=device)
-        if layout.cp > 1:
-            from workers._cp import shard_sequence
-
-            tokens, targets, positions = shard_sequence(tokens, targets, cp_mesh)
-
+        batch = rank_batch(rm, step)
         measure.start_barrier(device)
         t0 = time.perf_counter()
         _inject_before_step(options, step, rank, device)
         if sleep_s:
             time.sleep(sleep_s)
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            if schedule is None:
-                local_loss = _accumulate(par, layout, tokens, targets, positions, m, timer)
-            else:
-                local_loss = _pipeline_step(schedule, has_first, has_last, tokens, targets, positions)
-        if par.grad_sync is not None:
-            par.grad_sync()
-        if record_grad_norm:
-            grad_norms.append(_global_grad_norm(par, layout))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        local_loss = train_step(rm, *batch, grad_norms=grad_norms)
         measure.synchronize(device)
         elapsed = measure.agreed_max(time.perf_counter() - t0, device)
-        compute = timer.take()
-
-        # The global loss on every rank: the last stage's tp-rank-0 replicas hold the shares.
-        share = local_loss * loss_share if reports_loss and local_loss is not None else torch.zeros((), device=device)
-        total_loss = share.detach().float().reshape(1).clone()
-        dist.all_reduce(total_loss)
-        value = float(total_loss.item())
+        compute = rm.timer.take()
+        value = global_loss(rm, local_loss)
         losses.append(value)
         if not math.isfinite(value):
             raise NonFiniteLoss(step, value)
@@ -300,7 +353,7 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
     return RankReport(
         rank=rank,
         world_size=world,
-        pp_stage=min(stage_ids) if layout.pp > 1 else None,
+        pp_stage=min(rm.stage_ids) if layout.pp > 1 else None,
         losses=losses,
         step_times_s=step_times,
         stage_compute_s=compute_times,
@@ -309,8 +362,8 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
         memory_measure=how,
         tokens_per_step=training.global_batch * spec.seq_len,
         warmup_times_s=warm_times,
-        grad_norms=grad_norms,
-        dtype=str(dtype).removeprefix("torch."),
+        grad_norms=grad_norms or [],
+        dtype=str(rm.dtype).removeprefix("torch."),
         device=str(device),
         notes=notes,
     )
@@ -340,11 +393,12 @@ def _global_grad_norm(par: Parallelized, layout) -> float:
     return float(t.sqrt().item())
 
 
-def _accumulate(par, layout, tokens, targets, positions, m: int, timer) -> torch.Tensor:
+def _accumulate(rm: RankModel, tokens, targets, positions) -> torch.Tensor:
     """pp == 1: gradient accumulation over m micro-batches of mbs sequences; returns the local mean loss."""
+    par, layout, m = rm.par, rm.request.layout, rm.microbatches
     model = par.chunks[0][1]
     total = torch.zeros((), device=tokens.device)
-    with timer.span():
+    with rm.timer.span():
         for i in range(m):
             rows = slice(i * layout.mbs, (i + 1) * layout.mbs)
             if par.fsdp and layout.zero == 1:
@@ -355,18 +409,13 @@ def _accumulate(par, layout, tokens, targets, positions, m: int, timer) -> torch
     return total
 
 
-def _pipeline_step(schedule, has_first, has_last, tokens, targets, positions) -> torch.Tensor | None:
+def _pipeline_step(rm: RankModel, tokens, targets, positions) -> torch.Tensor | None:
     """pp > 1: the schedule splits the local batch into m micro-batches and scales gradients by 1/m."""
+    has_first, has_last = 0 in rm.stage_ids, rm.request.layout.stages - 1 in rm.stage_ids
     losses: list[torch.Tensor] = []
     args = (tokens,) if has_first else ()
-    kwargs = {"positions": positions}
-    schedule.step(
-        *args,
-        target=targets if has_last else None,
-        losses=losses if has_last else None,
-        return_outputs=False,
-        **kwargs,
-    )
+    rm.schedule.step(*args, target=targets if has_last else None, losses=losses if has_last else None,
+                     return_outputs=False, positions=positions)
     if not has_last:
         return None
     return torch.stack([x.detach().float() for x in losses]).mean()
