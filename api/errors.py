@@ -86,7 +86,9 @@ def field_errors(exc: RequestValidationError, body: Any) -> list[dict[str, Any]]
     return out
 
 
-def _summary(item: dict[str, Any]) -> str:
+def detail_line(item: dict[str, Any]) -> str:
+    """One field error (an item of ``field_errors``) as the one-line ``detail`` of a 422 response:
+    the field, the value and the message. The dashboard's submit form shows the same line."""
     scalar = "value" in item and not isinstance(item["value"], (dict, list))
     if item["message"].startswith(item["field"]):  # a tuner message names the field (and mostly the value)
         if scalar and repr(item["value"]) not in item["message"]:
@@ -99,7 +101,7 @@ def _summary(item: dict[str, Any]) -> str:
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = field_errors(exc, exc.body)
-    detail = _summary(errors[0]) if errors else "invalid request"
+    detail = detail_line(errors[0]) if errors else "invalid request"
     return JSONResponse(status_code=422, content=jsonable_encoder({"detail": detail, "errors": errors}))
 
 

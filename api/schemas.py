@@ -53,7 +53,7 @@ class SweepOut(_Out):
     owner: str | None = Field(description="Name of the API token that submitted the sweep ('anonymous' without auth).")
     status: str = Field(description="queued, running, completed, cancelled or failed.")
     backend: str = Field(description="Trial backend: ray (real runs), simulate (labelled simulated), or module:attr.")
-    sampler: str = Field(description="Optuna sampler: tpe, nsga2, gp, random or grid.")
+    sampler: str = Field(description="Optuna sampler: tpe, nsga2, gp, random or grid; 'layouts' when search.layouts lists them.")
     spec: dict[str, Any] = Field(description="The submitted sweep spec, as validated (defaults filled in).")
     error: str | None = Field(None, description="Why the sweep failed, when its status is 'failed'.")
     created_at: datetime = Field(description="When the sweep was submitted (UTC).")
@@ -194,7 +194,10 @@ class RankingRowOut(_Out):
     tie_group: int = Field(description="Layouts whose intervals overlap share a group number.")
     tied_with_best: bool = Field(description="True when this layout's interval overlaps the best one's.")
     tokens_per_s_per_device: float = Field(description="Median measured tokens/s per device.")
-    useful_tokens_per_s: float | None = Field(description="Median measured useful tokens/s (critical-batch discounted).")
+    useful_tokens_per_s: float | None = Field(
+        description="Median measured useful tokens/s of the whole job, all devices (critical-batch discounted).")
+    useful_tokens_per_s_per_device: float | None = Field(
+        None, description="Median measured useful tokens/s per device (comparable with tokens_per_s_per_device).")
     peak_memory_bytes: int | None = Field(description="Median measured peak memory, bytes (max over ranks).")
     predicted_tokens_per_s_per_device: float | None = Field(description="Analytical prediction at proposal time.")
     prediction_error: float | None = Field(description="(predicted - measured) / measured for tokens/s per device.")
@@ -206,7 +209,8 @@ class RankingRowOut(_Out):
 
 class RankingOut(_Out):
     sweep_id: int = Field(description="The ranked sweep.")
-    metric: str = Field(description="What median/low/high are of: tokens_per_s_per_device or useful_tokens_per_s.")
+    metric: str = Field(description="What median/low/high are of: tokens_per_s_per_device, or useful_tokens_per_s "
+                        "(whole job, all devices).")
     rows: list[RankingRowOut] = Field(description="Measured layouts, best first (the requested page of them).")
     total: int = Field(0, description="Measured layouts in the whole ranking.")
     calibration: dict[str, Any] | None = Field(

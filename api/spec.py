@@ -17,6 +17,7 @@ from tuner import (
     ModelSpec,
     SpecError,
     TrainingSpec,
+    check_layout,
     cluster_spec,
     model_spec,
     training_spec,
@@ -46,6 +47,14 @@ class SearchSettings(BaseModel):
     repeats: int = Field(3, ge=1, le=50, description="Measurements of each top-k layout for the ranking interval.")
     remeasure_top_k: int = Field(3, ge=0, description="How many leading layouts are re-measured `repeats` times.")
     seed: int = Field(0, ge=0, description="Sampler seed.")
+    layouts: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=1000,
+        description="Measure exactly these layouts (Layout mappings; dp may be left out and is then derived "
+        "from the device count), in this order, each `repeats` times; no sampler and no warm start (the memory "
+        "model still prunes a layout it predicts cannot fit). Ignores max_trials, patience and remeasure_top_k; "
+        "cannot be combined with `space` or `reference_layouts`.",
+    )
 
 
 class TrialSettings(BaseModel):
@@ -123,7 +132,51 @@ class SweepSpec(BaseModel):
                 f"training.global_batch={training.global_batch} sequences exceeds the limit of {MAX_GLOBAL_BATCH}"
             )
         self.search_space()
+        self.listed_layouts()
         return self
+
+    @property
+    def sampler_label(self) -> str:
+        """What the sweeps table records as the sampler ("layouts" when search.layouts is given)."""
+        return "layouts" if self.search.layouts is not None else self.search.sampler
+
+    def listed_layouts(self) -> list[Layout] | None:
+        """The layouts of ``search.layouts`` checked against this problem (SpecError naming
+        ``search.layouts[i].<field>``), None when the sweep searches instead."""
+        if self.search.layouts is None:
+            return None
+        if not self.search.layouts:
+            raise SpecError("search.layouts is empty: list at least one layout, or leave it out to search")
+        if self.space:
+            raise SpecError("search.layouts cannot be combined with space: the listed layouts are measured as given")
+        if self.search.reference_layouts:
+            raise SpecError("search.layouts cannot be combined with search.reference_layouts: list those layouts too")
+        model, cluster, training = self.to_problem()
+        out: list[Layout] = []
+        seen: dict[str, int] = {}
+        for i, data in enumerate(self.search.layouts):
+            where = f"search.layouts[{i}]"
+            if not isinstance(data, dict):
+                raise SpecError(f"{where} must be a mapping of layout fields, got {data!r}")
+            data, given = dict(data), set(data)
+            if "dp" not in data:  # derived from the device count, like the search does
+                other = 1
+                for axis in ("tp", "pp", "cp", "ep"):
+                    value = data.get(axis, 1)
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                        other *= value
+                if cluster.devices % other == 0:
+                    data["dp"] = cluster.devices // other
+            try:
+                layout = layout_from_mapping(data)
+                check_layout(layout, model=model, cluster=cluster, training=training)
+            except (SpecError, TypeError) as exc:
+                raise SpecError(_layout_error(where, str(exc), given)) from None
+            if layout.key in seen:
+                raise SpecError(f"{where}={layout.key!r} repeats search.layouts[{seen[layout.key]}]")
+            seen[layout.key] = i
+            out.append(layout)
+        return out
 
     def search_space(self) -> Any:
         """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``); None if empty."""
@@ -140,6 +193,21 @@ class SweepSpec(BaseModel):
         cluster = cluster_spec(self.cluster)
         training = training_spec(self.training, seq_len=model.seq_len)
         return model, cluster, training
+
+
+_LAYOUT_FIELD = re.compile(r"\b(tp|pp|dp|cp|ep|zero|mbs|ac|sp|schedule|vpp)\b")
+
+
+def _layout_error(where: str, message: str, given: set[str]) -> str:
+    """``where.<field>: message``, naming the field the message starts with, else the first layout
+    field it mentions (one the user gave, if any)."""
+    message = message.removeprefix("layout.")
+    first = re.match(r"\w+", message)
+    if first and (first.group(0) in given or _LAYOUT_FIELD.fullmatch(first.group(0))):
+        return f"{where}.{first.group(0)}: {message}"
+    mentioned = _LAYOUT_FIELD.findall(message)
+    field = next((f for f in mentioned if f in given), mentioned[0] if mentioned else None)
+    return f"{where}.{field}: {message}" if field else f"{where}: {message}"
 
 
 def layout_from_mapping(data: dict[str, Any]) -> Layout:

@@ -185,3 +185,62 @@ def summary_of(sessions, sweep_id: int) -> dict[str, Any]:
         "n_trials": len(trials),
         "best": max(r.median for r in ranking.rows),
     }
+
+
+# --- migration (reshard) checks ---------------------------------------------------------------------
+
+MIGRATION_SPEC = {"model": "tiny-moe", "cluster": "cpu-local", "backend": "simulate",
+                  "training": {"global_batch": 8, "precision": "fp32"}, "search": {"max_trials": 4}}
+# Ranked layouts of that sweep; the expert-parallel one is refused by the reshard check (ep>1: 422).
+MIGRATION_LAYOUTS = (Layout(dp=4), Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(ep=2, dp=2))
+
+
+def seed_migration_sweep(sessions, *, name: str = "tiny-moe on 4 CPU ranks", seed: int = 3) -> int:
+    """A finished sweep of tiny-moe on cpu-local whose ranking holds ``MIGRATION_LAYOUTS``, one
+    simulated measurement each (labelled simulated like every seeded result); returns its id."""
+    spec = SweepSpec.model_validate(MIGRATION_SPEC | {"name": name})
+    model, cluster, training = spec.to_problem()
+    backend = SimulateBackend(seed=seed)
+    with store.session_scope(sessions) as session:
+        sid = service.create_sweep(session, spec=spec, owner="alice").id
+        for number, lay in enumerate(MIGRATION_LAYOUTS):
+            store.insert_trial(session, sweep_id=sid, number=number, layout=lay.__dict__.copy(), layout_key=lay.key,
+                               world_size=lay.world_size, backend="simulate")
+            result = backend.run(TrialRequest(model=model, cluster=cluster, training=training, layout=lay,
+                                              trial_id=f"{sid}-{number}", seed=seed))
+            assert result.ok, result
+            store.record_result(session, sweep_id=sid, number=number, attempt=0, result=result)
+        store.refresh_sweep_cache(session, sweep_id=sid)
+        store.set_sweep_status(session, sweep_id=sid, status="running")
+        store.set_sweep_status(session, sweep_id=sid, status="completed")
+    return sid
+
+
+class StubReshardRunner:
+    """TEST STUB of the reshard-check runner (``app.state.reshard_runner``): it runs nothing. The
+    real endpoint validates the request and stores what this returns; the stub records the jobs it
+    was handed and answers a fixed "ok" report marked ``backend="test-stub"`` (after ``delay_s``, so
+    a page can be seen waiting). The real runner (DCP save/load on Ray) is tested in test_reshard.py."""
+
+    BACKEND = "test-stub"
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.jobs: list[Any] = []
+        self.delay_s = delay_s
+
+    def __call__(self, job: Any) -> Any:
+        import time
+        from dataclasses import asdict
+
+        from workers.reshard import ReshardReport, tolerance
+
+        self.jobs.append(job)
+        time.sleep(self.delay_s)
+        losses = [5.5 - 0.1 * i for i in range(job.steps_before + job.steps_after)]
+        return ReshardReport(
+            verdict="ok", from_layout=asdict(job.from_layout), to_layout=asdict(job.to_layout),
+            steps_before=job.steps_before, steps_after=job.steps_after, tolerance=tolerance(job),
+            tensors_checked=24, max_abs_diff=0.0, losses_before=losses[:job.steps_before],
+            losses_a=losses[job.steps_before:], losses_b=losses[job.steps_before:], max_rel_loss_diff=0.0,
+            backend=self.BACKEND, save_s=0.01, load_s=0.02, wall_s=self.delay_s,
+        )

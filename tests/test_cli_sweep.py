@@ -32,6 +32,11 @@ def test_sweep_then_sweeps_then_show(home, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["sweep"]["status"] == "completed" and out["sweep"]["n_trials"] == 7
     assert out["ranking"]["simulated"] and out["ranking"]["rows"][0]["rank"] == 1
+    for row in out["ranking"]["rows"]:  # useful per device: the job's useful tokens/s over its devices
+        lay = row["layout"]
+        world = lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"] * lay["ep"]
+        assert row["useful_tokens_per_s_per_device"] == pytest.approx(row["useful_tokens_per_s"] / world)
+        assert row["useful_tokens_per_s_per_device"] <= row["tokens_per_s_per_device"] * (1 + 1e-9)
     sweep_id = out["sweep"]["id"]
     assert main(["sweeps", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
@@ -42,6 +47,9 @@ def test_sweep_then_sweeps_then_show(home, capsys):
     assert main(["show", str(sweep_id), "--trials"]) == 0
     text = capsys.readouterr().out
     assert "SIMULATED" in text and "ranked by tokens_per_s_per_device" in text
+    assert "median tok/s/dev" in text and "useful tok/s/dev" in text and "useful tok/s " not in text
+    assert main(["show", str(sweep_id), "--metric", "useful_tokens_per_s"]) == 0
+    assert "median useful tok/s (job)" in capsys.readouterr().out
 
 
 def test_malformed_spec_exits_2_naming_file_and_field(home, capsys):
@@ -83,3 +91,86 @@ def test_tiny_real_sweep_on_ray_cpu_ranks(home, capsys, ray_local):
     rows = out["ranking"]["rows"]
     assert out["sweep"]["status"] == "completed" and rows and not out["ranking"]["simulated"]
     assert rows[0]["n"] == 2 and rows[0]["tokens_per_s_per_device"] > 0 and rows[0]["peak_memory_bytes"] > 0
+
+
+def _when(predicate, timeout: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_prints_a_hint_and_resume_finishes_with_every_trial_once(home, capsys):
+    """Ctrl-C once: the trials in flight are recorded, the sweep stays unfinished with a hint. Ctrl-C
+    twice: it stops at once, leaving a trial running. ``--resume`` then finishes it: every trial
+    number has exactly one non-interrupted row, none lost, none duplicated."""
+    import os
+    import signal
+    import threading
+    from datetime import datetime, timezone
+
+    from api import store
+    from api.settings import Settings
+
+    spec = _spec(home, backend="_engine_backends:ScriptedBackend", trial={"options": {"sleep_s": 0.4}},
+                 search={"sampler": "random", "max_trials": 6, "remeasure_top_k": 1, "repeats": 2,
+                         "warm_start_top_k": 0})
+    url = Settings().resolved_database_url
+    _, sessions = store.open_store(url)
+
+    def rows():
+        with sessions() as s:
+            return store.all_trials(s, sweep_id=1)
+
+    def fresh_running(ts) -> bool:  # a trial that started under 0.15 s ago (0.4 s to go): still in flight
+        now = datetime.now(timezone.utc)
+        return any(t.status == "running" and (now - t.started_at.replace(tzinfo=timezone.utc)).total_seconds() < 0.15
+                   for t in ts)
+
+    def interrupt(times: int, after: int) -> threading.Thread:
+        def go():
+            def ready() -> bool:
+                ts = rows()
+                return sum(t.status != "running" for t in ts) >= after and fresh_running(ts)
+
+            _when(ready)
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+                threading.Event().wait(0.05)
+        th = threading.Thread(target=go)
+        th.start()
+        return th
+
+    th = interrupt(1, after=1)
+    assert main(["sweep", str(spec)]) == 130
+    th.join()
+    out = capsys.readouterr().out
+    assert "meshtune sweep --resume 1" in out and "Traceback" not in out
+    first = rows()
+    assert 2 <= len(first) < 7 and all(t.status == "completed" for t in first)  # in-flight ones recorded
+
+    th = interrupt(2, after=len(first) + 1)
+    assert main(["sweep", "--resume", "1"]) == 130
+    th.join()
+    assert "meshtune sweep --resume 1" in capsys.readouterr().out
+    assert any(t.status == "running" for t in rows())  # left in flight by the second Ctrl-C
+
+    assert main(["sweep", "--resume", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sweep"]["status"] == "completed" and out["sweep"]["n_trials"] == 7
+    final = rows()
+    live = [t for t in final if t.status != "interrupted"]
+    assert sorted(t.number for t in live) == list(range(7)) and all(t.status == "completed" for t in live)
+    for t in final:
+        if t.status == "interrupted":  # re-run under the same number as attempt + 1
+            assert any(o.number == t.number and o.attempt == t.attempt + 1 for o in final)
+    assert len({t.layout_key for t in live if t.phase == "search"}) == 6  # no layout measured twice
+
+    assert main(["sweep", "--resume", "1"]) == 2  # finished: nothing to resume
+    assert "already completed" in capsys.readouterr().err
+    assert main(["sweep", str(spec), "--resume", "1"]) == 2
+    assert main(["sweep"]) == 2
+    assert main(["sweep", "--resume", "99"]) == 2
+    assert "sweep 99 does not exist" in capsys.readouterr().err

@@ -1,9 +1,15 @@
 """The dashboard in a real headless Chromium (Debian's /usr/bin/chromium driven by Playwright).
 
-One coordinator (``api.main.create_app``, engine off) serves a SQLite store holding three sweeps
+One coordinator (``api.main.create_app``, engine off) serves a SQLite store holding four sweeps
 written through the store functions: a 46-trial sweep with every outcome, a 2,006-trial sweep
-(load time measured and written to the artifacts), and a "running" sweep that grows while a page
-watches it. Every page must load with no console error and no request leaving 127.0.0.1.
+(load time measured and written to the artifacts), a "running" sweep that grows while a page
+watches it, and a 4-layout tiny-moe sweep for the "check migration" control (one layout ep>1,
+which the reshard check refuses). Every page must load with no console error and no request
+leaving 127.0.0.1.
+
+The coordinator's reshard-check runner is ``StubReshardRunner`` (labelled TEST STUB: it runs
+nothing and answers "ok" after 1 s): the endpoint's validation and storage are real, the check
+itself is tested in test_reshard.py.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _dashboard_seed import add_running_trial, seed_sweep, summary_of
+from _dashboard_seed import StubReshardRunner, add_running_trial, seed_migration_sweep, seed_sweep, summary_of
 
 from api import store
 from api.main import create_app
+from api.services import sweeps as service
 from api.settings import Settings
+from api.spec import SweepSpec
 
 pytestmark = pytest.mark.browser
 
@@ -48,10 +56,12 @@ def coordinator(tmp_path_factory) -> Iterator[dict]:
         "small": seed_sweep(sessions, n_trials=40, name="llama3-8b on 32 H100", rich=True),
         "big": seed_sweep(sessions, n_trials=2000, name="llama3-8b, 2000 trials", seed=1),
         "live": seed_sweep(sessions, n_trials=10, name="still running", status="running", seed=2),
+        "moe": seed_migration_sweep(sessions),
     }
     seed_s = time.perf_counter() - t0
     settings = Settings(database_url=url, api_tokens={"alice": TOKEN}, read_requires_auth=False, backend="simulate")
     app = create_app(settings, run_engine=False)
+    app.state.reshard_runner = runner = StubReshardRunner(delay_s=1.0)  # TEST STUB (see the module docstring)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -61,7 +71,8 @@ def coordinator(tmp_path_factory) -> Iterator[dict]:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
     try:
-        yield {"base": f"http://127.0.0.1:{port}", "sessions": sessions, "ids": ids, "seed_s": seed_s}
+        yield {"base": f"http://127.0.0.1:{port}", "sessions": sessions, "ids": ids, "seed_s": seed_s,
+               "reshard_runner": runner}
     finally:
         server.should_exit = True
         thread.join(10)
@@ -141,7 +152,7 @@ def _close(a: float, b: float, rel: float = 1e-3) -> bool:
 def test_sweeps_list_loads_with_stored_sweeps(page, coordinator):
     page.goto("/")
     rows = page.page.locator("#sweeps-table tbody tr")
-    assert rows.count() == 3
+    assert rows.count() == 4
     text = page.page.locator("#sweeps-table").inner_text()
     assert "llama3-8b on 32 H100" in text and "still running" in text and "alice" in text
     assert "46 / 46" in text  # 40 search trials + 3 layouts re-measured twice
@@ -238,6 +249,91 @@ def test_trial_detail_pages(page, coordinator):
     page.clean()
 
 
+# A UI STUB: what POST /api/sweeps/{id}/reshard-check answers (ReshardCheckOut) for a corrupted
+# reshard, with made-up numbers. page.route serves it ONLY to test how the page renders a verdict;
+# the page's real request is then sent to the real endpoint (below, and test_dashboard_pages.py).
+UI_STUB_CORRUPTED = {
+    "id": 9999, "sweep_id": 0, "owner": "alice", "verdict": "corrupted", "from_key": "?", "to_key": "?",
+    "steps_before": 2, "steps_after": 2, "tensors_checked": 58, "mismatch_count": 2,
+    "mismatches": [{"key": "model/layers.0.attention.wq.weight", "max_abs_diff": 0.0625, "detail": "values differ"},
+                   {"key": "optim/layers.0.attention.wq.weight/exp_avg", "max_abs_diff": 0.001, "detail": "values differ"}],
+    "max_abs_diff": 0.0625, "losses_before": [5.6, 5.4], "losses_a": [5.2, 5.0], "losses_b": [5.9, 5.8],
+    "max_rel_loss_diff": 0.16, "tolerance": 1e-05, "corrupt": None, "backend": "ui-stub", "error": None,
+    "save_s": 0.4, "load_s": 0.6, "wall_s": 11.0, "created_at": "2026-11-29T18:00:00Z",
+}
+RESHARD_POST = "**/api/sweeps/*/reshard-check"
+ROW_IS = "([id, status]) => [...document.querySelectorAll('#sweeps-table tbody tr')].some(tr => " \
+    "tr.cells[0].textContent.trim() === String(id) && tr.cells[2].textContent.trim() === status)"
+
+
+def test_migration_check_button_posts_and_shows_the_verdict(page, coordinator, artifacts_dir):
+    p, runner = page.page, coordinator["reshard_runner"]
+    sid = coordinator["ids"]["small"]
+    page.goto(f"/sweeps/{sid}")
+    rows = p.locator("#ranking-table tbody tr")
+    best, third = json.loads(rows.nth(0).get_attribute("data-layout")), json.loads(rows.nth(2).get_attribute("data-layout"))
+    rows.nth(2).locator("button.mig-open").click()
+    panel = p.locator("tr.mig-panel")
+    assert panel.locator("select.mig-to option:checked").inner_text().endswith("(best)")  # default target
+    panel.locator("input.mig-token").fill(TOKEN)
+    expected = {"from_layout": third, "to_layout": best, "steps_before": 2, "steps_after": 2}
+
+    # 1. UI STUB: the page's POST is held (spinner shown meanwhile), then answered with UI_STUB_CORRUPTED.
+    held: list = []
+
+    def hold(route) -> None:  # answered below, once the spinner has been seen
+        held.append(route)
+
+    p.route(RESHARD_POST, hold)
+    panel.locator("button.mig-run").click()
+    p.wait_for_selector("tr.mig-panel .spinner")
+    deadline = time.monotonic() + 30
+    while not held:
+        assert time.monotonic() < deadline, "the page did not post the check"
+        p.wait_for_timeout(20)
+    request = held[0].request
+    assert request.method == "POST" and request.post_data_json == expected
+    assert request.headers["authorization"] == f"Bearer {TOKEN}"
+    assert panel.locator("button.mig-run").is_disabled()
+    held[0].fulfill(status=200, content_type="application/json",
+                    body=json.dumps(UI_STUB_CORRUPTED | {"from_layout": third, "to_layout": best}))
+    p.wait_for_selector("tr.mig-panel .mig-verdict.v-corrupted")
+    shown = panel.locator(".mig-verdict").inner_text()
+    assert "corrupted" in shown and "2 of 58 tensors differ" in shown and "model/layers.0.attention.wq.weight" in shown
+    assert panel.locator(".spinner").count() == 0 and not panel.locator("button.mig-run").is_disabled()
+    p.unroute(RESHARD_POST, hold)
+
+    # 2. The same request to the real endpoint (validation, storage, the list): only its runner is the stub.
+    jobs = len(runner.jobs)
+    panel.locator("button.mig-run").click()
+    p.wait_for_selector("tr.mig-panel .spinner")  # the stub runner takes 1 s
+    p.wait_for_selector("tr.mig-panel .mig-verdict.v-ok", timeout=30_000)
+    assert len(runner.jobs) == jobs + 1
+    job = runner.jobs[-1]
+    assert (job.from_layout.__dict__, job.to_layout.__dict__) == (third, best)
+    assert "Safe to move" in panel.locator(".mig-verdict").inner_text()
+    listed = p.locator("#migrations-table tbody tr")  # the tables were re-fetched; the panel survived it
+    assert listed.count() >= 1 and listed.first.get_attribute("data-verdict") == "ok"
+    assert p.locator("tr.mig-panel").count() == 1
+    p.set_viewport_size({"width": 1440, "height": 1500})  # the ranking, the open panel and the checks list
+    p.locator("#ranking-card").evaluate("e => e.scrollIntoView({block: 'start'})")
+    p.screenshot(path=str(artifacts_dir / "dashboard-migration-check.png"))
+
+    # 3. A layout the check cannot move (ep>1): the endpoint's 422 message, shown as it says it.
+    page.goto(f"/sweeps/{coordinator['ids']['moe']}")
+    ep_row = p.locator("#ranking-table tbody tr[data-key^='tp1-cp1-ep2-']")
+    ep_row.locator("button.mig-open").click()
+    p.locator("tr.mig-panel input.mig-token").fill(TOKEN)
+    p.locator("tr.mig-panel button.mig-run").click()
+    p.wait_for_selector("tr.mig-panel .mig-error")
+    refused = p.locator("tr.mig-panel .mig-error").inner_text()
+    assert refused.startswith("Refused (HTTP 422): from_layout.ep=2: expert-parallel weights"), refused
+    p.locator("tr.mig-panel").screenshot(path=str(artifacts_dir / "dashboard-migration-refused.png"))
+    assert len(runner.jobs) == jobs + 1  # nothing ran
+    page.errors = [e for e in page.errors if "422" not in e]  # the refused POST's own status line
+    page.clean()
+
+
 def test_running_sweep_refreshes_itself(page, coordinator):
     sid = coordinator["ids"]["live"]
     page.goto(f"/sweeps/{sid}?refresh_ms=500")
@@ -290,4 +386,30 @@ def test_page_with_2000_trials_stays_responsive(page, coordinator, artifacts_dir
     }
     (artifacts_dir / "dashboard-load-2000.json").write_text(json.dumps(report, indent=2))
     print("dashboard load, 2,000 trials:", report)
+    page.clean()
+
+
+def test_sweeps_list_refreshes_while_a_sweep_is_queued_or_running(page, coordinator):
+    p, sessions = page.page, coordinator["sessions"]
+    with store.session_scope(sessions) as session:  # only this test's sweep is live
+        for status in ("queued", "running"):
+            for sw in service.list_sweeps(session, status=status, limit=500).items:
+                service.cancel_sweep(session, sweep_id=sw.id)
+        spec = SweepSpec.model_validate({"name": "list refresh probe", "model": "tiny", "cluster": "cpu-local",
+                                         "backend": "simulate", "training": {"global_batch": 8}})
+        sid = service.create_sweep(session, spec=spec, owner="alice").id
+    page.goto("/?refresh_ms=500")
+    assert p.evaluate(ROW_IS, [sid, "queued"]) and p.get_attribute("[data-live]", "data-live") == "1"
+    p.fill("input[name=name]", "half-typed")  # the refresh leaves the submit form alone
+    with store.session_scope(sessions) as session:
+        store.set_sweep_status(session, sweep_id=sid, status="running")
+    p.wait_for_function(ROW_IS, arg=[sid, "running"], timeout=30_000)
+    with store.session_scope(sessions) as session:
+        store.set_sweep_status(session, sweep_id=sid, status="completed")
+    p.wait_for_function(ROW_IS, arg=[sid, "completed"], timeout=30_000)
+    assert p.get_attribute("[data-live]", "data-live") == "0" and p.input_value("input[name=name]") == "half-typed"
+    polled: list[str] = []
+    p.on("request", lambda r: polled.append(r.url))
+    p.wait_for_timeout(1500)  # three periods: no sweep is live, so no more polling
+    assert not [u for u in polled if "/sweeps-table" in u]
     page.clean()

@@ -6,12 +6,14 @@ test_dashboard_browser.py; these are the fast ones.
 
 from __future__ import annotations
 
+import html
 import json
 import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from _dashboard_seed import seed_sweep, summary_of
+from _dashboard_seed import MIGRATION_LAYOUTS, StubReshardRunner, seed_migration_sweep, seed_sweep, summary_of
 from fastapi.testclient import TestClient
 
 from api import store
@@ -164,7 +166,7 @@ def test_assets_are_served_locally(client):
     r = client.get("/dashboard/vendor/plotly.min.js", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in r.headers and r.content == shipped
     assert client.get("/dashboard/vendor/plotly.min.js", headers={"If-None-Match": r.headers["etag"]}).status_code == 304
-    for name in ("dashboard.css", "dashboard.js", "trial.js"):
+    for name in ("dashboard.css", "dashboard.js", "trial.js", "migrate.js", "sweeps.js"):
         assert client.get(f"/dashboard/static/{name}").status_code == 200
 
 
@@ -187,8 +189,6 @@ def test_form_errors_are_the_api_errors(client, fields, body):
                 "search": {"sampler": "random", "max_trials": 4}, "backend": "simulate"} | body
     api = client.post("/api/sweeps", json=api_body, headers={"Authorization": f"Bearer {TOKEN}"})
     assert api.status_code == 422
-    import html
-
     assert [html.unescape(s) for s in shown] == [api.json()["detail"]]
 
 
@@ -233,5 +233,120 @@ def test_closed_reads_need_the_token_cookie(stored):
         assert "httponly" in r.headers["set-cookie"].lower()
         assert c.get("/").status_code == 200 and "pages sweep" in c.get("/").text
         assert c.get(f"/sweeps/{stored['sid']}/data.json").status_code == 200
+        assert "Migration checks" in c.get(f"/sweeps/{stored['sid']}/tables").text  # the cookie reads the checks
         r = c.post("/login", data={"token": TOKEN, "next": "//evil.example"}, follow_redirects=False)
         assert r.headers["location"] == "/"
+
+
+# --- sweeps list refresh ---------------------------------------------------------------------------
+
+def _live_flag(page: str) -> str:
+    m = re.search(r'data-live="(\d)"', page)
+    assert m, "the list says nothing about refreshing"
+    return m.group(1)
+
+
+def test_sweeps_list_refreshes_only_while_a_sweep_is_queued_or_running(tmp_path):
+    url = f"sqlite:///{tmp_path / 'list.db'}"
+    engine, sessions = store.open_store(url)
+    seed_migration_sweep(sessions, name="finished one")
+    with TestClient(create_app(Settings(database_url=url), run_engine=False)) as c:
+        page = c.get("/?refresh_ms=700").text
+        assert _live_flag(page) == "0" and 'data-refresh-ms="700"' in page
+        assert "/sweeps-table?status=&amp;page=1&amp;refresh_ms=700" in page  # what sweeps.js polls
+        with store.session_scope(sessions) as s:
+            from api.spec import SweepSpec
+
+            spec = SweepSpec.model_validate({"name": "waiting", "model": "tiny", "cluster": "cpu-local",
+                                             "backend": "simulate", "training": {"global_batch": 8}})
+            queued = service.create_sweep(s, spec=spec, owner=None).id
+        for filt in ("", "completed"):  # a live sweep anywhere keeps the list refreshing, whatever the filter
+            frag = c.get(f"/sweeps-table?status={filt}&refresh_ms=700")
+            assert frag.status_code == 200 and frag.headers["cache-control"] == "no-store"
+            assert _live_flag(frag.text) == "1" and "every 0.7 s" in frag.text
+        assert "waiting" in c.get("/sweeps-table").text and "<html" not in c.get("/sweeps-table").text
+        with store.session_scope(sessions) as s:
+            service.cancel_sweep(s, sweep_id=queued)
+        frag = c.get("/sweeps-table").text
+        assert _live_flag(frag) == "0" and "cancelled" in frag
+    engine.dispose()
+
+
+# --- "check migration" controls (issue 8) ----------------------------------------------------------
+
+class _RankedRows(HTMLParser):
+    """The ranked rows' data attributes and the migration targets, read as static/migrate.js reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+        self.buttons = 0
+        self._targets: list[str] | None = None
+        self.targets: list[dict] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and "data-layout" in a:
+            self.rows.append({"key": a["data-key"], "rank": int(a["data-rank"]), "label": a["data-label"],
+                              "layout": json.loads(a["data-layout"])})
+        elif tag == "button" and "mig-open" in (a.get("class") or ""):
+            self.buttons += 1
+        elif tag == "script" and a.get("id") == "migration-targets":
+            self._targets = []
+
+    def handle_data(self, data):
+        if self._targets is not None:
+            self._targets.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "script" and self._targets is not None:
+            self.targets, self._targets = json.loads("".join(self._targets)), None
+
+
+def _payload(row: dict, targets: list[dict]) -> dict:
+    """migrate.js's request body for a row with its default target (the best other ranked layout)."""
+    to = next(t for t in targets if t["key"] != row["key"])
+    return {"from_layout": row["layout"], "to_layout": to["layout"], "steps_before": 2, "steps_after": 2}
+
+
+def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stored):
+    """The body the page posts, read from the page, sent to the real endpoint (real validation, real
+    storage): accepted for every pair without ep, refused with a 422 naming the field for ep>1. Only
+    the runner is a stub (``StubReshardRunner``, labelled): the check itself is test_reshard.py's."""
+    sid = seed_migration_sweep(stored["sessions"])
+    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False),
+                     run_engine=False)
+    app.state.reshard_runner = runner = StubReshardRunner()
+    with TestClient(app) as c:
+        page = _RankedRows()
+        page.feed(c.get(f"/sweeps/{sid}").text)
+        assert len(page.rows) == len(MIGRATION_LAYOUTS) == page.buttons == len(page.targets)
+        assert {r["key"] for r in page.rows} == {lay.key for lay in MIGRATION_LAYOUTS}
+        assert [t["rank"] for t in page.targets] == [1, 2, 3, 4] and page.targets[0]["key"] == page.rows[0]["key"]
+        url = f"/api/sweeps/{sid}/reshard-check"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        accepted = []
+        for row in page.rows:
+            body = _payload(row, page.targets)
+            r = c.post(url, json=body, headers=auth)
+            ep = [name for name in ("from_layout", "to_layout") if body[name]["ep"] > 1]
+            if ep:  # refused before anything runs; the message the page shows names the field
+                assert r.status_code == 422, r.text
+                assert r.json()["detail"].startswith(f"{ep[0]}.ep=2: expert-parallel"), r.json()
+                continue
+            assert r.status_code == 200, r.text
+            target = next(t["key"] for t in page.targets if t["key"] != row["key"])
+            job = runner.jobs[-1]  # what the endpoint validated and handed to the runner
+            assert (job.from_layout.key, job.to_layout.key) == (row["key"], target)
+            assert (job.steps_before, job.steps_after) == (2, 2)
+            assert (r.json()["from_key"], r.json()["to_key"], r.json()["owner"]) == (row["key"], target, "alice")
+            accepted.append(r.json()["id"])
+        # dp4 (best) -> ep2 (2nd) and ep2 -> dp4 are refused; pp2 -> dp4 and tp2 -> dp4 run
+        assert len(accepted) == 2 and len(runner.jobs) == 2
+        assert c.post(url, json=_payload(page.rows[2], page.targets)).status_code == 401  # a writer token is needed
+
+        tables = c.get(f"/sweeps/{sid}/tables").text
+        listed = re.findall(r'<tr data-check="(\d+)" data-verdict="(\w+)">', tables)
+        assert sorted(int(i) for i, _ in listed) == sorted(accepted) and {v for _, v in listed} == {"ok"}
+        assert [c_["id"] for c_ in c.get(f"/api/sweeps/{sid}/reshard-checks").json()] == sorted(accepted)
+        assert "TP2·DP2 z0 mbs1" in html.unescape(tables.split('id="migrations-table"')[1])

@@ -182,3 +182,67 @@ def test_reference_layouts_are_enqueued_first_and_checked_on_submission(db):
     assert (rows[0].source, rows[0].layout_key) == ("reference", ref.layout.key) and rows[1].source == "warm_start"
     with sessions() as s, pytest.raises(tuner.SpecError, match=r"search.reference_layouts\[0\].*device count"):
         svc.create_sweep(s, spec=SweepSpec.model_validate({**TINY, "search": {"reference_layouts": [name]}}), owner="t")
+
+
+def test_listed_layouts_are_measured_exactly_repeats_times(db):
+    settings, sessions = db
+    listed = [{"tp": 2}, {"tp": 1, "zero": 1}, {"tp": 4, "sp": True}]
+    sw = _sweep(sessions, search={"layouts": listed, "repeats": 2, "max_trials": 1, "patience": 1,
+                                  "remeasure_top_k": 0, "sampler": "nsga2"})
+    assert sw.sampler == "layouts"
+    backend = ScriptedBackend(capacity=4)
+    final = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: backend).run_sweep(sw.id)
+    rows = _rows(sessions, sw.id)
+    keys = [lay.key for lay in SweepSpec.model_validate({**TINY, "search": {"layouts": listed}}).listed_layouts()]
+    assert final.status == "completed" and len(rows) == 6 and sorted(backend.calls) == sorted(keys * 2)
+    assert [t.layout_key for t in rows if t.phase == "search"] == keys  # in the listed order, no sampler
+    assert {t.source for t in rows if t.phase == "search"} == {"listed"}
+    assert all(t.status == "completed" for t in rows)
+    with sessions() as s:
+        ranking = svc.ranking(s, sweep_id=sw.id)
+    assert sorted(r.layout_key for r in ranking.rows) == sorted(keys) and {r.n for r in ranking.rows} == {2}
+
+
+@pytest.mark.parametrize(
+    "layouts, needle",
+    [
+        ([{"tp": 3}], "search.layouts[0].tp"),
+        ([{"tp": 2}, {"tpp": 1}], "search.layouts[1].tpp"),
+        ([{"tp": 2, "zero": 7}], "search.layouts[0].zero"),
+        ([{"mbs": 3}], "search.layouts[0].mbs"),
+        ([{"tp": 2}, {"tp": 2, "dp": 2}], "search.layouts[1]"),
+        ([], "search.layouts is empty"),
+    ],
+)
+def test_listed_layouts_bad_input_is_422_naming_the_field(db, layouts, needle):
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+
+    settings, sessions = db
+    body = {**TINY, "backend": "simulate", "search": {"layouts": layouts}}
+    with TestClient(create_app(Settings(database_url=settings.database_url, api_tokens={}), run_engine=False)) as c:
+        r = c.post("/api/sweeps", json=body)
+        assert r.status_code == 422 and needle in r.text, r.text
+        assert c.get("/api/sweeps").json()["total"] == 0
+
+
+def test_failed_sweep_marks_its_running_trials_interrupted_with_the_cause(db):
+    """A coordinator died with two trials running; the resuming one cannot import the backend: the
+    sweep fails and no row is left "running" (nor counted as running by /metrics)."""
+    settings, sessions = db
+    sw = _sweep(sessions, backend="no_such_module:Backend")
+    with store.session_scope(sessions) as s:
+        for number, layout in enumerate(({"tp": 2, "dp": 2}, {"tp": 1, "dp": 4})):
+            lay = tuner.Layout(**layout)
+            store.insert_trial(s, sweep_id=sw.id, number=number, layout=layout, layout_key=lay.key,
+                               world_size=lay.world_size)
+    final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
+    assert final.status == "failed" and "no_such_module" in final.error
+    rows = _rows(sessions, sw.id)
+    assert len(rows) == 4 and all(t.status == "interrupted" for t in rows)  # attempts 0 (restart) and 1 (failed)
+    retried = [t for t in rows if t.attempt == 1]
+    assert len(retried) == 2 and all(t.cause.startswith("sweep failed: ") and "no_such_module" in t.cause
+                                     for t in retried)
+    with sessions() as s:
+        assert svc.counts(s).trials_by_status.get("running", 0) == 0

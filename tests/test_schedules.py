@@ -236,7 +236,11 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
     for _ in range(4):
         with sessions() as s:
             fire = svc.run_now(s, schedule_id=sid, by="test")
-        assert len(fire.sweep_ids) == 2
+        assert len(fire.sweep_ids) == 1  # one sweep lists both layouts (search.layouts)
+        with sessions() as s:
+            launched = store.get_sweep(s, sweep_id=fire.sweep_ids[0])
+        assert launched.sampler == "layouts" and launched.spec["search"]["repeats"] == 3
+        assert len(launched.spec["search"]["layouts"]) == 2
         run_sweeps(url, sessions, fire.sweep_ids)
         assert scheduler.tick().finished == [fire.id]
         with sessions() as s:

@@ -153,3 +153,22 @@ class TestStoreContract:
             s.commit()
             c = svc.counts(s)
             assert c.trials_by_status == {"completed": 1} and c.device_seconds == 2.0
+
+    def test_released_sweep_is_taken_at_once_and_marked_trials_keep_their_cause(self, sessions):
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            store.claim_sweep(s, runner_id="elsewhere:1:a")
+            store.insert_trial(s, sweep_id=sw.id, number=0, layout=LAYOUT, layout_key="k1", world_size=4)
+            s.commit()
+            assert store.claim_sweep(s, runner_id="other:2:b") is None  # live, fresh heartbeat
+            assert not store.release_sweep(s, sweep_id=sw.id, runner_id="other:2:b")  # not its runner
+            assert store.release_sweep(s, sweep_id=sw.id, runner_id="elsewhere:1:a")
+            s.commit()
+            got = store.claim_sweep(s, runner_id="other:2:b")  # released: taken over at once
+            assert got is not None and got.runner_id == "other:2:b" and got.status == "running"
+            marked = store.mark_interrupted(s, sweep_id=sw.id, cause="sweep failed: ImportError: x")
+            s.commit()
+            assert [t.number for t in marked] == [0]
+            (row,) = store.all_trials(s, sweep_id=sw.id)
+            assert row.status == "interrupted" and row.cause == "sweep failed: ImportError: x"
+            assert svc.counts(s).trials_by_status == {"interrupted": 1}

@@ -56,12 +56,27 @@ def test_korthikanti_table_2() -> None:
 
 
 @pytest.mark.parametrize(("t", "sp", "ac"), [(1, False, "none"), (8, False, "none"), (8, True, "none"),
-                                             (8, False, "selective"), (8, True, "selective"),
                                              (1, False, "full"), (4, False, "full")])
 def test_general_formula_reduces_to_korthikanti(t: int, sp: bool, ac: str) -> None:
     general = layer_activation_bytes(s=S, b=2, h=H, a=A, kv_dim=H, ffn=4 * H, mlp="gelu", t=t, sp=sp, ac=ac,
                                      elt=2, dropout=True, flash=False)
     assert general == pytest.approx(korthikanti_layer_activation_bytes(S, 2, H, A, t, sp=sp, recompute=ac))
+
+
+@pytest.mark.parametrize(("t", "sp"), [(1, False), (8, False), (8, True)])
+def test_selective_is_attention_block_recompute_not_korthikantis(t: int, sp: bool) -> None:
+    # The workers checkpoint the whole attention sub-layer. In Korthikanti's Table 2 terms (GeLU MLP,
+    # dropout, eager attention), the attention block's 11sbh + 5as^2b then shrinks to its 2sbh input
+    # plus its sbh dropout mask: dropped are Q, K (4sbh), V (2sbh), the out-projection input (2sbh) and
+    # 5as^2b. Kept: 2 norm inputs + attention input + MLP input (8sbh) + 2 dropout masks (2sbh),
+    # and the MLP's inside-TP 16sbh (GeLU input and output).
+    sbh = S * 2 * H
+    want = (10 + 16 / t) * sbh if not sp else 26 * sbh / t
+    got = layer_activation_bytes(s=S, b=2, h=H, a=A, kv_dim=H, ffn=4 * H, mlp="gelu", t=t, sp=sp,
+                                 ac="selective", elt=2, dropout=True, flash=False)
+    assert got == pytest.approx(want, rel=1e-12)
+    # ... which is below Korthikanti's selective (they keep Q, K, V and the out-projection input).
+    assert got < korthikanti_layer_activation_bytes(S, 2, H, A, t, sp=sp, recompute="selective")
 
 
 def test_layer_activations_hand_computed_tiny_fp32() -> None:
@@ -72,8 +87,10 @@ def test_layer_activations_hand_computed_tiny_fp32() -> None:
     assert expected == 263_168
     got = layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4)
     assert got == expected
-    # flash keeps no s^2 scores, selective recompute changes nothing more; full keeps the input only.
-    assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="selective") == expected
+    # selective (attention-block recompute): the 4 outside tensors and the MLP's 3 ffn-wide tensors
+    # stay, Q, K, V, the attention output and the lse go: 16*4096 + 12*192*64 = 65,536 + 147,456.
+    assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="selective") == 212_992
+    # full keeps the input only.
     assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="full") == 4 * sbh
 
 
@@ -101,6 +118,11 @@ def test_single_device_estimate_hand_computed() -> None:
     assert mem.overhead == OVERHEAD_BYTES["cpu"]
     assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.overhead
     assert mem.fits and mem.stage == 0
+    # Selective: every layer keeps 212,992 bytes per sequence; one layer's dropped attention part,
+    # 263,168 - 212,992 = 50,176 per sequence, is re-materialised during its backward.
+    sel = estimate_memory(Layout(mbs=2, ac="selective"), model=model, cluster=cluster, training=training)
+    assert sel.activations == model.layers * 2 * 212_992 + 2 * 50_176 + logits
+    assert sel.activations < mem.activations
 
 
 def test_tp_pp_zero_shard_the_right_parameters() -> None:

@@ -17,7 +17,7 @@ from tuner import (
     training_spec,
     useful_fraction,
 )
-from tuner._partition import EMBEDDING_COST, head_flops_per_token, layer_flops_per_token
+from tuner._memory import rank_params
 from tuner._timing import allgather_time, allreduce_time, recompute_flops_per_token_per_layer
 
 
@@ -51,22 +51,101 @@ def test_palm_flops_per_token() -> None:
     assert model_flops_per_token(moe) < 6 * moe.params / 2
 
 
-def test_single_device_step_hand_computed() -> None:
+# "small" (tuner/_specs.py): L=8, h=256, 8 heads, 4 kv heads of 32, SwiGLU ffn=768, V=1024, T=256, untied.
+#   P_attn = 2·256·256 + 2·256·4·32 = 196,608    P_mlp = 3·256·768 = 589,824    norms 2·256 per layer
+#   N = 1024·256 (embedding) + 8·(196,608 + 589,824 + 512) + 256 + 1024·256 (head) = 6,820,096
+# Model FLOPs per token (PaLM App. B), the embedding lookup excluded:
+#   6·(6,820,096 - 262,144) + 12·8·256·256 = 39,347,712 + 6,291,456 = 45,639,168
+# Hardware FLOPs per token the time model runs: per layer 6·(P_attn + P_mlp) + 12·h·T = 5,505,024, the
+# head 6·h·V = 1,572,864 and the embedding at 1/4 of it: 8·5,505,024 + 1.25·1,572,864 = 46,006,272.
+# Recompute per token: selective 8·(2·196,608 + 4·256·256) = 5,242,880 (attention sub-layer forward);
+# full 8·(2·786,432 + 4·256·256) = 14,680,064 (the whole forward).
+SMALL_MODEL_FLOPS = 45_639_168
+
+
+@pytest.mark.parametrize(
+    ("ac", "step_s", "mfu", "hfu"),
+    [
+        # step = hardware FLOPs/token · 8·256 tokens / (5e10 FLOP/s · 0.5);  MFU = 0.5 · 45,639,168 / it.
+        ("none", 46_006_272 * 2048 / 2.5e10, 0.49601028, 0.5 * 45_639_168 / 46_006_272),
+        ("selective", 51_249_152 * 2048 / 2.5e10, 0.44526754, 0.5 * (45_639_168 + 5_242_880) / 51_249_152),
+        ("full", 60_686_336 * 2048 / 2.5e10, 0.37602507, 0.5 * (45_639_168 + 14_680_064) / 60_686_336),
+    ],
+)
+def test_single_device_step_hand_computed(ac: str, step_s: float, mfu: float, hfu: float) -> None:
     model = model_spec("small")
-    cluster = cluster_spec({"preset": "cpu-local", "devices_per_node": 1})
+    cluster = cluster_spec({"preset": "cpu-local", "devices_per_node": 1})  # 5e10 FLOP/s peak
     training = training_spec({"global_batch": 8, "critical_batch": 8})
     f = CalibrationFactors(compute_efficiency=0.5)
-    t = estimate_time(Layout(mbs=2, ac="full"), model=model, cluster=cluster, training=training, factors=f)
-    per_token = model.layers * (layer_flops_per_token(model) + recompute_flops_per_token_per_layer(model, "full"))
-    per_token += head_flops_per_token(model) * (1 + EMBEDDING_COST)
-    step = per_token * 8 * model.seq_len / (cluster.peak_flops * 0.5)
-    assert t.step_time_s == pytest.approx(step, rel=1e-12)
-    assert t.breakdown["compute"] == pytest.approx(step, rel=1e-12)
+    assert model.params == 6_820_096 and model_flops_per_token(model) == SMALL_MODEL_FLOPS
+    t = estimate_time(Layout(mbs=2, ac=ac), model=model, cluster=cluster, training=training, factors=f)
+    assert t.step_time_s == pytest.approx(step_s, rel=1e-12)
+    assert t.breakdown["compute"] == pytest.approx(step_s, rel=1e-12)
     assert sum(v for k, v in t.breakdown.items() if k != "compute") == 0
-    assert t.tokens_per_s == pytest.approx(8 * model.seq_len / step)
-    assert t.mfu == pytest.approx(model_flops_per_token(model) * t.tokens_per_s / cluster.peak_flops)
-    assert t.hfu > t.mfu  # full recompute runs the forward twice
-    assert t.useful_tokens_per_s == pytest.approx(t.tokens_per_s / 2)
+    assert t.tokens_per_s == pytest.approx(2048 / step_s, rel=1e-12)
+    assert t.mfu == pytest.approx(mfu, abs=1e-8)
+    assert t.hfu == pytest.approx(hfu, rel=1e-12)
+    assert t.useful_tokens_per_s == pytest.approx(t.tokens_per_s / 2)  # B = B_crit: half is useful
+
+
+def test_recompute_flops_hand_computed() -> None:
+    model = model_spec("small")
+    assert recompute_flops_per_token_per_layer(model, "none") == 0
+    assert recompute_flops_per_token_per_layer(model, "selective") == 2 * 196_608 + 4 * 256 * 256 == 655_360
+    assert recompute_flops_per_token_per_layer(model, "full") == 2 * 786_432 + 4 * 256 * 256 == 1_835_008
+
+
+def test_selective_repeats_the_attention_tp_collective() -> None:
+    # TP/SP: 4 all-reduce-sized collectives per layer (2 forward, 2 backward); attention-block recompute
+    # repeats the attention's forward one (5 per layer), full recompute both forward ones (6 per layer).
+    model = model_spec("llama3-8b")
+    cluster = cluster_spec({"preset": "h100-sxm", "nodes": 1})
+    training = training_spec({"global_batch": 8})
+    tp = {ac: estimate_time(Layout(tp=8, ac=ac, sp=True), model=model, cluster=cluster, training=training)
+          .breakdown["tp_comm"] for ac in ("none", "selective", "full")}
+    assert tp["selective"] == pytest.approx(tp["none"] * 5 / 4, rel=1e-12)
+    assert tp["full"] == pytest.approx(tp["none"] * 6 / 4, rel=1e-12)
+
+
+# Data parallel on "small" over 4 CPU ranks (5e9 B/s links at 0.8: 4e9 B/s), no latency, no overlap.
+# Each rank holds all N = 6,820,096 weights; ring over 4 ranks moves 3/4 of the whole:
+#   all-gather of bf16 weights  0.75 · 2·N / 4e9 = 0.002557536 s
+#   reduce-scatter of fp32 grads 0.75 · 4·N / 4e9 = 0.005115072 s
+#   all-reduce of fp32 grads   1.5 · 4·N / 4e9  = 0.010230144 s
+AG, RS, AR = 0.002557536, 0.005115072, 0.010230144
+
+
+@pytest.mark.parametrize(("zero", "overlap", "dp_s"), [
+    (0, 0.0, AR), (0, 1.0, AR),              # ZeRO-0: one all-reduce after the last backward, never hidden
+    (1, 0.0, AG + RS), (1, 1.0, 0.0),        # ZeRO-1: one reduce-scatter + all-gather per step
+    (2, 0.0, 4 * (AG + RS)),                 # ZeRO-2 (pp=1): reduce-scatter, and so a gather, per micro-batch
+    (3, 0.0, 4 * (2 * AG + RS)),             # ZeRO-3 (pp=1): gather forward and backward, reduce-scatter
+])
+def test_data_parallel_traffic_pp1_hand_computed(zero: int, overlap: float, dp_s: float) -> None:
+    f = CalibrationFactors(latency_scale=0.0, dp_overlap=overlap)
+    t = estimate_time(Layout(dp=4, zero=zero, mbs=1), model=model_spec("small"), cluster=cluster_spec("cpu-local"),
+                      training=training_spec({"global_batch": 16}), factors=f)  # m = 16 / (4 · 1) = 4
+    assert t.breakdown["dp_comm_exposed"] == pytest.approx(dp_s, rel=1e-9)
+
+
+def test_data_parallel_traffic_under_pipelining() -> None:
+    # pp=2 x dp=2: torch.distributed.pipelining runs every backward without gradient sync or
+    # reshard and reduce-scatters once after the last one (exposed); ZeRO-1/2 gather once per step,
+    # ZeRO-3 m + 1 times. The largest stage holds psi weights; over 2 ranks a ring moves 1/2.
+    model, cluster = model_spec("small"), cluster_spec("cpu-local")
+    training = training_spec({"global_batch": 16})  # m = 16 / (2 · 1) = 8
+    psi = max(rank_params(model, 1, 1, 2, 1).dense)
+    ag, rs = 0.5 * 2 * psi / 4e9, 0.5 * 4 * psi / 4e9
+    f = CalibrationFactors(latency_scale=0.0, dp_overlap=0.0)
+    dp = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training, factors=f)
+          .breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
+    assert dp[0] == pytest.approx(2 * rs, rel=1e-9)  # fp32 all-reduce = 2 x the reduce-scatter
+    assert dp[1] == dp[2] == pytest.approx(ag + rs, rel=1e-9)
+    assert dp[3] == pytest.approx(9 * ag + rs, rel=1e-9)
+    # Full overlap hides the gathers only: the final reduce-scatter waits for the last backward.
+    hidden = CalibrationFactors(latency_scale=0.0, dp_overlap=1.0)
+    z3 = estimate_time(Layout(pp=2, dp=2, zero=3), model=model, cluster=cluster, training=training, factors=hidden)
+    assert z3.breakdown["dp_comm_exposed"] == pytest.approx(rs, rel=1e-9)
 
 
 def test_tp_dp_pp_costs_follow_the_links() -> None:

@@ -9,18 +9,23 @@ import argparse
 import dataclasses
 import getpass
 import json
+import signal
 import sys
+import threading
 from datetime import datetime
 from typing import Any
 
-from tuner import SpecError
+from tuner import ConflictError, SpecError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="run a sweep from a spec file and print the ranked layouts",
                        description="Run a sweep end to end on the configured store and backend (default: "
                        "SQLite under MESHTUNE_HOME, a local Ray, CPU ranks) and print the ranking.")
-    p.add_argument("spec", help="sweep spec file (.yaml/.yml/.toml/.json)")
+    p.add_argument("spec", nargs="?", help="sweep spec file (.yaml/.yml/.toml/.json)")
+    p.add_argument("--resume", type=int, metavar="ID",
+                   help="resume unfinished sweep ID in the foreground instead of starting one (trials that were "
+                   "running are marked interrupted and re-run; none is lost or duplicated)")
     p.add_argument("--backend", help="override the spec's backend: ray, simulate or module:attr")
     p.add_argument("--max-trials", type=int, help="override search.max_trials")
     p.add_argument("--json", action="store_true", help="print the final sweep and ranking as JSON")
@@ -120,22 +125,38 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+METRIC_LABELS = {
+    "tokens_per_s_per_device": "tok/s/dev",
+    "useful_tokens_per_s": "useful tok/s (job)",
+}
+
+
 def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
+    """The ranking as a table. Per-device columns say "/dev"; "useful tok/s/dev" is the API's
+    ``useful_tokens_per_s_per_device`` (so it is <= tok/s/dev); the metric's median and interval are
+    labelled with the metric's unit."""
     from rich.table import Table
 
     label = " (SIMULATED: analytical model + noise, not measurements)" if ranking.simulated else ""
+    unit = METRIC_LABELS.get(ranking.metric, ranking.metric)
     table = Table(title=f"sweep {ranking.sweep_id}: ranked by {ranking.metric}{label}")
-    for col in ("#", "layout", "n", "median", "95% interval", "tie", "useful tok/s", "peak mem",
-                "pred err", "mem err"):
+    columns = ["#", "layout", "n", f"median {unit}", "95% interval", "tie"]
+    if ranking.metric != "tokens_per_s_per_device":
+        columns.append("tok/s/dev")
+    columns += ["useful tok/s/dev", "peak mem", "pred err", "mem err"]
+    for col in columns:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for row in ranking.rows[:top]:
-        table.add_row(
-            str(row.rank), row.layout_key, str(row.n), _fmt(row.median), f"{_fmt(row.low)} - {_fmt(row.high)}",
-            f"={row.tie_group}" + ("*" if row.tied_with_best else ""), _fmt(row.useful_tokens_per_s),
-            _fmt_bytes(row.peak_memory_bytes),
+        cells = [str(row.rank), row.layout_key, str(row.n), _fmt(row.median), f"{_fmt(row.low)} - {_fmt(row.high)}",
+                 f"={row.tie_group}" + ("*" if row.tied_with_best else "")]
+        if ranking.metric != "tokens_per_s_per_device":
+            cells.append(_fmt(row.tokens_per_s_per_device))
+        cells += [
+            _fmt(row.useful_tokens_per_s_per_device), _fmt_bytes(row.peak_memory_bytes),
             "-" if row.prediction_error is None else f"{row.prediction_error:+.0%}",
             "-" if row.memory_prediction_error is None else f"{row.memory_prediction_error:+.0%}",
-        )
+        ]
+        table.add_row(*cells)
     console.print(table)
     if ranking.rows:
         tied = [r.layout_key for r in ranking.rows if r.tied_with_best]
@@ -158,33 +179,83 @@ def _print_sweep(console: Any, sweep: Any) -> None:
 # --- commands ----------------------------------------------------------------------------------
 
 
+def _resume_hint(sweep_id: int) -> str:
+    return (f"sweep {sweep_id} is unfinished; resume it with `meshtune sweep --resume {sweep_id}` "
+            "(a coordinator, `meshtune serve`, on the same database resumes it too)")
+
+
+def _stop_on_ctrl_c(stop: threading.Event, console: Any) -> Any:
+    """First Ctrl-C: start no new trial, record the ones in flight, then return (resumable).
+    Second Ctrl-C: KeyboardInterrupt at once (trials in flight are re-run on resume).
+    Returns the previous SIGINT handler, or None off the main thread (no handler installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        console.print("[yellow]stopping: no new trials; waiting for the trials in flight to be recorded "
+                      "(Ctrl-C again to leave them now)[/yellow]")
+
+    return signal.signal(signal.SIGINT, handler)
+
+
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from api import store
     from api.engine import SweepRunner
     from api.services import sweeps as svc
+    from api.spec import SweepSpec
 
-    spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials)
-    settings, sessions = _sessions()
-    with sessions() as s:
-        sweep = svc.create_sweep(s, spec=spec, owner=getpass.getuser())
+    if args.resume is not None:
+        if args.spec or args.backend or args.max_trials is not None:
+            raise SpecError("--resume ID takes no SPEC, --backend nor --max-trials: a sweep resumes with its stored spec")
+        settings, sessions = _sessions()
+        with sessions() as s:
+            sweep = svc.get_sweep(s, sweep_id=args.resume)  # NotFoundError: exit 2
+            if sweep.status in store.FINISHED_SWEEP_STATUSES:
+                raise ConflictError(f"--resume {args.resume}: sweep {args.resume} is already {sweep.status}; "
+                                    "only queued or running sweeps can be resumed")
+            spec = SweepSpec.model_validate(sweep.spec)
+            done = sum(1 for t in store.all_trials(s, sweep_id=sweep.id)
+                       if t.status in store.TERMINAL_TRIAL_STATUSES)
+    elif not args.spec:
+        raise SpecError("give a sweep spec file (meshtune sweep SPEC), or --resume ID")
+    else:
+        spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials)
+        settings, sessions = _sessions()
+        with sessions() as s:
+            sweep = svc.create_sweep(s, spec=spec, owner=getpass.getuser())
+        done = 0
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
-    console.print(f"sweep {sweep.id} '{spec.name}': {spec.model} on {spec.cluster}, sampler={spec.search.sampler}, "
-                  f"backend={spec.backend}, up to {spec.search.max_trials} trials")
-    total = spec.search.max_trials + max(0, spec.search.remeasure_top_k * (spec.search.repeats - 1))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
-        task = progress.add_task("trials", total=total, last="")
+    verb = "resuming" if args.resume is not None else "sweep"
+    console.print(f"{verb} {sweep.id} '{spec.name}': {spec.model} on {spec.cluster}, sampler={spec.sampler_label}, "
+                  f"backend={spec.backend}, up to {_planned_trials(spec)} trials")
+    stop = threading.Event()
+    previous = _stop_on_ctrl_c(stop, console)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
+            task = progress.add_task("trials", total=max(_planned_trials(spec), done), completed=done, last="")
 
-        def on_progress(event: dict[str, Any]) -> None:
-            row = event.get("trial")
-            if event["event"] in ("finished", "pruned") and row is not None:
-                what = row.status if row.status != "completed" else f"{_fmt(row.tokens_per_s_per_device)} tok/s/dev"
-                progress.update(task, advance=1, last=f"#{row.number} {row.layout_key}: {what}")
+            def on_progress(event: dict[str, Any]) -> None:
+                row = event.get("trial")
+                if event["event"] in ("finished", "pruned") and row is not None:
+                    what = row.status if row.status != "completed" else f"{_fmt(row.tokens_per_s_per_device)} tok/s/dev"
+                    progress.update(task, advance=1, last=f"#{row.number} {row.layout_key}: {what}")
 
-        final = SweepRunner(settings, sessions=sessions).run_sweep(sweep.id, on_progress=on_progress)
-        progress.update(task, total=progress.tasks[0].completed)
+            final = SweepRunner(settings, sessions=sessions).run_sweep(sweep.id, stop_event=stop,
+                                                                       on_progress=on_progress)
+            progress.update(task, total=progress.tasks[0].completed)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: {_resume_hint(sweep.id)}[/yellow]")
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     with sessions() as s:
         ranking = svc.ranking(s, sweep_id=final.id)
         if args.json:
@@ -193,7 +264,18 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         else:
             _print_sweep(console, final)
             print_ranking(console, ranking, top=args.top)
+    if final.status not in store.FINISHED_SWEEP_STATUSES:
+        console.print(f"[yellow]stopped: {_resume_hint(final.id)}[/yellow]")
+        return 130
     return 0 if final.status == "completed" else 1
+
+
+def _planned_trials(spec: Any) -> int:
+    """Trial numbers the sweep plans (search + re-measurements); the progress bar's total."""
+    search = spec.search
+    if search.layouts is not None:
+        return len(search.layouts) * search.repeats
+    return search.max_trials + max(0, search.remeasure_top_k * (search.repeats - 1))
 
 
 def list_cmd(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """The dashboard's reads: sweep-service calls turned into the plain dicts ``views`` and the templates use.
 
-Only ``api.services.sweeps`` is called here (routes never build queries). One page load reads the
+Only services are called here (routes never build queries): ``api.services.sweeps`` for sweeps and
+trials, ``api.services.reshard`` for the sweep's migration (reshard) checks. One page load reads the
 sweep's trials once (``list_trials``), the ranking and the Pareto points; a 2,000-trial sweep is a
 few hundred kB of rows.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.dashboard import views
+from api.services import reshard as reshard_service
 from api.services import sweeps as service
 from api.spec import SweepSpec
 from tuner import Layout, LayoutError, TrainingSpec, microbatches
@@ -140,6 +142,11 @@ def sweeps_page(session: Session, *, status: str | None, page: int, per_page: in
     }
 
 
+def live_sweeps(session: Session) -> int:
+    """Sweeps queued or running anywhere (the list keeps refreshing while there are any)."""
+    return sum(service.list_sweeps(session, status=s, limit=1).total for s in LIVE_STATUSES)
+
+
 def all_trials(session: Session, *, sweep_id: int) -> list[Any]:
     """Every trial of the sweep, read a service page (1,000 rows) at a time."""
     rows: list[Any] = []
@@ -250,3 +257,33 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
     header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)
     return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}
+
+
+# --- migration (reshard) checks, issue 8 ------------------------------------------------------------
+
+MIGRATION_TARGETS = 50  # the select of a "check migration" control offers the top of the ranking
+LISTED_MISMATCHES = 5
+
+
+def migration_targets(ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The layouts a run may be moved to: the top of the ranking (rank, label, key, layout)."""
+    return [{"rank": r["rank"], "label": views.layout_label(r["layout"]), "key": r["layout_key"],
+             "layout": r["layout"]} for r in ranking[:MIGRATION_TARGETS]]
+
+
+def check_row(c: Any) -> dict[str, Any]:
+    """A stored reshard check (ORM row) as a row of the "migration checks" table."""
+    return {
+        "id": c.id, "verdict": c.verdict, "owner": c.owner, "created_at": c.created_at,
+        "from_label": views.layout_label(c.from_layout), "to_label": views.layout_label(c.to_layout),
+        "from_key": c.from_key, "to_key": c.to_key, "steps_before": c.steps_before, "steps_after": c.steps_after,
+        "tensors_checked": c.tensors_checked, "mismatch_count": c.mismatch_count,
+        "mismatches": list(c.mismatches or [])[:LISTED_MISMATCHES], "max_abs_diff": c.max_abs_diff,
+        "max_rel_loss_diff": c.max_rel_loss_diff, "tolerance": c.tolerance, "corrupt": c.corrupt,
+        "backend": c.backend, "error": c.error, "save_s": c.save_s, "load_s": c.load_s, "wall_s": c.wall_s,
+    }
+
+
+def migration_checks(session: Session, *, sweep_id: int) -> list[dict[str, Any]]:
+    """The sweep's reshard checks, newest first."""
+    return [check_row(c) for c in reversed(reshard_service.list_checks(session, sweep_id=sweep_id))]

@@ -12,8 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 # The API's own formatter of a 422 "detail" line, so the form can never drift from the API's wording.
-from api.errors import _summary as detail_line
-from api.errors import field_errors
+from api.errors import detail_line, field_errors
 from api.spec import SweepSpec
 
 FIELDS = (

@@ -1,17 +1,24 @@
 """Dashboard pages, served by the coordinator (server-rendered Jinja2, Plotly served locally).
 
     GET  /                                   sweeps list + submit form
+    GET  /sweeps-table                       the list's table (HTML fragment: refreshed while any
+                                             sweep is queued or running)
     POST /sweeps                             submit form (validated as POST /api/sweeps validates)
-    GET  /sweeps/{id}                        sweep page: ranking, charts, trials
+    GET  /sweeps/{id}                        sweep page: ranking, charts, migration checks, trials
     GET  /sweeps/{id}/data.json              chart data for the live refresh (Plotly.react)
     GET  /sweeps/{id}/importance.json        parameter importance (Optuna), loaded after the page
-    GET  /sweeps/{id}/tables                 the ranking + trials tables (HTML fragment, refresh)
+    GET  /sweeps/{id}/tables                 ranking + migration checks + trials (HTML fragment)
     GET  /sweeps/{id}/trials/{trial_id}      one trial: measurements, environment, error
     GET|POST /login                          token cookie when reads require auth
     /dashboard/static/*, /dashboard/vendor/plotly.min.js   assets (plotly.js from the plotly package)
 
 Reads follow the API's rule (a token only when ``read_requires_auth``); a browser sends it as an
 http-only cookie set by /login. Submitting needs a token whenever tokens are configured.
+
+A ranked layout's "check migration" control (static/migrate.js) posts to the API's own
+``POST /api/sweeps/{id}/reshard-check`` with the bearer token typed on the page (a writer token, as
+for the submit form); the page lists the sweep's past checks server-side (the cookie is enough to
+read them).
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ templates.env.filters.update(
     seconds=lambda v: "—" if v is None else (f"{v:.3g} s" if v >= 1 else f"{v * 1000:.3g} ms"),
     duration=views.duration,
     when=_when,
+    sci=lambda v: "—" if v is None else ("0" if v == 0 else f"{v:.2g}"),
+    layout_label=views.layout_label,
 )
 
 
@@ -161,37 +170,62 @@ def login(
 
 # --- sweeps list and submit form -------------------------------------------------------------------
 
-def _sweeps_page(
-    request: Request, session: Any, settings: Settings, *, status: str | None, page: int,
-    state: form.FormState | None = None, status_code: int = 200,
-) -> HTMLResponse:
+def _list_ctx(request: Request, session: Any, *, status: str | None, page: int, refresh_ms: int) -> dict[str, Any]:
     status = status or None
     if status is not None and status not in SWEEP_STATUSES:
         status = None
     listing = data.sweeps_page(session, status=status, page=page)
+    query = {"status": status or "", "page": page}
+
+    def page_url(p: int) -> str:
+        return request.url_for("dashboard_sweeps").path + "?" + urlencode(query | {"page": p})
+
+    return {
+        **listing, "status": status, "page": page, "page_url": page_url, "sweep_statuses": SWEEP_STATUSES,
+        "live": data.live_sweeps(session) > 0, "refresh_ms": refresh_ms,
+        "table_url": request.url_for("dashboard_sweeps_table").path + "?" + urlencode(query | {"refresh_ms": refresh_ms}),
+    }
+
+
+def _sweeps_page(
+    request: Request, session: Any, settings: Settings, *, status: str | None, page: int,
+    state: form.FormState | None = None, status_code: int = 200, refresh_ms: int = REFRESH_MS,
+) -> HTMLResponse:
     if state is None:
         state = form.FormState()
         state.values["backend"] = settings.backend
-
-    def page_url(p: int) -> str:
-        return request.url_for("dashboard_sweeps").path + "?" + urlencode({"status": status or "", "page": p})
-
     ctx = {
-        **listing, "status": status, "page": page, "page_url": page_url, "sweep_statuses": SWEEP_STATUSES,
+        **_list_ctx(request, session, status=status, page=page, refresh_ms=refresh_ms),
         "form": state, "model_presets": sorted(MODEL_PRESETS), "cluster_presets": sorted(CLUSTER_PRESETS),
         "samplers": SAMPLERS, "auth_on": bool(settings.api_tokens),
     }
     return templates.TemplateResponse(request, "sweeps.html", ctx, status_code=status_code)
 
 
+ListPage = Annotated[int, Query(ge=1, le=100_000)]
+RefreshMs = Annotated[int, Query(ge=500, le=600_000)]
+
+
 @router.get("/", name="dashboard_sweeps")
 def sweeps_list(
     request: Request, session: SessionDep, settings: SettingsDep,
-    status: str = "", page: Annotated[int, Query(ge=1, le=100_000)] = 1,
+    status: str = "", page: ListPage = 1, refresh_ms: RefreshMs = REFRESH_MS,
 ) -> HTMLResponse:
     if not _can_read(request, settings):
         return _login(request)
-    return _sweeps_page(request, session, settings, status=status, page=page)
+    return _sweeps_page(request, session, settings, status=status, page=page, refresh_ms=refresh_ms)
+
+
+@router.get("/sweeps-table", name="dashboard_sweeps_table")
+def sweeps_table(
+    request: Request, session: SessionDep, settings: SettingsDep,
+    status: str = "", page: ListPage = 1, refresh_ms: RefreshMs = REFRESH_MS,
+) -> HTMLResponse:
+    """The list's table alone, for the list page's refresh (it says whether to keep refreshing)."""
+    if not _can_read(request, settings):
+        return _login(request)
+    ctx = _list_ctx(request, session, status=status, page=page, refresh_ms=refresh_ms)
+    return templates.TemplateResponse(request, "_sweeps_table.html", ctx, headers={"Cache-Control": "no-store"})
 
 
 @router.post("/sweeps", name="dashboard_submit")
@@ -226,7 +260,8 @@ def _submit(request: Request, session: Any, settings: Settings, raw: dict[str, s
 
 # --- sweep page ------------------------------------------------------------------------------------
 
-def _tables_ctx(request: Request, state: dict[str, Any], *, rank_page: int, trial_page: int, trial_status: str):
+def _tables_ctx(request: Request, session: Any, state: dict[str, Any], *, rank_page: int, trial_page: int,
+                trial_status: str) -> dict[str, Any]:
     sweep_id = state["sweep"]["id"]
     trial_status = trial_status if trial_status in views.OUTCOMES else ""
     trials = [t for t in state["trials"] if not trial_status or t["status"] == trial_status]
@@ -249,6 +284,9 @@ def _tables_ctx(request: Request, state: dict[str, Any], *, rank_page: int, tria
         "trial_status": trial_status, "trial_filters": ("", *views.OUTCOMES),
         "trial_filter_url": lambda s: url(trial_status=s, trial_page=1),
         "counts": state["bundle"]["summary"]["counts"],
+        # Migration (reshard) checks: the past ones, and the layouts a "check migration" may target.
+        "checks": data.migration_checks(session, sweep_id=sweep_id),
+        "migration_targets": data.migration_targets(ranking),
     }
 
 
@@ -267,8 +305,9 @@ def sweep_page(
         state = data.sweep_state(session, sweep_id=sweep_id)
     except NotFoundError as exc:
         return _not_found(request, str(exc))
-    ctx = _tables_ctx(request, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
-    ctx.update(bundle=state["bundle"], live=state["bundle"]["live"], refresh_ms=refresh_ms)
+    ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    ctx.update(bundle=state["bundle"], live=state["bundle"]["live"], refresh_ms=refresh_ms,
+               auth_on=bool(settings.api_tokens))
     return templates.TemplateResponse(request, "sweep.html", ctx)
 
 
@@ -283,8 +322,8 @@ def sweep_tables(
         state = data.sweep_state(session, sweep_id=sweep_id)
     except NotFoundError as exc:
         return _not_found(request, str(exc))
-    ctx = _tables_ctx(request, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
-    return templates.TemplateResponse(request, "_tables.html", ctx)
+    ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    return templates.TemplateResponse(request, "_tables.html", ctx, headers={"Cache-Control": "no-store"})
 
 
 def _json_guard(request: Request, settings: Settings) -> JSONResponse | None:

@@ -21,7 +21,16 @@ queued or unfinished sweep whose runner is gone (same host and dead pid, or hear
 ``stale_after_s``). A trial row still "running" is marked "interrupted" and the trial is re-run under
 the **same number** as ``attempt + 1``; so every trial number ends with exactly one non-interrupted row,
 and numbers are never reused or skipped. Results are written with a guard (only a "running" row
-accepts one), so a duplicate report changes nothing.
+accepts one), so a duplicate report changes nothing. ``meshtune sweep --resume ID`` applies the same
+rule in the foreground (Ctrl-C on ``meshtune sweep`` releases the sweep so that it can be resumed at once).
+
+A sweep that FAILS (e.g. its backend cannot be imported) is never resumed: its rows still "running"
+are marked "interrupted" with the cause ``sweep failed: <reason>``, so no row of a finished sweep is
+left "running" (nor counted as running by /metrics).
+
+Listed layouts (``search.layouts``): no sampler, warm start or patience; each listed layout is run
+once in the listed order (search phase, source "listed"; still subject to the memory model's pruning)
+and then topped up to ``search.repeats`` measurements (re-measurement phase).
 """
 
 from api.engine._model import Prediction, Problem

@@ -58,9 +58,11 @@ class SweepLoop:
         self.problem = Problem.from_spec(self.spec, calibration=calibration)
         self.search = self.spec.search
         space = self.problem.space
-        if self.search.sampler in ("grid", "random"):
+        if self.problem.listed:  # search.layouts: the listed order, no sampler
+            self.proposer: Any = ListProposer(space, shuffle_seed=None)
+        elif self.search.sampler in ("grid", "random"):
             seed = None if self.search.sampler == "grid" else self.search.seed
-            self.proposer: Any = ListProposer(space, shuffle_seed=seed)
+            self.proposer = ListProposer(space, shuffle_seed=seed)
         else:
             self.proposer = OptunaProposer(space, sampler=self.search.sampler, seed=self.search.seed,
                                            max_trials=self.search.max_trials)
@@ -120,16 +122,24 @@ class SweepLoop:
         rerun = self._recover()
         rows = self._rebuild()
         self.seen = {t.layout_key for t in rows if t.phase == "search"}
-        self.warm = [(lay, src) for lay, src in self.problem.warm_start(self.search) if lay.key not in self.seen]
+        warm = [] if self.problem.listed else self.problem.warm_start(self.search)
+        self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
         self.next_number = max((t.number for t in rows), default=-1) + 1
         self.backend = self.r.backend_factory(self.spec)
         try:
             self.slots = self._slots()
-            with ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}") as pool:
-                self.pool = pool
+            self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
+            try:
                 for t in rerun:
                     self._submit(Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None))
                 finished = self._loop()
+            except BaseException:
+                # Failing (or Ctrl-C): do not wait for trials in flight, whose results nobody would
+                # record; closing the backend below ends them. Their rows are marked by the caller
+                # (sweep failed) or by the next resume (interrupted, re-run as attempt + 1).
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            self.pool.shutdown(wait=True)
         finally:
             self.backend.close()
         if finished:
@@ -193,7 +203,11 @@ class SweepLoop:
 
     def _search_done(self) -> bool:
         rows = self._search_rows()
-        if len(rows) >= self.search.max_trials or self._over_device_budget():
+        if self._over_device_budget():
+            return True
+        if self.problem.listed:  # every listed layout once, whatever max_trials and patience say
+            return len(rows) >= len(self.problem.space) or self._exhausted
+        if len(rows) >= self.search.max_trials:
             return True
         if self.search.patience is not None:
             ran = sorted((t for t in rows if t.status not in ("pruned", "running")), key=lambda t: t.number)
@@ -220,7 +234,7 @@ class SweepLoop:
             if proposal is None:
                 self._exhausted = True
                 return False
-            (layout, handle), source = proposal, "sampler"
+            (layout, handle), source = proposal, ("listed" if self.problem.listed else "sampler")
         self.seen.add(layout.key)
         prediction = self.problem.predict(layout)
         if not prediction.fits:
@@ -335,6 +349,8 @@ class SweepLoop:
         """Top-k layouts by median measured tokens/s per device, each topped up to ``repeats``
         measurements (counting earlier re-measurement attempts, so a resume never repeats one)."""
         k, repeats = self.search.remeasure_top_k, self.search.repeats
+        if self.problem.listed:  # search.layouts: every listed layout that ran gets its repeats
+            k = len(self.problem.space)
         if k <= 0 or repeats <= 1:
             return []
         rows = self._rows()

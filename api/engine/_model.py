@@ -54,13 +54,17 @@ class Problem:
         *,
         space: Any = None,
         calibration: dict[str, Any] | None = None,
+        layouts: list[Layout] | None = None,
     ) -> None:
         self.model, self.cluster, self.training = model, cluster, training
-        enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
-        if not enumeration.valid:
-            rejected = ", ".join(f"{k}: {v}" for k, v in sorted(enumeration.rejected.items()))
-            raise SpecError(f"the search space has no valid layout for this model and cluster (rejected: {rejected})")
-        self.space = LayoutSpace(enumeration.valid, cluster.devices)
+        self.listed = layouts is not None  # search.layouts: exactly these, in this order
+        if layouts is None:
+            enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+            if not enumeration.valid:
+                rejected = ", ".join(f"{k}: {v}" for k, v in sorted(enumeration.rejected.items()))
+                raise SpecError(f"the search space has no valid layout for this model and cluster (rejected: {rejected})")
+            layouts = enumeration.valid
+        self.space = LayoutSpace(layouts, cluster.devices)
         self.factors = tuner.CalibrationFactors()
         self.memory_scale = 1.0
         self.calibration = calibration
@@ -72,7 +76,8 @@ class Problem:
     @classmethod
     def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> Problem:
         model, cluster, training = spec.to_problem()
-        return cls(model, cluster, training, space=spec.search_space(), calibration=calibration)
+        return cls(model, cluster, training, space=spec.search_space(), calibration=calibration,
+                   layouts=spec.listed_layouts())
 
     def predict(self, layout: Layout) -> Prediction:
         mem = tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training)

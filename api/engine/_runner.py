@@ -82,7 +82,11 @@ class SweepRunner:
                 if claimed is None:
                     raise tuner.ConflictError(f"sweep {sweep_id} is being run by another coordinator ({sweep.runner_id})")
         if sweep.status not in store.FINISHED_SWEEP_STATUSES:
-            self._run_claimed(sweep_id, stop_event or threading.Event(), on_progress)
+            try:
+                self._run_claimed(sweep_id, stop_event or threading.Event(), on_progress)
+            finally:  # stopped or interrupted before the end: let a resume take it over at once
+                with store.session_scope(self.sessions) as s:
+                    store.release_sweep(s, sweep_id=sweep_id, runner_id=self.runner_id)
         with self.sessions() as s:
             return store.get_sweep(s, sweep_id=sweep_id)
 
@@ -93,6 +97,13 @@ class SweepRunner:
             log.exception("sweep %s failed", sweep_id)
             reason = f"{type(exc).__name__}: {exc}"
             with store.session_scope(self.sessions) as s:
-                store.set_sweep_status(s, sweep_id=sweep_id, status="failed", error=reason, only_from=("running",))
+                failed = store.set_sweep_status(s, sweep_id=sweep_id, status="failed", error=reason,
+                                                only_from=("running",))
+                sweep = store.get_sweep(s, sweep_id=sweep_id)
+                ours = sweep is not None and sweep.runner_id == self.runner_id
+                if failed or (ours and sweep.status in store.FINISHED_SWEEP_STATUSES):
+                    # Nothing will finish its running trials now: say so on them (and in /metrics).
+                    store.mark_interrupted(s, sweep_id=sweep_id, cause=f"sweep failed: {reason}"[:2000])
+                    store.refresh_sweep_cache(s, sweep_id=sweep_id)
 
 

@@ -11,15 +11,15 @@ because the service commits on its own, which would split the claim from the lau
 the same: every spec is a validated ``SweepSpec`` (templates are re-validated at each fire, so a
 template that a later release no longer accepts fails its fire with the reason instead of running).
 
-A re-measurement ("the top-k layouts of sweep X, R times") becomes one sweep per layout whose search
-space is pinned to exactly that layout (one value per knob; dp follows from the device count), with
-``grid`` over that single layout, ``max_trials=1``, ``remeasure_top_k=1`` and ``repeats=R``: the
-engine runs it as 1 + (R - 1) measurements of that layout and nothing else. (The engine has no
-"run these exact layouts R times" entry point; pinning keeps every run on the engine's path.)
+A re-measurement ("the top-k layouts of sweep X, R times") becomes ONE sweep of the source sweep's
+problem with ``search.layouts`` set to those layouts and ``search.repeats=R``: the engine measures
+each listed layout R times (no sampler) and nothing else. ``check_fire`` groups its measurements by
+layout key, so one sweep per fire compares exactly like the per-layout sweeps of older fires did.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 from typing import Any
 
@@ -34,7 +34,8 @@ from tuner import Layout, NotFoundError, SpecError
 
 
 def pinned_space(layout: Layout) -> dict[str, Any]:
-    """A search space (SweepSpec.space) holding ``layout`` and no other layout."""
+    """A search space (SweepSpec.space) holding ``layout`` and no other layout (for templates that
+    pin one layout; re-measurements list their layouts with ``search.layouts`` instead)."""
     space: dict[str, Any] = {
         "tp": [layout.tp], "pp": [layout.pp], "cp": [layout.cp], "ep": [layout.ep], "zero": [layout.zero],
         "mbs": [layout.mbs], "ac": [layout.ac], "sp": [layout.sp], "schedules": [layout.schedule],
@@ -44,15 +45,15 @@ def pinned_space(layout: Layout) -> dict[str, Any]:
     return space
 
 
-def remeasure_spec(source: SweepSpec, layout: Layout, *, repeats: int, name: str) -> SweepSpec:
-    """``source``'s problem, run as ``repeats`` measurements of ``layout`` only."""
+def remeasure_spec(source: SweepSpec, layouts: list[Layout], *, repeats: int, name: str) -> SweepSpec:
+    """``source``'s problem, run as ``repeats`` measurements of each of ``layouts`` and nothing else."""
     data = source.model_dump(mode="json")
     data.update(
         name=name[:200],
-        space=pinned_space(layout),
+        space={},
         search=SearchSettings(
-            sampler="grid", max_trials=1, warm_start_top_k=0, reference_layouts=[], repeats=repeats,
-            remeasure_top_k=1, seed=source.search.seed,
+            sampler=source.search.sampler, warm_start_top_k=0, reference_layouts=[], repeats=repeats,
+            seed=source.search.seed, layouts=[dataclasses.asdict(layout) for layout in layouts],
         ).model_dump(mode="json"),
     )
     return SweepSpec.model_validate(data)
@@ -93,10 +94,7 @@ def fire_specs(session: Session, *, schedule: Schedule, fire_time: datetime) -> 
     if not layouts:
         raise SpecError(f"source_sweep_id={source.id}: sweep {source.id} has no measured layout to re-measure")
     base = SweepSpec.model_validate(source.spec)
-    return [
-        remeasure_spec(base, layout, repeats=schedule.repeats, name=f"{schedule.name} @ {stamp} {layout.key}")
-        for layout in layouts
-    ]
+    return [remeasure_spec(base, layouts, repeats=schedule.repeats, name=f"{schedule.name} @ {stamp}")]
 
 
 def fire_schedule(
@@ -129,7 +127,7 @@ def fire_schedule(
     for spec in specs:
         sweep = store.insert_sweep(
             session, name=spec.name, owner=f"schedule:{schedule.id}", spec=spec.model_dump(mode="json"),
-            backend=spec.backend, sampler=spec.search.sampler,
+            backend=spec.backend, sampler=spec.sampler_label,
         )
         sweep_ids.append(sweep.id)
     _store.set_fire_sweeps(session, fire_id=fire_id, sweep_ids=sweep_ids)

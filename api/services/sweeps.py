@@ -46,7 +46,8 @@ class RankingRow:
     tie_group: int
     tied_with_best: bool
     tokens_per_s_per_device: float  # median over measurements
-    useful_tokens_per_s: float | None
+    useful_tokens_per_s: float | None  # median, whole job (all devices)
+    useful_tokens_per_s_per_device: float | None  # median, per device (comparable with tokens_per_s_per_device)
     peak_memory_bytes: int | None
     predicted_tokens_per_s_per_device: float | None
     prediction_error: float | None  # (predicted - measured) / measured, on tokens/s per device
@@ -113,7 +114,7 @@ def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None) -> Swe
             raise SpecError(f"search.reference_layouts[{i}]={name!r} does not fit this sweep: {exc}") from None
     sweep = store.insert_sweep(
         session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
-        sampler=spec.search.sampler,
+        sampler=spec.sampler_label,
     )
     session.commit()
     return sweep
@@ -214,6 +215,9 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             rank=r.rank, layout_key=r.key, layout=layouts.get(r.key, {}), n=r.interval.n, median=r.interval.median,
             low=r.interval.low, high=r.interval.high, tie_group=r.tie_group, tied_with_best=r.tied_with_best,
             tokens_per_s_per_device=tps, useful_tokens_per_s=_median([t.useful_tokens_per_s for t in ts]),
+            useful_tokens_per_s_per_device=_median([
+                t.useful_tokens_per_s / t.world_size for t in ts if t.useful_tokens_per_s is not None and t.world_size
+            ]),
             peak_memory_bytes=None if peak is None else int(peak),
             predicted_tokens_per_s_per_device=first.predicted_tokens_per_s_per_device,
             prediction_error=relative_error(first.predicted_tokens_per_s_per_device, tps),
@@ -226,7 +230,7 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
 
 CSV_COLUMNS = (
     "rank", "layout_key", "n", "median", "low", "high", "tie_group", "tied_with_best", "tokens_per_s_per_device",
-    "useful_tokens_per_s", "peak_memory_bytes", "predicted_tokens_per_s_per_device", "prediction_error",
+    "useful_tokens_per_s", "useful_tokens_per_s_per_device", "peak_memory_bytes", "predicted_tokens_per_s_per_device", "prediction_error",
     "predicted_memory_bytes", "memory_prediction_error", "simulated",
 )
 

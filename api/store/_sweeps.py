@@ -134,6 +134,18 @@ def claim_sweep(
     return None
 
 
+def release_sweep(session: Session, *, sweep_id: int, runner_id: str) -> bool:
+    """``runner_id`` stops running an unfinished sweep (e.g. Ctrl-C on ``meshtune sweep``): it stays
+    "running" with no runner, so a resume or any coordinator can take it over at once."""
+    result = session.execute(
+        sa.update(Sweep)
+        .where(Sweep.id == sweep_id, Sweep.runner_id == runner_id, Sweep.status == "running")
+        .values(runner_id=None, heartbeat_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)
+
+
 def heartbeat(session: Session, *, sweep_id: int, runner_id: str) -> str | None:
     """Record that ``runner_id`` still runs the sweep; returns the sweep's current status (the engine
     stops when it is no longer "running", e.g. cancelled), or None if another runner took it over."""

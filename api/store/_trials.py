@@ -118,9 +118,13 @@ def record_result(
     return bool(session.execute(stmt).rowcount)
 
 
-def mark_interrupted(session: Session, *, sweep_id: int) -> list[Trial]:
-    """Mark every "running" row of the sweep "interrupted" (run by a coordinator that died) and return
-    them; the caller re-runs each under the same number with ``attempt + 1``."""
+RESTART_CAUSE = "coordinator stopped while the trial ran; re-run as attempt+1"
+
+
+def mark_interrupted(session: Session, *, sweep_id: int, cause: str = RESTART_CAUSE) -> list[Trial]:
+    """Mark every "running" row of the sweep "interrupted" with ``cause`` and return them. On a
+    restart (the default cause) the caller re-runs each under the same number with ``attempt + 1``;
+    when the sweep fails, the cause says why and nothing re-runs them."""
     rows = list(session.scalars(
         sa.select(Trial).where(Trial.sweep_id == sweep_id, Trial.status == "running").order_by(Trial.number)
         .execution_options(populate_existing=True)
@@ -129,8 +133,7 @@ def mark_interrupted(session: Session, *, sweep_id: int) -> list[Trial]:
         session.execute(
             sa.update(Trial)
             .where(Trial.id.in_([r.id for r in rows]), Trial.status == "running")
-            .values(status="interrupted", cause="coordinator stopped while the trial ran; re-run as attempt+1",
-                    finished_at=utcnow())
+            .values(status="interrupted", cause=cause, finished_at=utcnow())
             .execution_options(synchronize_session=False)
         )
     return rows
@@ -179,7 +182,7 @@ def all_trials(session: Session, *, sweep_id: int) -> list[Trial]:
 RANKING_COLUMNS = (
     Trial.number, Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s,
     Trial.peak_memory_bytes, Trial.predicted_tokens_per_s_per_device, Trial.predicted_memory_bytes,
-    Trial.step_time_s, Trial.simulated,
+    Trial.step_time_s, Trial.simulated, Trial.world_size,
 )
 
 

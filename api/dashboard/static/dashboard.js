@@ -146,7 +146,10 @@
       if (tables && counts !== lastCounts) { // the tables change only when a trial does
         lastCounts = counts;
         fetch(urls.tables + window.location.search, { credentials: "same-origin" })
-          .then(function (r) { return r.text(); }).then(function (html) { tables.innerHTML = html; });
+          .then(function (r) { return r.text(); }).then(function (html) {
+            tables.innerHTML = html;
+            document.dispatchEvent(new CustomEvent("meshtune:tables")); // migrate.js re-attaches its panel
+          });
       }
       live = b.live;
       const stamp = document.getElementById("refreshed");
