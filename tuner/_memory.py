@@ -75,7 +75,12 @@ def layer_activation_bytes(
     """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
     share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
 
-    With ``mlp='gelu', ffn=4h, kv_dim=h, dropout, not flash, elt=2`` it is exactly their Table 2.
+    With ``mlp='gelu', ffn=4h, kv_dim=h, dropout, not flash, elt=2`` and ac none or full it is exactly
+    their Table 2. meshtune's "selective" is attention-block recompute, not Korthikanti's (which drops
+    only the 5as²b scores, nothing under flash attention): the workers (workers/parallelize.py
+    ``apply_ac``) checkpoint the whole attention sub-layer, so it keeps only that sub-layer's input
+    (and the norm's input before it) and drops Q, K, V, the scores or log-sum-exp and the
+    out-projection's input.
     """
     sbh = s * b * h
     if ac == "full":  # only the layer input is kept (Korthikanti Table 2, "full recompute")
@@ -86,8 +91,10 @@ def layer_activation_bytes(
     attn = elt * (2 * sbh + 2 * s * b * kv_dim)
     if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
         attn += 4 * a * s * b
-    elif ac != "selective":  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
+    else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
         attn += (elt + (3 if dropout else 0)) * a * s * s * b
+    if ac == "selective":  # attention-block recompute: all of it is recomputed in the backward
+        attn = 0.0
     # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); a fused SwiGLU keeps its input
     # (gate and up) and its output (Megatron's bias_swiglu; eager torch also keeps silu(gate)).
     per_token = (3 if mlp == "swiglu" else 2) * ffn
@@ -234,8 +241,10 @@ class MeshMemory:
             logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt)
             for ac in ("none", "selective", "full"):
                 layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
-                # Full recompute re-materialises one layer's activations during its backward.
-                working = layer_activation_bytes(sp=sp, ac="none", **common) if ac == "full" else 0.0  # type: ignore[arg-type]
+                # Recompute re-materialises, during one layer's backward, what it dropped: the whole
+                # layer's activations (full) or its attention sub-layer's (selective).
+                dropped = layer_activation_bytes(sp=sp, ac="none", **common) - layer  # type: ignore[arg-type]
+                working = {"none": 0.0, "selective": dropped, "full": dropped + layer}[ac]
                 self.act[ac, sp] = (layer, working, logits)
 
     def inflight(self, schedule: str, m: int) -> list[float]:

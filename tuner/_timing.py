@@ -78,15 +78,33 @@ def model_flops_per_token(model: ModelSpec) -> float:
     return 6.0 * n + 12.0 * model.layers * model.hidden * model.seq_len
 
 
+def attention_forward_flops_per_token(model: ModelSpec) -> float:
+    """Forward FLOPs per token of one attention sub-layer: its projections 2·P_attn plus the scores
+    and their softmax·V, 4·h·T (PaLM, Chowdhery et al. 2022, App. B counts 12·h·T for fwd + bwd)."""
+    return 2.0 * model.attention_params_per_layer + 4.0 * model.hidden * model.seq_len
+
+
 def recompute_flops_per_token_per_layer(model: ModelSpec, ac: str) -> float:
-    """Extra forward FLOPs per token per layer: full = one more forward (2·P + 4·h·T), selective =
-    the attention scores and their softmax·V again (4·h·T) (Korthikanti et al. 2022 Sec. 5)."""
+    """Extra forward FLOPs per token per layer that activation checkpointing re-runs in the backward.
+
+    full: the whole layer's forward again, 2·(P_attn + P_mlp) + 4·h·T (Korthikanti et al. 2022 Sec. 5).
+    selective: meshtune's "selective" is attention-block recompute, not Korthikanti's: the workers
+    (workers/parallelize.py ``apply_ac``) checkpoint the whole attention sub-layer (Q, K, V, RoPE,
+    SDPA, out-projection), so its forward, 2·P_attn + 4·h·T, runs again.
+    """
     if ac == "full":
         active = model.attention_params_per_layer + model.active_mlp_params_per_layer
         return 2.0 * active + 4.0 * model.hidden * model.seq_len
     if ac == "selective":
-        return 4.0 * model.hidden * model.seq_len
+        return attention_forward_flops_per_token(model)
     return 0.0
+
+
+# Collectives a recomputed forward repeats, per layer, by ac: (TP all-reduce or SP all-gather +
+# reduce-scatter pairs, CP K/V all-gathers, EP all-to-alls). Full recompute re-runs the attention's
+# and the MLP's forward collectives; attention-block recompute only the attention's (its out-projection
+# reduction, and under SP the all-gather of its input, which lies inside the checkpointed module).
+RECOMPUTE_COLLECTIVES = {"none": (0, 0, 0), "selective": (1, 1, 0), "full": (2, 1, 2)}
 
 
 def allreduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
@@ -135,6 +153,9 @@ def _link(placement: Placement, axes: tuple[str, ...], cluster: ClusterSpec, f: 
     return cluster.inter_node_bandwidth * f.inter_bw_efficiency, cluster.inter_node_latency * f.latency_scale
 
 
+# Bytes per gradient element in the data-parallel reduction: the workers reduce in fp32.
+REDUCE_BYTES = 4
+
 BREAKDOWN = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p")
 
 
@@ -169,25 +190,25 @@ class MeshTime:
             slow = max(range(pp), key=flops.__getitem__)  # the pipeline runs at its slowest stage
             n_layers = rp.layers[slow]
             compute = (flops[slow] * seq_local / (tp * rate), 0.0)
-            extra = 2 if ac == "full" else 0  # recomputed forward repeats the forward collectives
+            tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
             tp_t = cp_t = ep_t = (0.0, 0.0)
             if tp_link:
                 # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
                 # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
                 bw, lat = tp_link
-                n = n_layers * (4 + extra) * (1 - f.tp_overlap)
+                n = n_layers * (4 + tp_extra) * (1 - f.tp_overlap)
                 tp_t = (n * allreduce_time(elt * seq_local * h, tp, bw, 0.0), n * allreduce_time(0.0, tp, bw, lat))
             if cp_link:
                 # CP: all-gather K and V of the local heads forward, reduce-scatter their gradients
                 # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2).
                 bw, lat = cp_link
                 kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
-                n = n_layers * (2 + extra // 2) * (1 - f.cp_overlap)
+                n = n_layers * (2 + cp_extra) * (1 - f.cp_overlap)
                 cp_t = (n * allgather_time(kv, cp, bw, 0.0), n * allgather_time(0.0, cp, bw, lat))
             if ep_link:
                 # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
                 bw, lat = ep_link
-                n = n_layers * (4 + extra) * (1 - f.ep_overlap)
+                n = n_layers * (4 + ep_extra) * (1 - f.ep_overlap)
                 a2a = elt * seq_local * model.top_k * h
                 ep_t = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
             self.per_mb[ac] = (compute, tp_t, cp_t, ep_t)
@@ -201,15 +222,35 @@ class MeshTime:
                 act = elt * seq_local * h / (tp if sp else 1)
                 self.p2p[sp] = (2 * vpp * act / bw, 2 * vpp * lat)
 
-        # DP: gradients of the largest rank's weights; dense ones over dp*ep*cp, expert ones over dp*cp.
-        pbytes, gbytes = (2, 2) if training.precision == "bf16" else (4, 4)
-        self.dp_step = 0.0  # ZeRO 0-2: one all-reduce (or reduce-scatter + all-gather) per step
-        self.dp_per_mb = 0.0  # ZeRO-3: all-gather forward and backward, reduce-scatter, per micro-batch
+        # DP, as the workers run it (workers/parallelize.py, workers/_data_parallel.py): weights are
+        # all-gathered in the param dtype, gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy
+        # reduce_dtype=float32; ZeRO-0 all-reduces the fp32 master gradients autocast leaves), the
+        # largest rank's dense weights over dp*ep*cp, its expert weights over dp*cp. Per zero stage:
+        # (hidable, exposed) seconds once per step, and hidable seconds per micro-batch.
+        #   ZeRO-0: one all-reduce after the last backward (GradSync): exposed.
+        #   ZeRO-1: gradients accumulate unsharded, one reduce-scatter in the last backward, one
+        #     all-gather of the updated shards in the next forward.
+        #   ZeRO-2, pp == 1: reduce-scatter every backward, so every forward all-gathers again.
+        #   ZeRO-3, pp == 1: all-gather forward and backward, reduce-scatter, per micro-batch.
+        #   pp > 1: torch.distributed.pipelining drives FSDP itself (stage.py): every backward runs
+        #     without gradient sync and without reshard, and one reduce-scatter runs after the
+        #     schedule's last backward (``perform_reduce_grad``), nothing left to hide it behind.
+        #     ZeRO-1/2 (reshard_after_forward=False) then gather once per step; ZeRO-3 reshards after
+        #     each forward, and a module's gather is needed by each forward that follows a forward
+        #     and each backward that follows a forward: m + 1 gathers per step whatever the schedule
+        #     (a run of k forwards costs k, or k - 1 after a backward, plus the backward after it).
+        pbytes = 2 if training.precision == "bf16" else 4
+        ag = rs = ar = 0.0
         for psi, nd, axes in ((max(rp.dense), dp * ep * cp, ("dp", "ep", "cp")), (max(rp.expert), dp * cp, ("dp", "cp"))):
             if nd > 1 and psi > 0:
                 bw, lat = _link(placement, axes, cluster, f)
-                self.dp_step += allreduce_time(gbytes * psi, nd, bw, lat)
-                self.dp_per_mb += 2 * allgather_time(pbytes * psi, nd, bw, lat) + allgather_time(gbytes * psi, nd, bw, lat)
+                ag += allgather_time(pbytes * psi, nd, bw, lat)
+                rs += allgather_time(REDUCE_BYTES * psi, nd, bw, lat)
+                ar += allreduce_time(REDUCE_BYTES * psi, nd, bw, lat)
+        if pp == 1:
+            self.dp = {0: (0.0, ar, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
+        else:
+            self.dp = {0: (0.0, ar, 0.0), 1: (ag, rs, 0.0), 2: (ag, rs, 0.0), 3: (ag, rs, ag)}
         self.dp_overlap = f.dp_overlap
         self.tokens = training.global_batch * seq
         self.world = world
@@ -230,8 +271,9 @@ class MeshTime:
         bubble = t_mb * (self.pp - 1) / self.vpp  # (p-1)/(v m) of the ideal time (Narayanan 2021)
         p1, p0 = self.p2p[sp]
         p2p = m * (mbs * p1 + p0)
-        t_dp = self.dp_step if zero < 3 else m * self.dp_per_mb
-        exposed = t_dp - min(t_dp * self.dp_overlap, busy)  # overlap cannot hide more than the compute
+        hidable, fixed, per_mb = self.dp[zero]
+        t_dp = hidable + m * per_mb
+        exposed = fixed + t_dp - min(t_dp * self.dp_overlap, busy)  # overlap cannot hide more than the compute
         step = busy + bubble + p2p + exposed
         return (step, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble, p2p)
 
