@@ -42,6 +42,11 @@ CASES = {  # name: (model, from, to, corruption)
         Layout(pp=2, dp=2, schedule="interleaved", vpp=2, zero=1), None,
     ),
     "wrong-reshard-swap-layers": (TINY, Layout(dp=4), Layout(tp=2, dp=2), "swap-layers"),
+    # A wrong shard mapping (shard index rotated by one rank): under TP x DP without FSDP the
+    # TP-sharded weights are permuted and the replicated norms are not; under FSDP x TP (2-D
+    # meshes, FSDP's strided shards) every tensor but Adam's step is.
+    "wrong-reshard-permute-shards-tp": (TINY, Layout(dp=4, zero=3), Layout(tp=2, dp=2), "permute-shards"),
+    "wrong-reshard-permute-shards-fsdp-tp": (TINY, Layout(dp=4), Layout(tp=2, dp=2, zero=3), "permute-shards"),
 }
 
 
@@ -132,6 +137,41 @@ def test_wrong_reshard_is_reported_as_corruption(reports):
     assert report.max_abs_diff > 0 and all(m.max_abs_diff > 0 for m in report.mismatches)
 
 
+def _linears(model) -> list[str]:
+    per_layer = [f"attention.{w}" for w in ("wq", "wk", "wv", "wo")] + [f"feed_forward.w{i}" for i in (1, 2, 3)]
+    return [f"layers.{i}.{w}.weight" for i in range(model.layers) for w in per_layer]
+
+
+def _norms(model) -> list[str]:
+    return ["norm.weight"] + [f"layers.{i}.{n}.weight" for i in range(model.layers) for n in ("attention_norm", "ffn_norm")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "sharded"), [
+    # tp2 without FSDP (workers/parallelize.py's TP plan): every linear and the embedding; the
+    # norms stay replicated.
+    ("wrong-reshard-permute-shards-tp", lambda m: ["tok_embeddings.weight", "output.weight", *_linears(m)]),
+    # FSDP x TP: the norms too (Shard(0) over dp).
+    ("wrong-reshard-permute-shards-fsdp-tp",
+     lambda m: ["tok_embeddings.weight", "output.weight", *_linears(m), *_norms(m)]),
+])
+def test_wrong_shard_mapping_is_reported_as_corruption(name, sharded, reports):
+    """Every sharded tensor loaded with the shard index rotated: the same values, other places.
+    Adam's step is a plain scalar, never sharded, never permuted."""
+    report = reports[name]
+    assert not isinstance(report, str), report
+    assert report.verdict == "corrupted" and report.corrupt == "permute-shards"
+    keys = sharded(TINY)
+    expected = {f"model/{k}" for k in keys} | {f"optim/{k}/{s}" for k in keys for s in ("exp_avg", "exp_avg_sq")}
+    assert {m.key for m in report.mismatches} == expected
+    assert report.mismatch_count == len(expected) and report.tensors_checked == tensor_count(TINY)
+    for m in report.mismatches:
+        # A permutation, not noise: the values differ in place, and their sum is the saved one.
+        assert m.max_abs_diff > 0 and m.detail.startswith("values permuted"), m
+        assert m.saved_sum is not None and m.loaded_sum == pytest.approx(m.saved_sum, rel=1e-6, abs=1e-6), m
+
+
 def _outcome(losses_a, losses_b, mismatches=()):
     return RankOutcome(rank=0, losses_a=losses_a, losses_b=losses_b, tensors_checked=4,
                        mismatches=[dict(key=k, max_abs_diff=1.0, detail="values differ") for k in mismatches],
@@ -188,6 +228,9 @@ def test_bad_job_fields(tmp_path):
         ReshardJob(**args, steps_after=0)
     with pytest.raises(SpecError, match="corrupt"):
         ReshardJob(**args, corrupt="flip")
+    with pytest.raises(LayoutError, match="to_layout=.*shards no tensor"):
+        ReshardJob(**args, corrupt="permute-shards").validate()  # dp4, zero=0: nothing to permute
+    ReshardJob(**{**args, "to_layout": Layout(dp=4, zero=1)}, corrupt="permute-shards").validate()
     moe = model_spec({"preset": "tiny", "experts": 4, "top_k": 2, "expert_ffn": 64})
     with pytest.raises(LayoutError, match="to_layout.ep=2"):
         ReshardJob(**{**args, "model": moe, "to_layout": Layout(ep=2, dp=2)}).validate()

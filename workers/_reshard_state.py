@@ -8,6 +8,7 @@ the trial's measurements, so the losses it reports are the trial's losses for th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from workers._contract import TrialRequest
 from workers.reshard import TensorMismatch, canonical_fqn
@@ -90,9 +92,17 @@ def load_state(trainer: Trainer, state: dict[str, Any]) -> None:
 
 
 def corrupt_state(state: dict[str, Any], how: str) -> None:
-    """The deliberately wrong reshard. "swap-layers": swap the two lowest layers' tensors that this
-    rank holds (model and optimizer state), as a shard mapping that is off by one layer would.
-    Swapped as copies: a state dict's tensors may share storage with the live parameters."""
+    """The deliberately wrong reshard, applied after ``dcp.load`` and before ``set_state_dict``.
+
+    "swap-layers": swap the two lowest layers' tensors that this rank holds (model and optimizer
+    state), as a shard mapping that is off by one layer would.
+    "permute-shards": a wrong shard mapping (``permute_shards``): every rank gets another rank's
+    shard of every sharded tensor, so shapes and dtypes are right and the values are in the wrong
+    places. Both replace the entries with new tensors: a state dict's tensors may share storage
+    with the live parameters (and with each other, for tied weights)."""
+    if how == "permute-shards":
+        permute_shards(state)
+        return
     assert how == "swap-layers", how
     ids = sorted({int(k.split(".")[1]) for k in state["model"] if k.startswith("layers.")})
     if len(ids) < 2:
@@ -103,6 +113,50 @@ def corrupt_state(state: dict[str, Any], how: str) -> None:
             other = prefix + b + key[len(prefix + a):]
             if torch.is_tensor(d[key]):
                 d[key], d[other] = d[other].clone(), d[key].clone()
+
+
+def _rotate(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """The local shard of the previous rank of ``group`` (index - 1, cyclic), or None when the
+    group's shards differ in shape (an uneven split: no shape-preserving wrong mapping exists)."""
+    n, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    shape = torch.tensor(local.shape, dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(n)]
+    dist.all_gather(shapes, shape, group=group)
+    if any(not torch.equal(s, shape) for s in shapes):
+        return None
+    shards = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(shards, local, group=group)
+    return shards[(me - 1) % n]
+
+
+def permute_shards(state: dict[str, Any]) -> list[str]:
+    """Load with a wrong shard mapping: for every DTensor whose placement on a mesh dim of size > 1
+    is a shard (``Shard`` or FSDP x TP's ``_StridedShard``), rotate the shard index by one along
+    that mesh dim, exchanging the real local shards between ranks (one ``all_gather`` per tensor
+    and dim). Returns the keys permuted. Replicated tensors (norms under TP without FSDP, Adam's
+    step) and uneven splits are left alone. Collective: every rank of a pipeline stage holds the
+    same keys and calls in the same (sorted) order."""
+    done = []
+    for part in ("model", "optim"):
+        d = state[part]
+        for key in sorted(d):
+            t = d[key]
+            if not isinstance(t, DTensor):
+                continue
+            mesh, placements = t.device_mesh, t.placements
+            local = t.to_local().detach().contiguous()
+            moved = False
+            for dim, placement in enumerate(placements):
+                if not isinstance(placement, (Shard, _StridedShard)) or mesh.size(dim) == 1:
+                    continue
+                rotated = _rotate(local, mesh.get_group(dim))
+                if rotated is not None:
+                    local, moved = rotated, True
+            if moved:
+                d[key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape,
+                                            stride=t.stride())
+                done.append(f"{part}/{key}")
+    return done
 
 
 # --- full-state snapshot and comparison -------------------------------------------------------------
@@ -147,13 +201,21 @@ def full_state(trainer: Trainer, *, write_dir: str) -> dict[str, int]:
     return owner
 
 
+def _sum(t: torch.Tensor) -> float | None:
+    total = t.double().sum().item()
+    return total if math.isfinite(total) else None  # stored as JSON: no nan/inf
+
+
 def _compare(key: str, got: torch.Tensor, ref: torch.Tensor) -> tuple[float | None, TensorMismatch | None]:
     if got.shape != ref.shape or got.dtype != ref.dtype:
         return None, TensorMismatch(key, None, f"saved {ref.dtype} {tuple(ref.shape)}, loaded {got.dtype} {tuple(got.shape)}")
     diff = (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
     if torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
         return diff, None
-    return diff, TensorMismatch(key, diff, "values differ")
+    # Only for a mismatch: are the values all there, in the wrong places (a wrong mapping), or not?
+    permuted = torch.equal(got.reshape(-1).sort().values, ref.reshape(-1).sort().values)
+    detail = "values permuted: the saved values, in other places" if permuted else "values differ"
+    return diff, TensorMismatch(key, diff, detail, saved_sum=_sum(ref), loaded_sum=_sum(got))
 
 
 def compare_full_state(trainer: Trainer, owner: dict[str, int], read_dir: str

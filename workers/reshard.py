@@ -16,9 +16,12 @@ The full-state gather reads the live parameters and ``optimizer.state`` directly
 global layer keys in ``layers`` (workers/parallelize.py), so FQNs match across pp layouts; each
 rank's chunks are gathered into one shell module with the single model's attribute names.
 
-``job.corrupt = "swap-layers"`` is the deliberately wrong reshard: after ``dcp.load`` and before
-``set_state_dict``, the tensors of two layers are swapped (model and optimizer state) on every rank
-that holds both. The check must report it as corruption.
+``job.corrupt`` is a deliberately wrong reshard, applied after ``dcp.load`` and before
+``set_state_dict`` (workers/_reshard_state.py ``corrupt_state``); the check must report it as
+corruption. "swap-layers": the tensors of two layers are swapped (model and optimizer state) on
+every rank that holds both. "permute-shards": a wrong shard mapping, the realistic silent one:
+every sharded tensor's local shards are rotated by one rank along each sharded mesh dim, so shapes
+and dtypes are right and every value is there, in the wrong place.
 
 Verdicts (``ReshardReport.verdict``): "corrupted" if any tensor differs (or is missing), else
 "diverged" if a continued loss differs from A's by more than the tolerance, else "ok"; "failed"
@@ -42,7 +45,7 @@ from workers._contract import TrialRequest
 # checked by tests/test_reshard.py): fp32 reduction-order noise, and one bf16 rounding step.
 LOSS_RTOL = 1e-5
 BF16_LOSS_RTOL = 2e-3
-CORRUPTIONS = ("swap-layers",)
+CORRUPTIONS = ("swap-layers", "permute-shards")
 Verdict = Literal["ok", "corrupted", "diverged", "failed"]
 VERDICTS: tuple[str, ...] = ("ok", "corrupted", "diverged", "failed")
 MAX_LISTED_MISMATCHES = 200  # the report lists at most this many tensors (the count is exact)
@@ -86,6 +89,10 @@ class ReshardJob:
             if layout.ep > 1:
                 raise LayoutError(f"{name}.ep={layout.ep}: expert-parallel weights are local slices, not "
                                   "DTensors, so DCP cannot reshard them; reshard-check needs ep=1")
+        to = self.to_layout
+        if self.corrupt == "permute-shards" and to.tp == 1 and not (to.zero > 0 and to.dp * to.cp > 1):
+            raise LayoutError(f"to_layout={to.key} shards no tensor (tp=1, no ZeRO over dp*cp>1), so "
+                              "corrupt='permute-shards' would change nothing; use a sharded to_layout")
         if self.model.tied_embeddings and self.from_layout.pp != self.to_layout.pp and 1 in (
             self.from_layout.pp, self.to_layout.pp
         ):
@@ -105,6 +112,10 @@ class TensorMismatch:
     key: str  # "model/<fqn>" or "optim/<fqn>/<state>"
     max_abs_diff: float | None  # None when shapes/dtypes differ or the tensor is missing
     detail: str
+    # When values differ: the sums of all values (float64). Equal sums (and detail "values
+    # permuted") say the values are all there in the wrong places: a wrong mapping, not noise.
+    saved_sum: float | None = None
+    loaded_sum: float | None = None
 
 
 @dataclass

@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="keep the checkpoint here (must be new or empty; shared storage on a multi-node cluster); "
                    "default: a temporary directory, removed")
     p.add_argument("--inject-corruption", default=None, choices=CORRUPTIONS,
-                   help="self-test: load wrongly on purpose; the verdict must be 'corrupted'")
+                   help="self-test: load wrongly on purpose, the verdict must be 'corrupted' (swap-layers: two "
+                   "layers' tensors swapped; permute-shards: every sharded tensor loaded with a rotated shard mapping)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
