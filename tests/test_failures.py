@@ -137,3 +137,19 @@ def test_hang_is_a_timeout_that_kills_only_the_hung_process_and_the_pool_recover
     assert after.status == "completed" and len(after.losses) == 3
     now = _rank_pids()
     assert now[:3] == before[:3] and now[3] != before[3]
+
+
+def test_cuda_oom_observer_is_attached_once_per_process(monkeypatch) -> None:
+    """A reused rank process installs the observer every trial; torch's allocator keeps every observer
+    it is given, so each trial would add one more callback to every later OOM."""
+    from workers import failures
+
+    attached = []
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(failures, "_observer_installed", False)
+    assert failures.install_oom_observer() and failures.install_oom_observer()
+    assert len(attached) == 1
+    attached[0](0, 12345, 0, 0)  # the allocator's call: (device, bytes asked, allocated, free)
+    assert failures._last_cuda_oom_bytes == 12345
+    failures.reset_oom_record()

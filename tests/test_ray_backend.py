@@ -87,3 +87,86 @@ def test_unreachable_ray_address_is_named(monkeypatch) -> None:
     monkeypatch.setenv("RAY_ADDRESS", address)
     with pytest.raises(BackendError, match=f"RAY_ADDRESS='{address}'"):
         get_backend("ray")
+
+
+# --- a reused rank process starts each trial clean --------------------------------------------------
+
+_LEFTOVERS = """
+import sys, torch
+from workers import measure
+dev = torch.device("cpu")
+measure.reset_peak_memory(dev)
+base = measure.peak_memory(dev)[0]
+junk = [torch.ones(16 * 1024) for _ in range(8000)]  # 500 MiB of 64 KiB tensors: malloc's heap
+keep = junk[::20]  # a few survive, so glibc cannot shrink its heap from the top by itself
+del junk
+class Trial:  # an earlier trial's state, alive only through a reference cycle (as FSDP hooks make)
+    pass
+t = Trial(); t.self = t; t.params = torch.ones(64 * 2**20); del t  # 256 MiB
+measure.reset_peak_memory(dev)
+print((measure.peak_memory(dev)[0] - base) / 2**20)
+"""
+
+
+def test_cpu_peak_memory_reset_starts_from_live_memory_not_an_earlier_trials_leftovers() -> None:
+    """VmHWM after a reset is the RSS at the reset: freed-but-kept heap pages and garbage cycles of a
+    previous trial in the same process would otherwise count as this trial's peak (~760 MiB here
+    without gc + malloc_trim, ~30 MiB with)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LEFTOVERS], capture_output=True, text=True, timeout=120,
+                         check=True)
+    grown_mib = float(out.stdout.strip().splitlines()[-1])
+    assert grown_mib < 200, f"peak after reset is {grown_mib:.0f} MiB above the baseline"
+
+
+def _program_leaving_a_cycle(request, *, device):
+    import gc
+    import weakref
+
+    import torch
+
+    class Model:
+        pass
+
+    model = Model()
+    model.self, model.weight = model, torch.ones(1024)  # a cycle, as FSDP's hooks make one
+    _program_leaving_a_cycle.ref = weakref.ref(model)
+    assert not gc.isenabled()
+    return {"ok": True}
+
+
+def test_a_completed_trial_leaves_no_model_behind_in_the_reused_process() -> None:
+    import gc
+
+    from workers._launch import run_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gc.disable()  # only run_rank's own collection may free the cycle
+    try:
+        out = run_rank(_request(Layout()), rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                       master_port=port, device="cpu", init_timeout_s=30, program=_program_leaving_a_cycle)
+        assert out["report"]["ok"] is True
+        assert _program_leaving_a_cycle.ref() is None
+    finally:
+        gc.enable()
+
+
+def test_gpu_ranks_use_their_own_ray_gpu_and_local_rank_names_the_same_device() -> None:
+    """Ray hands GPUs to a node's actors in any order; each rank must use the GPU Ray gave it, and its
+    LOCAL_RANK must be that device's index in the node's shared CUDA_VISIBLE_DEVICES."""
+    from workers._gangs import Slot
+    from workers.ray_backend import local_rank_and_device
+
+    visible = {"a": ["1", "3"], "b": ["0", "2"]}
+    given = [("a", "3"), ("a", "1"), ("b", "0"), ("b", "2")]
+    ranks = [Slot(info={"node_id": n, "gpu_ids": [g], "visible": visible[n]}) for n, g in given]
+    got = [local_rank_and_device(ranks, r, gpu=True) for r in range(4)]
+    assert got == [(1, "cuda:1"), (0, "cuda:0"), (0, "cuda:0"), (1, "cuda:1")]
+    for (node, gpu), (_, device) in zip(given, got, strict=True):
+        assert visible[node][int(device.split(":")[1])] == gpu
+    cpu = [Slot(info={"node_id": n}) for n in ("a", "a", "b")]
+    assert [local_rank_and_device(cpu, r, gpu=False) for r in range(3)] == [(0, "cpu"), (1, "cpu"), (0, "cpu")]

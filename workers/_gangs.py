@@ -42,10 +42,16 @@ class RankWorker:
     separate concurrency group, so it is served while ``run`` is busy (or hung)."""
 
     def __init__(self) -> None:
+        import gc
+
         import workers.train  # noqa: F401 - torch and the rank program, imported once per process
         from workers._launch import Progress
 
         self.progress = Progress()
+        # Every trial collects garbage twice (clean-up, and before its peak-memory reset); with
+        # torch's ~10^5 module-level objects frozen out of the collector that costs ~ms, not ~0.2 s.
+        gc.collect()
+        gc.freeze()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -63,8 +69,18 @@ class RankWorker:
 
     def set_visible_devices(self, gpu_ids: list[str]) -> None:
         # Before any CUDA call in this process: every rank on a node sees the node's trial GPUs, so
-        # NCCL can use peer-to-peer links (FIELD-NOTES, Ray launch pattern).
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+        # NCCL can use peer-to-peer links (FIELD-NOTES, Ray launch pattern). CUDA reads the variable
+        # once, at initialisation: a change after it would be ignored and the rank would pick a
+        # device index that does not exist or is another rank's, so refuse it loudly.
+        import torch
+
+        value = ",".join(gpu_ids)
+        if torch.cuda.is_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != value:
+            raise RuntimeError(
+                f"CUDA is already initialised with CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; cannot switch to {value!r}"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = value
 
     def run(self, request: TrialRequest, launch: dict[str, Any]) -> dict[str, Any]:
         from workers._launch import run_rank
@@ -224,5 +240,14 @@ def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
         for ids in union.values():
             ids.sort(key=lambda g: (len(g), g))
         ray.get([s.actor.set_visible_devices.remote(union[s.info["node_id"]]) for s in new])
+        # Surviving actors keep the set they were given (CUDA cannot change it). A respawned actor
+        # gets its bundle's GPU again (a placement-group bundle keeps its GPU), so the union is the
+        # same; if it ever is not, start the gang's ranks afresh rather than index the wrong device.
+        fresh = {id(s) for s in new}
+        stale = [s for s in gang.ranks
+                 if id(s) not in fresh and s.info.get("visible") != union[s.info["node_id"]]]
+        if stale:
+            kill_actors(gang)
+            return ensure_actors(gang, timeout_s=timeout_s)
         for s in gang.ranks:
             s.info["visible"] = union[s.info["node_id"]]

@@ -11,8 +11,13 @@ read them). Order of work:
    (``group_timeout_s``: longer than the step watchdog so the watchdog, not gloo, names a hang);
 4. a global optimizer-step hook that beats ``Progress`` (the launcher's per-step watchdog reads it);
 5. ``workers.train.train_trial(request, device=...)``;
-6. always: remove the hook, destroy the process group, lift the cap, so a reused process starts
-   the next trial clean.
+6. always: remove the hook, destroy the process group (abort it after a failure on NCCL, see
+   ``_end_process_group``), collect garbage and empty the CUDA cache, lift the cap, so a reused
+   process starts the next trial clean.
+
+NCCL: the group timeout above is also the NCCL watchdog's; torch's default
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (tear down on error/timeout) is kept, as it only acts after that
+timeout, long after the launcher's per-step watchdog has named the hang and killed the gang.
 """
 
 from __future__ import annotations
@@ -119,7 +124,9 @@ def memory_cap(cap_bytes: int | None, device: Any) -> Iterator[None]:
         try:
             yield
         finally:
-            torch.cuda.empty_cache()
+            # No empty_cache here: this runs before run_rank tears the process group down, and
+            # after a failure a cached block may still be in use by an NCCL kernel waiting for a
+            # departed peer, which empty_cache would wait for. run_rank empties it after the abort.
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
@@ -159,6 +166,30 @@ def _in_collective(exc: BaseException) -> bool:
     while tb is not None:
         last, tb = tb, tb.tb_next
     return last is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in last.tb_frame.f_code.co_filename
+
+
+def _end_process_group(dist: Any, *, abort: bool) -> bool:
+    """Tear down this trial's process groups; True when nothing of them is left running.
+
+    After a failure on NCCL the groups are *aborted* (ncclCommAbort: local, immediate), not
+    destroyed: ``destroy_process_group`` first finalizes every communicator, which waits for this
+    rank's outstanding collectives, and after a mid-step failure (e.g. an OutOfMemoryError) one of
+    them may wait for a peer that will never join: the failing rank would then hang in clean-up and
+    its trial end as ``timeout`` instead of ``oom``/``crash``. Its peers block inside their own
+    collective; the launcher kills them after its error grace (NCCL peers do not notice a departed
+    rank the way gloo's closed sockets make them fail)."""
+    if not dist.is_initialized():
+        return True
+    try:
+        if abort:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
+            dist.destroy_process_group()
+        return True
+    except Exception:  # noqa: BLE001 - clean-up must not mask the trial's own result
+        return False
 
 
 def run_rank(
@@ -225,13 +256,17 @@ def run_rank(
     finally:
         if hook is not None:
             hook.remove()
-        if dist.is_initialized():
+        released = _end_process_group(dist, abort=failed and dev.type == "cuda")
+        # Collect now, success or failure: a traceback kept in a reference cycle (e.g. ``oom = ...;
+        # raise oom from exc`` leaves the frame and its exception pointing at each other) keeps the
+        # mesh and so the gloo/NCCL communicators alive after destroy_process_group (peers then
+        # block in their collective until the group timeout instead of failing at once), and FSDP's
+        # hooks keep the model and optimizer of a finished trial in cycles that would otherwise
+        # hold their (GPU) memory in this reused process until the next automatic collection.
+        gc.collect()
+        if dev.type == "cuda" and released:
+            # Give the trial's cached blocks back to the device. Not after a failed abort: a block
+            # still in use by a hung NCCL kernel would make empty_cache wait for it.
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        if failed:
-            # A traceback kept in a reference cycle (e.g. ``oom = ...; raise oom from exc`` leaves the
-            # frame and its exception pointing at each other) keeps the mesh and so the gloo/NCCL
-            # communicators alive after destroy_process_group: peers then block in their collective
-            # until the group timeout instead of failing at once. Collect the cycles now.
-            gc.collect()
+                torch.cuda.empty_cache()
         progress.stop()

@@ -6,7 +6,11 @@
 - tokens/s: global tokens per step (global batch x seq_len) / median step time; per device: / world;
 - MFU (GPU only): model FLOPs per token x tokens/s / (world x cluster.peak_flops), FLOPs counted as
   6 x active matmul weights + 12·L·h·T attention (PaLM, Chowdhery et al. 2022, App. B);
-  ``None`` on CPU, whose "peak" is not a meaningful denominator;
+  ``None`` on CPU, whose "peak" is not a meaningful denominator. ``peak_flops`` is the cluster
+  spec's per-device dense peak, which the presets give for bf16 tensor cores: an fp32 trial's MFU
+  is therefore relative to the bf16 peak (low by design: it says what the layout leaves unused on
+  that hardware), and a spec that names the wrong device gives a wrong MFU (the fingerprint's
+  ``device_name`` shows what really ran);
 - peak memory: the maximum over ranks, and the per-rank list in rank order;
 - losses: from the last pipeline stage (lowest rank among its ranks), every step incl. warm-up;
 - stage times: for each pp rank, the median over measured steps of the mean over its ranks of the

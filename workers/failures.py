@@ -31,12 +31,17 @@ CUDA_OOM = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB|PiB)")
 
 # Set by the CUDA allocator's OOM observer in this process: the size of the request that failed.
 _last_cuda_oom_bytes: int | None = None
+_observer_installed = False
 
 
 def install_oom_observer() -> bool:
-    """Record the exact byte count of every CUDA allocation failure in this process (idempotent)."""
+    """Record the exact byte count of every CUDA allocation failure in this process (idempotent:
+    the allocator keeps every observer attached, and a reused rank process calls this per trial)."""
+    global _observer_installed
     import torch
 
+    if _observer_installed:
+        return True
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is None or not torch.cuda.is_available():
         return False
@@ -46,6 +51,7 @@ def install_oom_observer() -> bool:
         _last_cuda_oom_bytes = int(alloc)
 
     attach(observer)
+    _observer_installed = True
     return True
 
 

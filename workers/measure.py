@@ -7,11 +7,20 @@ Peak memory is measured, never estimated:
   (Python, torch's libraries and gloo buffers included), reset at trial start by writing "5" to
   ``/proc/self/clear_refs``. tracemalloc would miss torch's C++ allocations and an RSS snapshot
   misses transient peaks (shared/FIELD-NOTES.md).
+
+A reset sets the high-water mark to what the process holds *now*, so in a reused rank process it
+first releases what earlier trials left (``release_memory``): objects kept alive by reference
+cycles (FSDP and hook closures make them), and on CUDA the caching allocator's free blocks (which
+``max_memory_reserved`` would otherwise start from), on CPU the free pages glibc keeps in its heaps
+(``malloc_trim``; VmHWM would otherwise start from the previous trial's peak).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +38,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _malloc_trim() -> None:
+    """Return glibc's free heap pages to the OS (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what no live object uses any more: garbage cycles, then the allocator's free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        _malloc_trim()
+
+
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a trial's peak-memory window from the memory live now (see the module docstring)."""
+    release_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

@@ -215,10 +215,7 @@ class RayBackend:
             addr = ranks[0].info["ip"]
             refs = {}
             for rank, slot in enumerate(ranks):
-                local = sum(1 for s in ranks[:rank] if s.info["node_id"] == slot.info["node_id"])
-                device = "cpu"
-                if resource == "GPU":
-                    device = f"cuda:{slot.info['visible'].index(slot.info['gpu_ids'][0])}"
+                local, device = local_rank_and_device(ranks, rank, gpu=resource == "GPU")
                 launch = {
                     "rank": rank,
                     "world_size": world,
@@ -288,7 +285,12 @@ class RayBackend:
         """(timeout error, culprit ranks) if a pending rank made no progress for too long, else None.
 
         Culprits are the stalled ranks *not* waiting inside a torch.distributed call (by their
-        stack): the hung ones, as opposed to their peers blocked in a collective with them."""
+        stack): the hung ones, as opposed to their peers blocked in a collective with them.
+        On NCCL a blocked peer's Python stack ends in ``torch.cuda.synchronize`` or a ``.item()``
+        (collectives return at once; the host waits on the stream), so every stalled rank counts
+        as a culprit, the whole gang is killed at once and the error names no single rank (the
+        stacks and step counts in it still show which one hung). Killing only a culprit would not
+        free NCCL peers anyway."""
         waiting = sorted(pending.values())
         try:
             snaps = ray.get([ranks[r].actor.snapshot.remote() for r in waiting], timeout=5.0)
@@ -338,6 +340,19 @@ class RayBackend:
         rest = [ref for ref, r in pending.items() if r not in culprits]
         done, _ = ray.wait(rest, num_returns=len(rest), timeout=ERROR_GRACE_S + 3.0)
         return len(done) == len(rest)
+
+
+def local_rank_and_device(ranks: list[Slot], rank: int, *, gpu: bool) -> tuple[int, str]:
+    """(LOCAL_RANK, torch device) of ``rank``. GPU: every rank of a node sees the same
+    CUDA_VISIBLE_DEVICES (the node's trial GPUs, ``_gangs.ensure_actors``) and uses the one Ray gave
+    it, whose index in that list is also its LOCAL_RANK (torchrun's ``cuda:LOCAL_RANK`` convention,
+    so code that reads LOCAL_RANK picks the same device). Ray hands out GPU ids in no particular
+    order, so the slot order on the node cannot be used. CPU: the slot's order on its node."""
+    slot = ranks[rank]
+    if gpu:
+        local = slot.info["visible"].index(slot.info["gpu_ids"][0])
+        return local, f"cuda:{local}"
+    return sum(1 for s in ranks[:rank] if s.info["node_id"] == slot.info["node_id"]), "cpu"
 
 
 def _waiting_in_collective(stack: str) -> bool:

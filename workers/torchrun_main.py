@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir or Path(tempfile.gettempdir()) / f"meshtune-torchrun-{run_id}-{os.environ['MASTER_PORT']}")
     out.mkdir(parents=True, exist_ok=True)
 
+    import gc
+
+    import workers.train  # noqa: F401 - imported before the freeze, as a Ray rank process does
     from workers._launch import run_rank
 
+    gc.collect()
+    gc.freeze()  # the trial's garbage collections then skip torch's objects (workers/_gangs.py)
     device = f"cuda:{local}" if request.cluster.device_kind == "cuda" else "cpu"
     outcome = run_rank(
         request,
