@@ -70,6 +70,8 @@ class SweepOut(_Out):
         None, description="Highest measured useful tokens/s (throughput discounted beyond the critical batch)."
     )
     best_peak_memory_bytes: int | None = Field(None, description="Peak memory of the best layout, bytes (max over ranks).")
+    diagnostic: bool = Field(False, description="True when trial.options inject failures, slowness or a memory cap "
+                             "(fail, sleep_per_step_s, memory_cap_bytes): its numbers are not real measurements.")
 
 
 class SweepPage(_Out):
@@ -189,8 +191,9 @@ class RankingRowOut(_Out):
     layout: dict[str, Any] = Field(description="The parallel layout.")
     n: int = Field(description="Measurements of this layout (1 + re-measurements).")
     median: float = Field(description="Median of the ranking metric over the measurements.")
-    low: float = Field(description="Lower end of the 95% interval of the metric.")
-    high: float = Field(description="Upper end of the 95% interval of the metric.")
+    low: float | None = Field(description="Lower end of the 95% interval of the metric (Student t on log values); "
+                              "null when n < 2: one run gives no interval (shown as 'n=1') and is never 'not tied'.")
+    high: float | None = Field(description="Upper end of the 95% interval of the metric; null when n < 2.")
     tie_group: int = Field(description="Layouts whose intervals overlap share a group number.")
     tied_with_best: bool = Field(description="True when this layout's interval overlaps the best one's.")
     tokens_per_s_per_device: float = Field(description="Median measured tokens/s per device.")
@@ -217,6 +220,8 @@ class RankingOut(_Out):
         description="The analytical model's efficiency and bandwidth factors fitted to this sweep's measurements."
     )
     simulated: bool = Field(description="True when any row comes from the simulate backend.")
+    diagnostic: bool = Field(False, description="True when the sweep's trial.options are diagnostic (injected "
+                             "failures, sleeps or memory caps): never mistake these numbers for real measurements.")
 
 
 class ParetoPointOut(_Out):

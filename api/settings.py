@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     backend: str = Field(default="ray", description="Default trial backend: ray, simulate, or module:attr.")
     max_concurrent_trials: int = Field(default=0, description="0 = as many as the backend's capacity allows.")
     webhook_timeout_s: float = 5.0
+    webhook_allow_private: bool = Field(
+        default=False, description="Allow webhook URLs on loopback/private addresses (link-local and cloud "
+        "metadata targets are refused regardless).")
     scheduler_enabled: bool = True
 
     @field_validator("api_tokens", mode="before")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from tuner import (
     ClusterSpec,
@@ -57,13 +57,48 @@ class SearchSettings(BaseModel):
     )
 
 
+DIAGNOSTIC_OPTIONS = ("fail", "sleep_per_step_s", "memory_cap_bytes")
+
+
+class TrialOptions(BaseModel):
+    """Worker options, typed. Some are DIAGNOSTIC (``fail``, ``sleep_per_step_s``,
+    ``memory_cap_bytes``): they inject failures, slowness or a smaller device, so a sweep that uses
+    them is flagged ``diagnostic`` and its numbers are never real measurements of the layout. With the
+    built-in backends (ray, simulate) any other key is refused; a plug-in backend (``module:attr``)
+    defines its own options, which pass through unchecked."""
+
+    model_config = ConfigDict(extra="allow")
+
+    fail: Literal["crash", "hang", "oom", "nan"] | None = Field(
+        None, description="DIAGNOSTIC: inject this failure on fail_rank at fail_step.")
+    fail_rank: int | None = Field(None, ge=0, description="Rank that fails (default 0).")
+    fail_step: int | None = Field(None, ge=0, description="Step at which it fails (default 1).")
+    sleep_per_step_s: float | None = Field(None, ge=0, description="DIAGNOSTIC: sleep this long in every step.")
+    memory_cap_bytes: int | None = Field(None, gt=0, description="DIAGNOSTIC: cap each rank's device memory.")
+    grad_norm: bool | None = Field(None, description="Record the gradient norm of every step.")
+    cpu_bf16: bool | None = Field(None, description="Run bf16 on CPU ranks too (default: fp32 on CPU).")
+    init_timeout_s: float | None = Field(None, gt=0, description="Timeout for the process group's start-up.")
+
+    @property
+    def diagnostic(self) -> bool:
+        return any(getattr(self, k) is not None for k in DIAGNOSTIC_OPTIONS)
+
+    def to_worker(self) -> dict[str, Any]:
+        """The options as the workers read them (unset ones left out)."""
+        return self.model_dump(exclude_none=True)
+
+
 class TrialSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     warmup_steps: int = Field(2, ge=0, le=1000, description="Steps run and discarded before timing.")
     measure_steps: int = Field(3, ge=1, le=10_000, description="Timed steps.")
     step_timeout_s: float = Field(120.0, gt=0, description="Per-step watchdog; a slower step ends the trial as timeout.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Worker options (e.g. sleep_per_step_s).")
+    options: TrialOptions = Field(default_factory=TrialOptions, description="Worker options (see TrialOptions).")
+
+    @field_serializer("options")
+    def _dump_options(self, options: TrialOptions) -> dict[str, Any]:
+        return options.to_worker()
 
 
 class SweepSpec(BaseModel):
@@ -133,7 +168,17 @@ class SweepSpec(BaseModel):
             )
         self.search_space()
         self.listed_layouts()
+        extra = sorted(self.trial.options.model_extra or {})
+        if extra and self.backend in ("ray", "simulate"):
+            known = ", ".join(sorted(TrialOptions.model_fields))
+            raise SpecError(f"trial.options.{extra[0]} is not a worker option of backend {self.backend!r} "
+                            f"(known: {known})")
         return self
+
+    @property
+    def diagnostic(self) -> bool:
+        """The trials inject failures, slowness or a memory cap: not real measurements of the layouts."""
+        return self.trial.options.diagnostic
 
     @property
     def sampler_label(self) -> str:

@@ -199,7 +199,7 @@ def test_trials_ranking_csv_and_pareto(client: TestClient, finished_sweep: dict)
     ranking = client.get(f"/api/sweeps/{sid}/ranking").json()
     rows = ranking["rows"]
     assert rows and ranking["simulated"] and [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
-    assert all(r["low"] <= r["median"] <= r["high"] for r in rows)
+    assert all(r["low"] <= r["median"] <= r["high"] for r in rows if r["n"] >= 2)  # n=1: no interval (null)
     assert [r["median"] for r in rows] == sorted((r["median"] for r in rows), reverse=True)
     assert rows[0]["layout_key"] == finished_sweep["best_layout_key"] or rows[0]["tied_with_best"]
     assert max(r["n"] for r in rows) == 2  # the re-measured leaders
@@ -454,3 +454,56 @@ def test_ray_addresses_resolve_to_the_port_probed(tmp_path: Path, monkeypatch: p
     assert health._ray_target("auto") is None  # `ray start` has not run on this node
     current.write_text("192.0.2.7:6379\n")
     assert health._ray_target("auto") == ("192.0.2.7", 6379)
+
+
+@pytest.mark.parametrize(("body", "field", "needle"), [
+    ({**TINY, "space": {"tp": [3]}}, "space.tp", "no valid layout"),
+    ({**TINY, "backend": "nosuch:mod"}, "backend", "cannot import module 'nosuch'"),
+])
+def test_unrunnable_specs_are_422_not_a_failed_sweep_later(client: TestClient, body: dict, field: str,
+                                                           needle: str) -> None:
+    before = client.get("/api/sweeps").json()["total"]
+    r = client.post("/api/sweeps", json=body, headers=ALICE)
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"][0]["field"] == field and needle in r.json()["detail"], r.json()
+    assert client.get("/api/sweeps").json()["total"] == before  # nothing stored
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"fail": "explode"}, "trial.options.fail"),
+    ({"fail_rank": -1}, "trial.options.fail_rank"),
+    ({"sleep_per_step_s": -0.5}, "trial.options.sleep_per_step_s"),
+    ({"memory_cap_bytes": 0}, "trial.options.memory_cap_bytes"),
+    ({"grad_norm": "sometimes"}, "trial.options.grad_norm"),
+    ({"rm_rf": True}, "trial.options.rm_rf"),
+])
+def test_trial_options_are_typed_and_unknown_ones_refused(client: TestClient, options: dict, field: str) -> None:
+    r = client.post("/api/sweeps", json={**SIMULATED, "trial": {"options": options}}, headers=ALICE)
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"][0]["field"] == field, r.json()
+
+
+def test_diagnostic_options_flag_the_sweep_and_its_ranking(client: TestClient, db_url: str) -> None:
+    body = {**SIMULATED, "name": "diag", "trial": {"options": {"sleep_per_step_s": 0.01, "fail_step": 3}}}
+    r = client.post("/api/sweeps", json=body, headers=CI)
+    assert r.status_code == 201, r.text
+    assert r.json()["diagnostic"] is True
+    assert r.json()["spec"]["trial"]["options"] == {"sleep_per_step_s": 0.01, "fail_step": 3}
+    engine = store.create_engine(db_url)
+    SweepRunner(settings_for(db_url), sessions=store.make_sessionmaker(engine)).run_sweep(r.json()["id"])
+    engine.dispose()
+    ranking = client.get(f"/api/sweeps/{r.json()['id']}/ranking").json()
+    assert ranking["diagnostic"] is True and ranking["rows"]
+    plain = client.post("/api/sweeps", json={**SIMULATED, "trial": {"options": {"grad_norm": True}}}, headers=CI)
+    assert plain.status_code == 201 and plain.json()["diagnostic"] is False
+
+
+def test_ranking_interval_is_unknown_for_one_run_and_positive_otherwise(client: TestClient,
+                                                                        finished_sweep: dict) -> None:
+    rows = client.get(f"/api/sweeps/{finished_sweep['id']}/ranking").json()["rows"]
+    assert rows
+    for row in rows:
+        if row["n"] < 2:
+            assert row["low"] is None and row["high"] is None and row["tied_with_best"]
+        else:
+            assert 0 < row["low"] <= row["median"] <= row["high"]

@@ -174,3 +174,57 @@ def test_ctrl_c_prints_a_hint_and_resume_finishes_with_every_trial_once(home, ca
     assert main(["sweep"]) == 2
     assert main(["sweep", "--resume", "99"]) == 2
     assert "sweep 99 does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("over, needles", [
+    ({"space": {"tp": [3]}}, ["space.tp=[3]", "no valid layout", "world size mismatch"]),
+    ({"backend": "nosuch:mod"}, ["backend='nosuch:mod'", "cannot import module 'nosuch'"]),
+])
+def test_unrunnable_spec_exits_2_before_anything_is_stored(home, capsys, over, needles):
+    bad = _spec(home, "unrunnable.yaml", **over)
+    assert main(["sweep", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unrunnable.yaml" in err and "Traceback" not in err
+    assert all(n in err for n in needles), err
+    assert main(["sweeps", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 0  # nothing stored, no failed sweep
+
+
+def test_cli_sweep_is_created_running_under_its_own_runner(home, capsys, monkeypatch):
+    """A coordinator (`meshtune serve`) on the same database cannot claim the CLI's sweep between
+    its insert and its run."""
+    from api import store
+    from api.engine import SweepRunner
+    from api.settings import Settings
+
+    real = SweepRunner.run_sweep
+    seen = {}
+
+    def run_sweep(self, sweep_id, **kw):
+        other = SweepRunner(Settings())
+        with store.session_scope(other.sessions) as s:
+            seen["claimed_by_serve"] = store.claim_sweep(s, runner_id=other.runner_id)
+            seen["row"] = (store.get_sweep(s, sweep_id=sweep_id).status, store.get_sweep(s, sweep_id=sweep_id).runner_id)
+        seen["cli_runner"] = self.runner_id
+        return real(self, sweep_id, **kw)
+
+    monkeypatch.setattr(SweepRunner, "run_sweep", run_sweep)
+    assert main(["sweep", str(_spec(home)), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sweep"]["status"] == "completed"
+    assert seen["claimed_by_serve"] is None
+    assert seen["row"] == ("running", seen["cli_runner"])
+
+
+def test_show_flags_diagnostic_sweeps_and_one_run_intervals(home, capsys):
+    spec = _spec(home, "diag.yaml", trial={"options": {"sleep_per_step_s": 0.01}})
+    assert main(["sweep", str(spec), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sweep"]["diagnostic"] is True and out["ranking"]["diagnostic"] is True
+    assert main(["show", str(out["sweep"]["id"])]) == 0
+    text = capsys.readouterr().out
+    assert "diagnostic sweep" in text and "DIAGNOSTIC" in text
+    assert "n=1" in text  # layouts measured once show no interval
+    bad = _spec(home, "badopt.yaml", trial={"options": {"fail": "explode"}})
+    assert main(["sweep", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "badopt.yaml" in err and "trial.options.fail" in err and "Traceback" not in err

@@ -29,8 +29,11 @@ def db(tmp_path):
 
 
 def _sweep(sessions, **spec):
+    # ScriptedBackend's own options (oom_tp, crash_pp, sleep_s) are a plug-in's: only a module:attr
+    # backend may take options that are not worker options.
+    backend = "_engine_backends:ScriptedBackend" if "trial" in spec else "simulate"
     with sessions() as s:
-        return svc.create_sweep(s, spec=SweepSpec.model_validate({"backend": "simulate", **TINY, **spec}), owner="t")
+        return svc.create_sweep(s, spec=SweepSpec.model_validate({"backend": backend, **TINY, **spec}), owner="t")
 
 
 def _rows(sessions, sweep_id):
@@ -164,9 +167,15 @@ def test_cancel_stops_a_running_sweep_and_bad_backend_fails_it(db):
     with sessions() as s:
         assert svc.get_sweep(s, sweep_id=sw.id).status == "cancelled"
 
-    sw = _sweep(sessions, backend="no_such_module:Backend")
-    final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
-    assert final.status == "failed" and "no_such_module" in final.error
+    with pytest.raises(tuner.SpecError, match="backend='no_such_module:Backend'"):  # refused on submission
+        _sweep(sessions, backend="no_such_module:Backend")
+    sw = _sweep(sessions)  # a backend that breaks after submission still fails the sweep with its cause
+
+    def broken(spec):
+        raise tuner.BackendError("backend='gone:Backend': cannot import module 'gone'")
+
+    final = SweepRunner(settings, sessions=sessions, backend_factory=broken).run_sweep(sw.id)
+    assert final.status == "failed" and "gone" in final.error
 
 
 def test_reference_layouts_are_enqueued_first_and_checked_on_submission(db):
@@ -231,13 +240,19 @@ def test_failed_sweep_marks_its_running_trials_interrupted_with_the_cause(db):
     """A coordinator died with two trials running; the resuming one cannot import the backend: the
     sweep fails and no row is left "running" (nor counted as running by /metrics)."""
     settings, sessions = db
-    sw = _sweep(sessions, backend="no_such_module:Backend")
+    sw = _sweep(sessions)  # its backend went away after submission (submission checks it)
     with store.session_scope(sessions) as s:
         for number, layout in enumerate(({"tp": 2, "dp": 2}, {"tp": 1, "dp": 4})):
             lay = tuner.Layout(**layout)
             store.insert_trial(s, sweep_id=sw.id, number=number, layout=layout, layout_key=lay.key,
                                world_size=lay.world_size)
-    final = SweepRunner(settings, sessions=sessions).run_sweep(sw.id)
+
+    def broken(spec):
+        from workers.backends import get_backend
+
+        return get_backend("no_such_module:Backend")
+
+    final = SweepRunner(settings, sessions=sessions, backend_factory=broken).run_sweep(sw.id)
     assert final.status == "failed" and "no_such_module" in final.error
     rows = _rows(sessions, sw.id)
     assert len(rows) == 4 and all(t.status == "interrupted" for t in rows)  # attempts 0 (restart) and 1 (failed)
@@ -246,3 +261,29 @@ def test_failed_sweep_marks_its_running_trials_interrupted_with_the_cause(db):
                                      for t in retried)
     with sessions() as s:
         assert svc.counts(s).trials_by_status.get("running", 0) == 0
+
+
+def test_memory_scale_does_not_compound_across_refits():
+    """Rows store the prediction scaled by the calibration in force when they were inserted; each
+    refit must fit measured peaks against the unscaled model, so refits on the same data agree."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from api.engine import Problem
+
+    problem = Problem.from_spec(SweepSpec.model_validate(TINY))
+    layouts = problem.space.layouts[:3]
+
+    def row(i, layout):
+        raw = tuner.estimate_memory(layout, model=problem.model, cluster=problem.cluster,
+                                    training=problem.training).total
+        stored = problem.predict(layout).memory_bytes  # scaled by the scale in force now
+        step = tuner.estimate_time(layout, model=problem.model, cluster=problem.cluster,
+                                   training=problem.training).step_time_s
+        return SimpleNamespace(number=i, layout=dataclasses.asdict(layout), step_time_s=step * 1.3,
+                               peak_memory_bytes=int(raw * 1.5), predicted_memory_bytes=stored, simulated=False)
+
+    rows = [row(0, layouts[0]), row(1, layouts[1])]
+    assert problem.maybe_calibrate(rows)["memory_scale"] == pytest.approx(1.5, rel=1e-6)
+    rows.append(row(2, layouts[2]))  # inserted under scale 1.5; the measured ratio is still 1.5
+    assert problem.maybe_calibrate(rows)["memory_scale"] == pytest.approx(1.5, rel=1e-6)

@@ -45,6 +45,12 @@ def client(db):
         yield c
 
 
+@pytest.fixture
+def allow_private_webhooks(monkeypatch):
+    """The local test receiver listens on 127.0.0.1, which is refused unless the setting allows it."""
+    monkeypatch.setenv("MESHTUNE_WEBHOOK_ALLOW_PRIVATE", "true")
+
+
 def run_sweeps(url: str, sessions, sweep_ids: list[int]) -> None:
     runner = SweepRunner(Settings(database_url=url), sessions=sessions)
     for sweep_id in sweep_ids:
@@ -85,6 +91,8 @@ def fires_by_status(sessions, schedule_id: int) -> dict[str, list[datetime]]:
         ({"template": None, "remeasure": {"sweep_id": 987654}}, "remeasure.sweep_id", "987654"),
         ({"remeasure": {"sweep_id": 1}}, "template/remeasure", "exactly one"),
         ({"regression": {"alpha": 2}}, "regression.alpha", "alpha"),
+        ({"template": {**SIM_TEMPLATE, "space": {"tp": [3]}}}, "template.space.tp", "no valid layout"),
+        ({"template": {**SIM_TEMPLATE, "backend": "nosuch:mod"}}, "template.backend", "cannot import module"),
     ],
 )
 def test_bad_schedule_is_422_naming_the_field(client, change, field, needle) -> None:
@@ -215,7 +223,7 @@ def test_disabled_time_is_not_owed_and_manual_runs_do_not_move_the_anchor(db) ->
 # --- re-measurement through the engine, and noise ---------------------------------------------------
 
 
-def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhook_receiver) -> None:
+def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhook_receiver, allow_private_webhooks) -> None:
     """Re-measure the top 2 layouts of a sweep 3 times per run, 4 runs with nothing changed (the
     simulate backend's 3% lognormal noise is the only difference): every layout is compared with
     its history, none is flagged, nothing is POSTed."""
@@ -278,7 +286,7 @@ def _failed_fire(sessions, url: str, webhook: str) -> tuple[int, int]:
     return sid, fire.id
 
 
-def test_failing_webhook_is_retried_recorded_and_then_delivered(db, webhook_receiver) -> None:
+def test_failing_webhook_is_retried_recorded_and_then_delivered(db, webhook_receiver, allow_private_webhooks) -> None:
     url, sessions = db
     sid, fire_id = _failed_fire(sessions, url, webhook_receiver.url)
     webhook_receiver.statuses = [500, 503]  # two failures, then 200
@@ -302,7 +310,7 @@ def test_failing_webhook_is_retried_recorded_and_then_delivered(db, webhook_rece
         assert sorted((d.attempt, d.ok, d.status_code) for d in log) == [(1, False, 500), (2, False, 503), (3, True, 200)]
 
 
-def test_dead_webhook_gives_up_without_losing_the_alert(db, client) -> None:
+def test_dead_webhook_gives_up_without_losing_the_alert(db, client, allow_private_webhooks) -> None:
     import socket
 
     with socket.socket() as probe:  # a port with nothing listening
@@ -338,7 +346,7 @@ def test_router_runs_the_scheduler_only_beside_the_engine(db) -> None:
 
 
 
-def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends(db, client, webhook_receiver) -> None:
+def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends(db, client, webhook_receiver, allow_private_webhooks) -> None:
     """Simulated runs (labelled so): the cluster's peak FLOP/s doubles on night 3, the layout's
     tokens/s doubles; the alert is an improvement that names the changed fingerprint key."""
     from api.schedules._launch import pinned_space
@@ -431,3 +439,59 @@ def test_daylight_saving_nights_fire_once() -> None:
         datetime(2026, 10, 25, 0, 30, tzinfo=UTC)]  # 02:30 CEST; not again at 02:30 CET
     # a scheduler that fired at 02:30 CEST and ticks again after 02:30 CET owes nothing
     assert due(datetime(2026, 10, 25, 0, 30, tzinfo=UTC), datetime(2026, 10, 25, 2, tzinfo=UTC)) == []
+
+
+@pytest.mark.parametrize("target, private_ok, needle", [
+    ("http://169.254.169.254/latest/meta-data/", True, "metadata"),
+    ("http://169.254.10.1/hook", True, "link-local"),
+    ("http://[fe80::1]/hook", True, "link-local"),
+    ("http://metadata.google.internal/computeMetadata/v1/", True, "metadata"),
+    ("http://127.0.0.1:9/hook", False, "MESHTUNE_WEBHOOK_ALLOW_PRIVATE"),
+    ("http://10.1.2.3/hook", False, "private"),
+    ("http://[::ffff:169.254.169.254]/x", True, "metadata"),
+])
+def test_webhook_to_internal_targets_is_422(client, monkeypatch, target, private_ok, needle) -> None:
+    monkeypatch.setenv("MESHTUNE_WEBHOOK_ALLOW_PRIVATE", "true" if private_ok else "false")
+    body = {"name": "ssrf", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "webhook_url": target}
+    r = client.post("/api/schedules", json=body)
+    assert r.status_code == 422, r.text
+    assert "webhook_url" in r.json()["detail"] and needle in r.json()["detail"], r.json()
+    assert client.get("/api/schedules").json()["total"] == 0
+
+
+def test_webhook_url_is_masked_and_response_bodies_are_not_stored(db, client, allow_private_webhooks) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Leaky(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b"internal: db_password=SECRET-42"
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Leaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook = f"http://127.0.0.1:{server.server_address[1]}/services/T000/B000/XXXXSECRETXXXX?token=abc"
+    try:
+        url, sessions = db
+        sid, fire_id = _failed_fire(sessions, url, hook)
+        listed = client.get("/api/schedules").json()["items"]
+        shown = client.get(f"/api/schedules/{sid}").json()["webhook_url"]
+        assert shown == f"http://127.0.0.1:{server.server_address[1]}/…"
+        assert "SECRET" not in json.dumps(listed) and "token" not in json.dumps(listed)
+        scheduler = Scheduler(sessions=sessions, replica_id="r1",
+                              delivery=DeliveryPolicy(timeout_s=2, retry_base_s=1, max_attempts=1))
+        scheduler.tick(datetime.now(UTC) + timedelta(seconds=10))
+        alert = client.get("/api/alerts", params={"schedule_id": sid}).json()["items"][0]
+        assert alert["last_error"].startswith("HTTP 500") and "SECRET" not in json.dumps(alert)
+        with sessions() as s:
+            assert all("SECRET" not in (d.error or "") + d.url for d in _store.list_deliveries(s, fire_id=fire_id))
+    finally:
+        server.shutdown()
+        server.server_close()

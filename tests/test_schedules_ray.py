@@ -28,7 +28,9 @@ SLEEP_S = 0.4  # per step; a tiny-model step on one CPU rank takes ~0.02-0.1 s o
 
 
 @pytest.mark.slow
-def test_injected_slowdown_in_real_runs_is_flagged_and_posted(tmp_path: Path, ray_local, webhook_receiver) -> None:
+def test_injected_slowdown_in_real_runs_is_flagged_and_posted(tmp_path: Path, ray_local, webhook_receiver,
+                                                               monkeypatch) -> None:
+    monkeypatch.setenv("MESHTUNE_WEBHOOK_ALLOW_PRIVATE", "true")  # the receiver is on 127.0.0.1
     url = f"sqlite:///{tmp_path / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
     runner = SweepRunner(Settings(database_url=url, backend="ray"), sessions=sessions)

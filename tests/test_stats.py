@@ -10,14 +10,34 @@ import tuner
 from tuner._stats import fit_calibration, interval, pareto_front, rank, relative_error
 
 
-def test_interval_is_student_t_around_the_mean_and_contains_the_median():
+def test_interval_is_student_t_on_log_values_and_contains_the_median():
+    import math
+    import statistics
+
     iv = interval([10.0, 12.0, 11.0])
-    # mean 11, s = 1, t(0.975, 2) = 4.303: 11 +- 4.303/sqrt(3)
+    # t(0.975, 2) = 4.303 on the log values, mapped back: a multiplicative interval around the geomean
+    logs = [math.log(v) for v in (10.0, 12.0, 11.0)]
+    half = 4.3027 * statistics.stdev(logs) / 3**0.5
     assert iv.median == 11.0 and iv.n == 3
-    assert iv.low == pytest.approx(11 - 4.3027 / 3**0.5, rel=1e-4) and iv.high == pytest.approx(11 + 4.3027 / 3**0.5, rel=1e-4)
-    assert interval([5.0]) == interval([5.0]).__class__(1, 5.0, 5.0, 5.0)
+    assert iv.low == pytest.approx(math.exp(statistics.fmean(logs) - half), rel=1e-4)
+    assert iv.high == pytest.approx(math.exp(statistics.fmean(logs) + half), rel=1e-4)
     with pytest.raises(ValueError):
         interval([])
+
+
+def test_one_measurement_has_an_unknown_interval_and_is_never_separated():
+    one = interval([5.0])
+    assert (one.n, one.median, one.low, one.high, one.known) == (1, 5.0, None, None, False)
+    # Two very noisy runs (as in the tiny CPU sweep): the interval stays positive.
+    noisy = interval([1600.0, 1640.0 * 1.9])
+    assert noisy.low > 0 and noisy.high > noisy.low
+    ranked = rank({"best": [100.0, 101.0, 99.0], "once": [50.0], "far": [10.0, 10.1, 9.9]})
+    assert [r.key for r in ranked] == ["best", "once", "far"]
+    assert ranked[1].tied_with_best and ranked[1].tie_group == 1  # one run cannot prove it is slower
+    assert not ranked[2].tied_with_best
+    # A single lucky run at the top does not separate the others from it either.
+    lucky = rank({"lucky": [200.0], "a": [100.0, 101.0], "b": [10.0, 10.1]})
+    assert all(r.tied_with_best for r in lucky)
 
 
 def test_rank_marks_overlapping_intervals_as_ties():

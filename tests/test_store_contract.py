@@ -121,7 +121,8 @@ class TestStoreContract:
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)
             n = 0
-            for key, values, mem in (("a", [100, 102, 98], 3), ("b", [99, 101, 97], 1), ("c", [50], 2)):
+            for key, values, mem in (("a", [100, 102, 98], 3), ("b", [99, 101, 97], 1), ("c", [50, 51, 49], 2),
+                                     ("d", [40], 4)):
                 for rep, v in enumerate(values):
                     store.insert_trial(s, sweep_id=sw.id, number=n, layout=LAYOUT, layout_key=key, world_size=4,
                                        repeat=rep, phase="search" if rep == 0 else "remeasure",
@@ -132,16 +133,18 @@ class TestStoreContract:
                     n += 1
             s.commit()
             rk = svc.ranking(s, sweep_id=sw.id)
-            assert [r.layout_key for r in rk.rows] == ["a", "b", "c"]
-            a, b, c = rk.rows
+            assert [r.layout_key for r in rk.rows] == ["a", "b", "c", "d"]
+            a, b, c, d = rk.rows
             assert a.n == 3 and a.median == 100 and a.low < 100 < a.high
             assert b.tied_with_best and b.tie_group == a.tie_group  # overlapping intervals
             assert not c.tied_with_best and c.tie_group != a.tie_group
+            # One run: no interval, so it is never "not tied" (one noisy run decides nothing).
+            assert d.n == 1 and d.low is None and d.high is None and d.tied_with_best
             assert a.prediction_error == pytest.approx(0.1)
             csv_text = svc.ranking_csv(rk)
-            assert csv_text.splitlines()[0].startswith("rank,layout_key") and len(csv_text.splitlines()) == 4
+            assert csv_text.splitlines()[0].startswith("rank,layout_key") and len(csv_text.splitlines()) == 5
             front = {p.layout_key: p.on_front for p in svc.pareto(s, sweep_id=sw.id)}
-            assert front == {"a": True, "b": True, "c": False}  # c: less throughput than b for more memory
+            assert front == {"a": True, "b": True, "c": False, "d": False}  # c, d: dominated by b
             with pytest.raises(SpecError, match="metric"):
                 svc.ranking(s, sweep_id=sw.id, metric="nope")
 

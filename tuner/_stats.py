@@ -21,30 +21,48 @@ CONFIDENCE = 0.95
 
 @dataclass(frozen=True)
 class Interval:
-    """Median of ``n`` measurements and a 95% interval (low == high == median when n == 1)."""
+    """Median of ``n`` measurements and a 95% interval. With n < 2 the interval is UNKNOWN
+    (``low``/``high`` None): one run says nothing about its noise, so it can never be separated
+    from another layout (``overlaps`` is True) — a tie is never decided by a single noisy run."""
 
     n: int
     median: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
+
+    @property
+    def known(self) -> bool:
+        return self.low is not None and self.high is not None
 
     def overlaps(self, other: Interval) -> bool:
+        if not (self.known and other.known):
+            return True
+        assert self.low is not None and self.high is not None and other.low is not None and other.high is not None
         return self.low <= other.high and other.low <= self.high
 
 
 def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
-    """Median and a Student-t interval of the mean, widened to contain the median (Student 1908).
+    """Median and a Student-t interval of the mean (Student 1908) of the LOG values, mapped back and
+    widened to contain the median. Throughput is a positive ratio quantity: on the log scale the
+    interval is multiplicative (median x/÷ factor) and can never go below zero, which a linear
+    interval of 2 noisy runs does. Non-positive values fall back to the linear interval.
 
     With the 3-5 repeats a sweep affords, t is the honest choice (a bootstrap of 3 values has only
-    10 distinct resamples and under-covers)."""
+    10 distinct resamples and under-covers). n < 2: the interval is unknown (None bounds)."""
     vals = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not vals:
         raise ValueError("interval() needs at least one finite value")
     med = statistics.median(vals)
-    if len(vals) == 1:
-        return Interval(1, med, med, med)
+    if len(vals) < 2:
+        return Interval(len(vals), med, None, None)
+    t = _t_quantile(0.5 + confidence / 2, len(vals) - 1)
+    if all(v > 0 for v in vals):
+        logs = [math.log(v) for v in vals]
+        mean = statistics.fmean(logs)
+        half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+        return Interval(len(vals), med, min(math.exp(mean - half), med), max(math.exp(mean + half), med))
     mean = statistics.fmean(vals)
-    half = _t_quantile(0.5 + confidence / 2, len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+    half = t * statistics.stdev(vals) / math.sqrt(len(vals))
     return Interval(len(vals), med, min(mean - half, med), max(mean + half, med))
 
 
@@ -66,7 +84,8 @@ class RankedLayout:
 
 def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True) -> list[RankedLayout]:
     """Rank measurement groups (layout key -> values) by median; a row joins the tie group of the
-    leader above it when their intervals overlap, otherwise it leads a new group."""
+    leader above it when their intervals overlap, otherwise it leads a new group. A row with an
+    unknown interval (one measurement) overlaps everything: it is never ranked as separated."""
     intervals = {k: interval(v) for k, v in groups.items() if any(x is not None for x in v)}
     sign = -1.0 if higher_is_better else 1.0
     order = sorted(intervals, key=lambda k: (sign * intervals[k].median, k))

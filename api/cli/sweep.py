@@ -107,7 +107,10 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, datetime):
         return obj.isoformat()
     if hasattr(obj, "__table__"):  # an ORM row
-        return {c.name: _jsonable(getattr(obj, c.key)) for c in obj.__table__.columns}
+        out = {c.name: _jsonable(getattr(obj, c.key)) for c in obj.__table__.columns}
+        if hasattr(obj, "diagnostic"):
+            out["diagnostic"] = obj.diagnostic
+        return out
     return obj
 
 
@@ -138,6 +141,8 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     from rich.table import Table
 
     label = " (SIMULATED: analytical model + noise, not measurements)" if ranking.simulated else ""
+    if getattr(ranking, "diagnostic", False):
+        label += " (DIAGNOSTIC: trial.options inject failures/sleeps/memory caps; not real measurements)"
     unit = METRIC_LABELS.get(ranking.metric, ranking.metric)
     table = Table(title=f"sweep {ranking.sweep_id}: ranked by {ranking.metric}{label}")
     columns = ["#", "layout", "n", f"median {unit}", "95% interval", "tie"]
@@ -147,7 +152,8 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     for col in columns:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for row in ranking.rows[:top]:
-        cells = [str(row.rank), row.layout_key, str(row.n), _fmt(row.median), f"{_fmt(row.low)} - {_fmt(row.high)}",
+        spread = "n=1" if row.low is None or row.high is None else f"{_fmt(row.low)} - {_fmt(row.high)}"
+        cells = [str(row.rank), row.layout_key, str(row.n), _fmt(row.median), spread,
                  f"={row.tie_group}" + ("*" if row.tied_with_best else "")]
         if ranking.metric != "tokens_per_s_per_device":
             cells.append(_fmt(row.tokens_per_s_per_device))
@@ -161,7 +167,8 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     if ranking.rows:
         tied = [r.layout_key for r in ranking.rows if r.tied_with_best]
         if len(tied) > 1:
-            console.print(f"{len(tied)} layouts are tied with the best (95% intervals overlap; marked *).")
+            console.print(f"{len(tied)} layouts are tied with the best (95% intervals overlap, or one run "
+                          "only ('n=1': no interval); marked *).")
     else:
         console.print("no layout was measured successfully")
 
@@ -172,6 +179,9 @@ def _print_sweep(console: Any, sweep: Any) -> None:
         f"trials={sweep.n_trials} (completed {sweep.n_completed}, pruned {sweep.n_pruned}, failed {sweep.n_failed}) "
         f"device-seconds={sweep.device_seconds:.1f}"
     )
+    if sweep.diagnostic:
+        console.print("[yellow]diagnostic sweep: trial.options inject failures, sleeps or memory caps; its numbers "
+                      "are not real measurements[/yellow]")
     if sweep.error:
         console.print(f"[red]error:[/red] {sweep.error}")
 
@@ -214,6 +224,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         if args.spec or args.backend or args.max_trials is not None:
             raise SpecError("--resume ID takes no SPEC, --backend nor --max-trials: a sweep resumes with its stored spec")
         settings, sessions = _sessions()
+        runner = SweepRunner(settings, sessions=sessions)
         with sessions() as s:
             sweep = svc.get_sweep(s, sweep_id=args.resume)  # NotFoundError: exit 2
             if sweep.status in store.FINISHED_SWEEP_STATUSES:
@@ -227,8 +238,12 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     else:
         spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials)
         settings, sessions = _sessions()
+        runner = SweepRunner(settings, sessions=sessions)
         with sessions() as s:
-            sweep = svc.create_sweep(s, spec=spec, owner=getpass.getuser())
+            try:  # inserted already running under this runner: `meshtune serve` cannot claim it first
+                sweep = svc.create_sweep(s, spec=spec, owner=getpass.getuser(), runner_id=runner.runner_id)
+            except SpecError as exc:
+                raise SpecError(f"{args.spec}: {exc}") from None
         done = 0
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     verb = "resuming" if args.resume is not None else "sweep"
@@ -247,8 +262,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
                     what = row.status if row.status != "completed" else f"{_fmt(row.tokens_per_s_per_device)} tok/s/dev"
                     progress.update(task, advance=1, last=f"#{row.number} {row.layout_key}: {what}")
 
-            final = SweepRunner(settings, sessions=sessions).run_sweep(sweep.id, stop_event=stop,
-                                                                       on_progress=on_progress)
+            final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
             progress.update(task, total=progress.tasks[0].completed)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: {_resume_hint(sweep.id)}[/yellow]")

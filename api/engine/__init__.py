@@ -24,6 +24,18 @@ and numbers are never reused or skipped. Results are written with a guard (only 
 accepts one), so a duplicate report changes nothing. ``meshtune sweep --resume ID`` applies the same
 rule in the foreground (Ctrl-C on ``meshtune sweep`` releases the sweep so that it can be resumed at once).
 
+Ownership (two coordinators on one database): the owner heartbeats every HEARTBEAT_S (also through
+long runs of pruned proposals and, from a helper thread, through slow set-up); every transaction that
+adds trial rows first re-asserts ownership (``store.hold_sweep``, which takes the sweep's row lock);
+results are written only onto a row of the same layout while the writer still owns the sweep. A runner
+that finds its sweep taken over stops at once and writes nothing more (``LostClaim``); a runner's
+error never fails or interrupts a sweep that another runner owns. A database error that may pass
+(connection lost, server restart) releases the sweep for a later resume instead of failing it, and
+``run_pending`` survives any error (logged, retried with back-off).
+
+Submission (``api.services.sweeps.create_sweep``, schedules too) refuses a spec whose space leaves no
+valid layout or whose backend does not resolve (SpecError naming ``space.<field>`` / ``backend``).
+
 A sweep that FAILS (e.g. its backend cannot be imported) is never resumed: its rows still "running"
 are marked "interrupted" with the cause ``sweep failed: <reason>``, so no row of a finished sweep is
 left "running" (nor counted as running by /metrics).
@@ -33,8 +45,8 @@ once in the listed order (search phase, source "listed"; still subject to the me
 and then topped up to ``search.repeats`` measurements (re-measurement phase).
 """
 
-from api.engine._model import Prediction, Problem
+from api.engine._model import Prediction, Problem, check_backend, check_runnable
 from api.engine._runner import SweepRunner
 from api.engine._space import LayoutSpace
 
-__all__ = ["LayoutSpace", "Prediction", "Problem", "SweepRunner"]
+__all__ = ["LayoutSpace", "Prediction", "Problem", "SweepRunner", "check_backend", "check_runnable"]

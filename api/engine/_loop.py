@@ -8,6 +8,13 @@ stops new trials once the recorded trials have held devices that long; ``patienc
 trials that ran (not pruned) in number order without beating the best measured tokens/s per device.
 Trials in flight when a budget is reached finish and are recorded. Then the top ``remeasure_top_k``
 layouts are topped up to ``repeats`` measurements (within ``max_device_seconds``).
+
+Ownership: the loop heartbeats at least every ``HEARTBEAT_S`` (also while proposals are only pruned,
+and from a helper thread during slow set-up such as starting a local Ray), and every transaction that
+adds trial rows first re-asserts that this runner still owns the sweep (``store.hold_sweep``). A
+runner that finds the sweep taken over (a heartbeat answered by another owner, an insert whose number
+already exists, a result whose row is no longer its own) raises ``LostClaim``: it stops running the
+sweep at once and writes nothing more to it; the new owner re-runs what was in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +38,39 @@ if TYPE_CHECKING:
 
 MAX_THREADS = 32
 HEARTBEAT_S = 2.0
+
+
+class LostClaim(Exception):  # noqa: N818 - a control-flow signal, not an error of the sweep
+    """Another coordinator owns the sweep now: stop running it, write nothing more to it."""
+
+
+class KeepAlive:
+    """Heartbeats the sweep from a helper thread while the loop's own thread is busy with slow set-up
+    (building the problem, recovery, starting the backend: a local Ray takes ~40 s)."""
+
+    def __init__(self, runner: SweepRunner, sweep_id: int) -> None:
+        self.r, self.sweep_id = runner, sweep_id
+        self.lost = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"keepalive{sweep_id}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            try:
+                with store.session_scope(self.r.sessions) as s:
+                    if store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id) is None:
+                        self.lost = True
+                        return
+            except Exception:  # a transient DB error: the loop's own next beat decides
+                continue
+
+    def __enter__(self) -> KeepAlive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 @dataclass
@@ -85,10 +125,16 @@ class SweepLoop:
         self.rows[number] = row
         return row
 
+    def _hold(self, s: Any) -> None:
+        """First statement of every transaction that adds trial rows (see the module docstring)."""
+        if not store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
+            raise LostClaim(f"sweep {self.sweep_id} is no longer run by {self.r.runner_id}")
+
     def _recover(self) -> list[store.Trial]:
         """The documented restart rule: a trial found "running" belonged to a coordinator that died;
         its row becomes "interrupted" and the trial re-runs under the same number as attempt + 1."""
         with store.session_scope(self.r.sessions) as s:
+            self._hold(s)  # never interrupt the trials of a coordinator that took the sweep over
             store.mark_interrupted(s, sweep_id=self.sweep_id)
             rows = store.all_trials(s, sweep_id=self.sweep_id)
             live = {t.number for t in rows if t.status != "interrupted"}
@@ -97,14 +143,14 @@ class SweepLoop:
                 if t.number not in live and (t.number not in redo or t.attempt > redo[t.number].attempt):
                     redo[t.number] = t
             for t in redo.values():
-                store.insert_trial(
+                self._inserted(store.insert_trial(
                     s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt + 1, phase=t.phase,
                     source=t.source, repeat=t.repeat, layout=t.layout, layout_key=t.layout_key,
                     world_size=t.world_size, predicted_memory_bytes=t.predicted_memory_bytes,
                     predicted_step_time_s=t.predicted_step_time_s,
                     predicted_tokens_per_s_per_device=t.predicted_tokens_per_s_per_device,
                     useful_fraction=t.useful_fraction, backend=t.backend,
-                )
+                ), t.number)
         self._load_rows()
         return [t for t in self._rows() if t.status == "running"]
 
@@ -118,15 +164,24 @@ class SweepLoop:
 
     # --- the loop ----------------------------------------------------------------------------------
 
+    def _inserted(self, inserted: bool, number: int) -> None:
+        if not inserted:  # the number exists: another coordinator took the sweep and this number
+            raise LostClaim(f"sweep {self.sweep_id}: trial number {number} was taken by another coordinator")
+
     def run(self) -> None:
-        rerun = self._recover()
-        rows = self._rebuild()
-        self.seen = {t.layout_key for t in rows if t.phase == "search"}
-        warm = [] if self.problem.listed else self.problem.warm_start(self.search)
-        self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
-        self.next_number = max((t.number for t in rows), default=-1) + 1
-        self.backend = self.r.backend_factory(self.spec)
+        with KeepAlive(self.r, self.sweep_id) as keep:
+            rerun = self._recover()
+            rows = self._rebuild()
+            self.seen = {t.layout_key for t in rows if t.phase == "search"}
+            warm = [] if self.problem.listed else self.problem.warm_start(self.search)
+            self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
+            self.next_number = max((t.number for t in rows), default=-1) + 1
+            self.backend = self.r.backend_factory(self.spec)
         try:
+            if keep.lost:
+                raise LostClaim(f"sweep {self.sweep_id} was taken over during set-up")
+            self.last_beat = 0.0
+            self._beat()
             self.slots = self._slots()
             self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
             try:
@@ -145,7 +200,8 @@ class SweepLoop:
         if finished:
             with store.session_scope(self.r.sessions) as s:
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
-                store.set_sweep_status(s, sweep_id=self.sweep_id, status="completed", only_from=("running",))
+                store.set_sweep_status(s, sweep_id=self.sweep_id, status="completed", only_from=("running",),
+                                       runner_id=self.r.runner_id)
         self._progress("end")
 
     def _slots(self) -> int:
@@ -167,6 +223,9 @@ class SweepLoop:
                 if phase == "search":
                     if not self._search_done():
                         self._launch_search()  # a pruned proposal takes no slot
+                        # Keep the claim alive (and notice a cancel) through long runs of pruned
+                        # proposals, which never reach the outer loop's beat.
+                        halted = self._beat() != "running" or self.stop.is_set()
                         continue
                     if self.in_flight:
                         break  # re-measurement starts from the final search results
@@ -190,6 +249,8 @@ class SweepLoop:
         self.last_beat = now
         with store.session_scope(self.r.sessions) as s:
             self._status = store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id)
+        if self._status is None:
+            raise LostClaim(f"sweep {self.sweep_id} was taken over by another coordinator")
         return self._status
 
     # --- budgets -------------------------------------------------------------------------------
@@ -240,11 +301,12 @@ class SweepLoop:
         if not prediction.fits:
             number = self._take_number()
             with store.session_scope(self.r.sessions) as s:
-                store.insert_trial(
+                self._hold(s)
+                self._inserted(store.insert_trial(
                     s, sweep_id=self.sweep_id, number=number, layout=dataclasses.asdict(layout),
                     layout_key=layout.key, world_size=layout.world_size, source=source, status="pruned",
                     cause=prediction.prune_cause, **prediction.columns(), backend=self.backend.name,
-                )
+                ), number)
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, number)
             self._tell(layout, handle, row)
@@ -262,11 +324,12 @@ class SweepLoop:
         prediction = prediction or self.problem.predict(layout)
         number = self._take_number()
         with store.session_scope(self.r.sessions) as s:
-            store.insert_trial(
+            self._hold(s)
+            self._inserted(store.insert_trial(
                 s, sweep_id=self.sweep_id, number=number, layout=dataclasses.asdict(layout), layout_key=layout.key,
                 world_size=layout.world_size, phase=phase, source=source, repeat=repeat, **prediction.columns(),
                 backend=self.backend.name,
-            )
+            ), number)
             self._reload(s, number)
         self._submit(Ticket(number, 0, layout, phase, handle))
 
@@ -276,7 +339,7 @@ class SweepLoop:
             model=self.problem.model, cluster=self.problem.cluster, training=self.problem.training,
             layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=trial.measure_steps,
             step_timeout_s=trial.step_timeout_s, seed=self.spec.search.seed,
-            trial_id=f"{self.sweep_id}-{ticket.number}-{ticket.attempt}", options=dict(trial.options),
+            trial_id=f"{self.sweep_id}-{ticket.number}-{ticket.attempt}", options=trial.options.to_worker(),
         )
         ticket.future = self.pool.submit(self._run_one, request)
         self.in_flight[ticket.future] = ticket
@@ -307,8 +370,13 @@ class SweepLoop:
                 raise
             with store.session_scope(self.r.sessions) as s:
                 row = self.rows.get(ticket.number)
-                store.record_result(s, sweep_id=self.sweep_id, number=ticket.number, attempt=ticket.attempt,
-                                    result=result, useful_fraction=row.useful_fraction if row else None)
+                recorded = store.record_result(
+                    s, sweep_id=self.sweep_id, number=ticket.number, attempt=ticket.attempt, result=result,
+                    useful_fraction=row.useful_fraction if row else None, layout_key=ticket.layout.key,
+                    runner_id=self.r.runner_id)
+                if not recorded:  # the row is no longer ours (taken over and interrupted): keep nothing
+                    raise LostClaim(f"sweep {self.sweep_id}: trial {ticket.number} attempt {ticket.attempt} "
+                                    "is no longer this coordinator's")
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
             self.spent += row.device_seconds or 0.0
@@ -322,7 +390,8 @@ class SweepLoop:
         """Record ``result`` for the failed trial and every other one in flight (the sweep ends)."""
         with store.session_scope(self.r.sessions) as s:
             for t in [ticket, *self.in_flight.values()]:
-                store.record_result(s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt, result=result)
+                store.record_result(s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt, result=result,
+                                    layout_key=t.layout.key, runner_id=self.r.runner_id)
             store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
 
     def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:

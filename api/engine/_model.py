@@ -45,6 +45,41 @@ class Prediction:
         }
 
 
+def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, Any] | None) -> str:
+    """Why a search space is empty: the restricting ``space.<field>`` values, then the most common
+    rejection reason (and the others with their counts)."""
+    reasons = sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    where = ", ".join(f"space.{k}={v!r}" for k, v in sorted((space_fields or {}).items()))
+    head = f"{where}: " if where else "space: "
+    top = f"; top rejection reason: {reasons[0][0]} ({reasons[0][1]} of {sum(rejected.values())} layouts)" if reasons else ""
+    rest = ", ".join(f"{k}: {v}" for k, v in reasons[1:])
+    return (f"{head}the search space leaves no valid layout for this model and cluster{top}"
+            + (f" (also: {rest})" if rest else ""))
+
+
+def check_runnable(spec: SweepSpec) -> None:
+    """What a sweep needs before it is stored (SpecError naming the field and value otherwise): at
+    least one valid layout in its space, and a backend that resolves. "ray" and "simulate" resolve by
+    name (nothing is started); a ``module:attr`` backend is imported and its attribute looked up."""
+    Problem.from_spec(spec)
+    check_backend(spec.backend)
+
+
+def check_backend(name: str) -> None:
+    from workers.backends import BUILTIN_BACKENDS, _resolve
+
+    if name in BUILTIN_BACKENDS:
+        return
+    try:
+        obj = _resolve(name)
+    except tuner.BackendError as exc:
+        raise SpecError(str(exc)) from None  # names backend= and the value
+    except Exception as exc:  # the module raised while importing: still the user's backend
+        raise SpecError(f"backend={name!r} cannot be used: importing it raised {type(exc).__name__}: {exc}") from None
+    if not (callable(obj) or callable(getattr(obj, "run", None))):
+        raise SpecError(f"backend={name!r} resolves to a {type(obj).__name__}, not a backend class, factory or object")
+
+
 class Problem:
     def __init__(
         self,
@@ -55,14 +90,14 @@ class Problem:
         space: Any = None,
         calibration: dict[str, Any] | None = None,
         layouts: list[Layout] | None = None,
+        space_fields: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.cluster, self.training = model, cluster, training
         self.listed = layouts is not None  # search.layouts: exactly these, in this order
         if layouts is None:
             enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
             if not enumeration.valid:
-                rejected = ", ".join(f"{k}: {v}" for k, v in sorted(enumeration.rejected.items()))
-                raise SpecError(f"the search space has no valid layout for this model and cluster (rejected: {rejected})")
+                raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields))
             layouts = enumeration.valid
         self.space = LayoutSpace(layouts, cluster.devices)
         self.factors = tuner.CalibrationFactors()
@@ -77,7 +112,11 @@ class Problem:
     def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> Problem:
         model, cluster, training = spec.to_problem()
         return cls(model, cluster, training, space=spec.search_space(), calibration=calibration,
-                   layouts=spec.listed_layouts())
+                   layouts=spec.listed_layouts(), space_fields=spec.space)
+
+    def raw_memory_bytes(self, layout: Layout) -> int:
+        """The memory model's peak per device for ``layout``, before the calibrated scale."""
+        return int(tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training).total)
 
     def predict(self, layout: Layout) -> Prediction:
         mem = tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training)
@@ -139,10 +178,12 @@ class Problem:
         base = tuner.CalibrationFactors()
         before = fit_calibration(samples, predict=predict, base=base, fields=())[1]
         factors, after = fit_calibration(samples, predict=predict, base=base, fields=FITTED_FACTORS)
+        # Against the UNSCALED model: a row's stored prediction includes whatever scale was in force
+        # when it was inserted, so measured/stored x current scale would compound across refits.
         real_mem = [
-            t.peak_memory_bytes / t.predicted_memory_bytes * self.memory_scale
+            t.peak_memory_bytes / raw
             for t in completed
-            if not t.simulated and t.peak_memory_bytes and t.predicted_memory_bytes
+            if not t.simulated and t.peak_memory_bytes and (raw := self.raw_memory_bytes(Layout(**t.layout)))
         ]
         self.factors = factors
         if real_mem:

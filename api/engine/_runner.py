@@ -8,13 +8,25 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import sqlalchemy.exc
+
 import tuner
 from api import store
-from api.engine._loop import SweepLoop
+from api.engine._loop import KeepAlive, LostClaim, SweepLoop
 from api.settings import Settings
 from api.spec import SweepSpec
 
 log = logging.getLogger("meshtune.engine")
+MAX_BACKOFF_S = 60.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A database error that a later attempt may not meet (connection lost, server restarting,
+    SQLite busy): the sweep is released for a later claim instead of failed for good."""
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
+                            sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError))
 
 
 def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
@@ -55,14 +67,25 @@ class SweepRunner:
     # --- the coordinator's loop -------------------------------------------------------------------
 
     def run_pending(self, stop_event: threading.Event) -> None:
-        """Run queued sweeps and resume unfinished ones (oldest first) until ``stop_event`` is set."""
+        """Run queued sweeps and resume unfinished ones (oldest first) until ``stop_event`` is set.
+        No error ends this loop: one (e.g. the database unreachable) is logged and retried after an
+        exponential back-off (poll_s doubling up to MAX_BACKOFF_S)."""
+        failures = 0
         while not stop_event.is_set():
-            with store.session_scope(self.sessions) as s:
-                sweep = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s)
-            if sweep is None:
-                stop_event.wait(self.poll_s)
-                continue
-            self._run_claimed(sweep.id, stop_event, None)
+            try:
+                with store.session_scope(self.sessions) as s:
+                    sweep = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s)
+                if sweep is None:
+                    failures = 0
+                    stop_event.wait(self.poll_s)
+                    continue
+                self._run_claimed(sweep.id, stop_event, None)
+                failures = 0
+            except Exception:
+                failures += 1
+                delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(failures, 16))
+                log.exception("sweep engine: error in the coordinator loop; retrying in %.1f s", delay)
+                stop_event.wait(delay)
 
     def run_sweep(
         self,
@@ -92,18 +115,44 @@ class SweepRunner:
 
     def _run_claimed(self, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         try:
-            SweepLoop(self, sweep_id, stop, on_progress).run()
-        except Exception as exc:  # the sweep fails with its cause; the coordinator lives on
-            log.exception("sweep %s failed", sweep_id)
-            reason = f"{type(exc).__name__}: {exc}"
+            with KeepAlive(self, sweep_id):  # building the problem can take a while on big spaces
+                loop = SweepLoop(self, sweep_id, stop, on_progress)
+            loop.run()
+        except LostClaim as exc:  # another coordinator runs it now: leave the sweep and its rows alone
+            log.warning("sweep %s: %s; this coordinator stops running it", sweep_id, exc)
+        except Exception as exc:
+            if is_transient(exc):  # not the sweep's fault: let this or another coordinator resume it
+                log.warning("sweep %s: database error (%s: %s); releasing it for a later resume",
+                            sweep_id, type(exc).__name__, exc)
+                self._release_quietly(sweep_id)
+                return
+            # The sweep fails with its cause; the coordinator lives on. A user error (bad spec or
+            # backend) is one line in the log, a bug keeps its traceback.
+            if isinstance(exc, tuner.MeshtuneError):
+                log.error("sweep %s failed: %s", sweep_id, exc)
+            else:
+                log.exception("sweep %s failed", sweep_id)
+            self._fail(sweep_id, f"{type(exc).__name__}: {exc}")
+
+    def _release_quietly(self, sweep_id: int) -> None:
+        try:
             with store.session_scope(self.sessions) as s:
-                failed = store.set_sweep_status(s, sweep_id=sweep_id, status="failed", error=reason,
-                                                only_from=("running",))
-                sweep = store.get_sweep(s, sweep_id=sweep_id)
-                ours = sweep is not None and sweep.runner_id == self.runner_id
-                if failed or (ours and sweep.status in store.FINISHED_SWEEP_STATUSES):
-                    # Nothing will finish its running trials now: say so on them (and in /metrics).
-                    store.mark_interrupted(s, sweep_id=sweep_id, cause=f"sweep failed: {reason}"[:2000])
-                    store.refresh_sweep_cache(s, sweep_id=sweep_id)
+                store.release_sweep(s, sweep_id=sweep_id, runner_id=self.runner_id)
+        except Exception as exc:  # still unreachable: the claim goes stale and is taken over then
+            log.warning("sweep %s: could not release it (%s); it is resumed once its heartbeat is stale",
+                        sweep_id, exc)
+
+    def _fail(self, sweep_id: int, reason: str) -> None:
+        """Mark the sweep failed, only while this runner owns it; then (and only then) its running
+        trials are marked interrupted with the cause. A stale runner changes nothing."""
+        with store.session_scope(self.sessions) as s:
+            failed = store.set_sweep_status(s, sweep_id=sweep_id, status="failed", error=reason,
+                                            only_from=("running",), runner_id=self.runner_id)
+            sweep = store.get_sweep(s, sweep_id=sweep_id)
+            ours = sweep is not None and sweep.runner_id == self.runner_id
+            if failed or (ours and sweep.status in store.FINISHED_SWEEP_STATUSES):
+                # Nothing will finish its running trials now: say so on them (and in /metrics).
+                store.mark_interrupted(s, sweep_id=sweep_id, cause=f"sweep failed: {reason}"[:2000])
+                store.refresh_sweep_cache(s, sweep_id=sweep_id)
 
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.schedules._cron import check_cron, check_timezone
+from api.schedules._urls import RefusedTarget, check_target, mask_url
 from api.spec import SweepSpec
 from tuner._regression import RegressionPolicy
 
@@ -26,8 +27,16 @@ def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> st
     if not isinstance(url, str) or len(url) > 2000:
         raise ValueError(f"{field_name} must be an http(s) URL of at most 2000 characters, got {str(url)[:100]!r}")
     parts = urlsplit(url.strip())
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"{field_name}={mask_url(url)!r} has an invalid port") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{field_name}={url!r} is not an http:// or https:// URL with a host")
+    try:
+        check_target(url.strip())
+    except RefusedTarget as exc:  # the value is masked: it may hold a secret
+        raise ValueError(f"{field_name}={mask_url(url)!r} is refused: {exc}") from None
     return url.strip()
 
 
@@ -160,12 +169,19 @@ class ScheduleOut(_Out):
     top_k: int | None = Field(description="Layouts re-measured (kind 'remeasure').")
     repeats: int = Field(description="Measurements per layout per run.")
     enabled: bool = Field(description="Whether cron fires happen.")
-    webhook_url: str | None = Field(description="Where alerts are POSTed.")
+    webhook_url: str | None = Field(description="Where alerts are POSTed, masked as scheme://host/… (the full "
+                                    "URL is a secret and is never returned).")
     misfire_grace_s: float = Field(description="Misfire grace window in seconds.")
     policy: dict[str, Any] = Field(description="Regression policy (alpha, min_effect, min_repeats, history_nights).")
     next_fire_at: datetime | None = Field(None, description="Next cron fire (UTC), when enabled.")
     created_at: datetime = Field(description="Creation time (UTC).")
     updated_at: datetime = Field(description="Last change (UTC).")
+
+
+    @field_validator("webhook_url", mode="before")
+    @classmethod
+    def _mask(cls, v: str | None) -> str | None:
+        return mask_url(v)
 
 
 class FireOut(_Out):

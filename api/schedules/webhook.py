@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from api.schedules import _store
+from api.schedules._urls import RefusedTarget, check_target, mask_url
 from api.schedules.models import Schedule, ScheduleAlert, ScheduleFire
 
 log = logging.getLogger("meshtune.schedules")
@@ -30,15 +31,22 @@ Poster = Callable[[str, dict[str, Any], float], tuple[bool, int | None, str | No
 
 
 def post_json(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[bool, int | None, str | None]:
-    """POST ``payload`` as JSON; (ok, status code, error). Never raises for a failed delivery."""
+    """POST ``payload`` as JSON; (ok, status code, error). Never raises for a failed delivery. The
+    target is re-checked first (its name may resolve elsewhere now). The recorded error is the status
+    code and a short reason only — never the response body, which an internal service could fill
+    with secrets that alerts would then show to every reader."""
+    try:
+        check_target(url, strict=True)
+    except RefusedTarget as exc:
+        return False, None, f"refused: {exc}"
     try:
         response = httpx.post(url, json=payload, timeout=timeout_s, follow_redirects=False,
                               headers={"User-Agent": "meshtune-alerts/1"})
     except httpx.HTTPError as exc:
-        return False, None, f"{type(exc).__name__}: {exc}"
+        return False, None, type(exc).__name__
     if 200 <= response.status_code < 300:
         return True, response.status_code, None
-    return False, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+    return False, response.status_code, f"HTTP {response.status_code} {response.reason_phrase}"[:80]
 
 
 def alert_json(alert: ScheduleAlert) -> dict[str, Any]:
@@ -111,7 +119,7 @@ def deliver_due(sessions: Any, *, now: datetime, policy: DeliveryPolicy, post: P
             log.warning("webhook for fire %s attempt %s failed: %s", fire_id, attempt, error)
         with session_scope(sessions) as s:
             _store.record_delivery(
-                s, fire_id=fire_id, alert_ids=ids, attempt=attempt, url=url or "", ok=ok, status_code=code,
+                s, fire_id=fire_id, alert_ids=ids, attempt=attempt, url=mask_url(url) or "", ok=ok, status_code=code,
                 error=error, next_attempt_at=now + timedelta(seconds=policy.backoff(attempt)), give_up=give_up,
             )
         results.append(DeliveryResult(fire_id, ids, attempt, ok, code, error))

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
+from api.engine._model import check_runnable
 from api.schedules import _store
 from api.schedules._cron import as_utc, next_fire
 from api.schedules._launch import fire_schedule
@@ -45,6 +46,10 @@ def create_schedule(session: Session, *, data: ScheduleIn, owner: str | None) ->
         webhook_url=data.webhook_url, misfire_grace_s=data.misfire_grace_s, policy=data.regression.model_dump(),
     )
     if data.template is not None:
+        try:
+            check_runnable(data.template)  # no valid layout / unknown backend: 422 now, not a failed fire later
+        except SpecError as exc:
+            raise SpecError(f"template.{exc}") from None
         values.update(kind="template", template=data.template.model_dump(mode="json"),
                       repeats=data.template.search.repeats)
     else:

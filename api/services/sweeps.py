@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
+from api.engine._model import check_runnable
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
 from tuner import ConflictError, NotFoundError, SpecError
@@ -41,8 +42,8 @@ class RankingRow:
     layout: dict[str, Any]
     n: int  # measurements of this layout (1 + re-measurements)
     median: float
-    low: float  # 95% interval
-    high: float
+    low: float | None  # 95% interval (on log values); None when n < 2 (unknown: never "not tied")
+    high: float | None
     tie_group: int
     tied_with_best: bool
     tokens_per_s_per_device: float  # median over measurements
@@ -64,6 +65,7 @@ class Ranking:
     rows: list[RankingRow]
     calibration: dict[str, Any] | None
     simulated: bool  # any row comes from the simulate backend
+    diagnostic: bool = False  # trial.options injected failures/sleeps/memory caps: not real measurements
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,8 +97,9 @@ def _page_bounds(limit: int, offset: int) -> None:
         raise SpecError(f"offset must be a non-negative integer, got {offset!r}")
 
 
-def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None) -> Sweep:
-    """Store a validated spec as a queued sweep (the engine picks it up)."""
+def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None, runner_id: str | None = None) -> Sweep:
+    """Store a validated spec as a queued sweep (the engine picks it up); with ``runner_id`` as a
+    sweep already running under that runner (``meshtune sweep`` runs it in the foreground)."""
     import tuner
 
     known = getattr(tuner, "REFERENCE_LAYOUTS", {})
@@ -112,9 +115,10 @@ def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None) -> Swe
             tuner.check_layout(layout, model=model, cluster=cluster, training=training)
         except tuner.LayoutError as exc:
             raise SpecError(f"search.reference_layouts[{i}]={name!r} does not fit this sweep: {exc}") from None
+    check_runnable(spec)  # a space with no valid layout, an unknown backend: 422 now, not a failed sweep later
     sweep = store.insert_sweep(
         session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
-        sampler=spec.sampler_label,
+        sampler=spec.sampler_label, runner_id=runner_id,
     )
     session.commit()
     return sweep
@@ -225,7 +229,7 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             memory_prediction_error=relative_error(first.predicted_memory_bytes, peak),
             simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
-    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows))
+    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic)
 
 
 CSV_COLUMNS = (

@@ -88,6 +88,13 @@ class Sweep(Base):
     best_useful_tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     best_peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
+    @property
+    def diagnostic(self) -> bool:
+        """trial.options inject failures, slowness or a memory cap (api.spec.DIAGNOSTIC_OPTIONS): the
+        sweep's numbers are diagnostics, not real measurements of its layouts. Derived from the spec."""
+        options = ((self.spec or {}).get("trial") or {}).get("options") or {}
+        return any(options.get(k) is not None for k in ("fail", "sleep_per_step_s", "memory_cap_bytes"))
+
     __table_args__ = (
         Index(None, "status", "created_at"),
         Index(None, "owner", "created_at"),

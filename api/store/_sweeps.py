@@ -14,9 +14,15 @@ from api.store._models import FINISHED_SWEEP_STATUSES, Sweep, Trial, utcnow
 
 
 def insert_sweep(
-    session: Session, *, name: str, owner: str | None, spec: dict[str, Any], backend: str, sampler: str
+    session: Session, *, name: str, owner: str | None, spec: dict[str, Any], backend: str, sampler: str,
+    runner_id: str | None = None,
 ) -> Sweep:
+    """A queued sweep; with ``runner_id`` it is inserted already running under that runner (the CLI's
+    foreground sweep: no coordinator on the same database can claim it between insert and claim)."""
     sweep = Sweep(name=name, owner=owner, spec=spec, backend=backend, sampler=sampler, status="queued")
+    if runner_id is not None:
+        now = utcnow()
+        sweep.status, sweep.runner_id, sweep.heartbeat_at, sweep.started_at = "running", runner_id, now, now
     session.add(sweep)
     session.flush()
     return sweep
@@ -55,9 +61,12 @@ def set_sweep_status(
     status: str,
     error: str | None = None,
     only_from: tuple[str, ...] | None = None,
+    runner_id: str | None = None,
 ) -> bool:
-    """Set the status (and finished_at for final states); with ``only_from`` only from those states.
-    Returns whether a row changed (a conditional UPDATE, so concurrent writers cannot both win)."""
+    """Set the status (and finished_at for final states); with ``only_from`` only from those states,
+    with ``runner_id`` only while that runner owns the sweep (a coordinator whose sweep was taken over
+    must not end it for the new owner). Returns whether a row changed (a conditional UPDATE, so
+    concurrent writers cannot both win)."""
     values: dict[str, Any] = {"status": status}
     now = utcnow()
     if status in FINISHED_SWEEP_STATUSES:
@@ -69,6 +78,8 @@ def set_sweep_status(
     stmt = sa.update(Sweep).where(Sweep.id == sweep_id)
     if only_from is not None:
         stmt = stmt.where(Sweep.status.in_(only_from))
+    if runner_id is not None:
+        stmt = stmt.where(Sweep.runner_id == runner_id)
     result = session.execute(stmt.values(**values).execution_options(synchronize_session=False))
     return bool(result.rowcount)
 
@@ -159,6 +170,18 @@ def heartbeat(session: Session, *, sweep_id: int, runner_id: str) -> str | None:
     if row is None or row.runner_id != runner_id:
         return None
     return str(row.status)
+
+
+def hold_sweep(session: Session, *, sweep_id: int, runner_id: str, statuses: tuple[str, ...] | None = None) -> bool:
+    """Heartbeat that also asserts ownership: True when ``runner_id`` still owns the sweep (and it is
+    in one of ``statuses``). The engine calls it first in every transaction that adds trial rows: the
+    UPDATE takes the sweep's row lock (PostgreSQL; SQLite locks the whole file), so a concurrent
+    ``claim_sweep`` waits for this transaction and then sees its trials (no number is taken twice)."""
+    stmt = sa.update(Sweep).where(Sweep.id == sweep_id, Sweep.runner_id == runner_id)
+    if statuses is not None:
+        stmt = stmt.where(Sweep.status.in_(statuses))
+    result = session.execute(stmt.values(heartbeat_at=utcnow()).execution_options(synchronize_session=False))
+    return bool(result.rowcount)
 
 
 def set_calibration(session: Session, *, sweep_id: int, calibration: dict[str, Any] | None) -> None:

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.store._models import Trial, utcnow
+from api.store._models import Sweep, Trial, utcnow
 from workers import TrialResult
 
 
@@ -78,9 +78,13 @@ def record_result(
     attempt: int,
     result: TrialResult,
     useful_fraction: float | None = None,
+    layout_key: str | None = None,
+    runner_id: str | None = None,
 ) -> bool:
     """Store a backend's result on a running trial. Returns False (and changes nothing) when the trial
-    already has a result or does not exist — a duplicate report is idempotent."""
+    already has a result or does not exist — a duplicate report is idempotent. With ``layout_key`` the
+    row must hold that layout (a measurement never lands on another layout's row); with ``runner_id``
+    that runner must still own the sweep (a coordinator whose sweep was taken over records nothing)."""
     err = result.error
     tokens = result.tokens_per_s
     useful = tokens * useful_fraction if (tokens is not None and useful_fraction is not None) else None
@@ -115,6 +119,11 @@ def record_result(
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+    if layout_key is not None:
+        stmt = stmt.where(Trial.layout_key == layout_key)
+    if runner_id is not None:
+        owned = sa.select(Sweep.id).where(Sweep.id == sweep_id, Sweep.runner_id == runner_id).scalar_subquery()
+        stmt = stmt.where(Trial.sweep_id == owned)
     return bool(session.execute(stmt).rowcount)
 
 
