@@ -91,6 +91,8 @@ def fires_by_status(sessions, schedule_id: int) -> dict[str, list[datetime]]:
         ({"template": None, "remeasure": {"sweep_id": 987654}}, "remeasure.sweep_id", "987654"),
         ({"remeasure": {"sweep_id": 1}}, "template/remeasure", "exactly one"),
         ({"regression": {"alpha": 2}}, "regression.alpha", "alpha"),
+        ({"regression": {"history_nights": 3, "min_history_nights": 4}}, "regression.min_history_nights",
+         "exceeds regression.history_nights=3"),
         ({"template": {**SIM_TEMPLATE, "space": {"tp": [3]}}}, "template.space.tp", "no valid layout"),
         ({"template": {**SIM_TEMPLATE, "backend": "nosuch:mod"}}, "template.backend", "cannot import module"),
     ],
@@ -125,6 +127,7 @@ def test_crud_over_http(client) -> None:
     next_fire = datetime.fromisoformat(created["next_fire_at"])
     assert next_fire.astimezone(ZoneInfo("Europe/Berlin")).strftime("%H:%M") in ("02:30", "03:00")  # DST gap
     sid = created["id"]
+    assert created["policy"]["min_history_nights"] == 2  # the nightly-means test by default
     assert client.patch(f"/api/schedules/{sid}", json={"enabled": False}).json()["next_fire_at"] is None
     assert [s["id"] for s in client.get("/api/schedules", params={"enabled": False}).json()["items"]] == [sid]
     fire = client.post(f"/api/schedules/{sid}/run-now").json()  # works while disabled
@@ -258,7 +261,11 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
     with sessions() as s:
         fires = _store.list_fires(s, schedule_id=sid, limit=None)[0]
         verdicts = [c["verdict"] for f in fires for c in f.comparisons]
-        assert verdicts.count("unchanged") == 6 and verdicts.count("insufficient") == 2  # first run: no history
+        # runs 1-2: no history, then one night (cannot tell a slow night from a slowdown)
+        assert verdicts.count("unchanged") == 4 and verdicts.count("insufficient") == 4
+        judged = sorted((c["history_nights"], c["history_n"], c["method"]) for f in fires for c in f.comparisons
+                        if c["verdict"] == "unchanged")
+        assert judged == [(2, 6, "nightly-means")] * 2 + [(3, 9, "nightly-means")] * 2  # grouped by night
         assert _store.list_alerts(s, schedule_id=sid)[1] == 0
         assert all(f.env and f.env["backend"] == "simulate" for f in fires)
     assert webhook_receiver.received == []
@@ -266,6 +273,25 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
         trend = svc.trends(s, schedule_id=sid)
     assert len(trend["points"]) == 8 and set(trend["layouts"]) == set(top2)
     assert {p["verdict"] for p in trend["points"]} == {"insufficient", "unchanged"}
+
+
+def test_history_is_grouped_by_previous_fire_for_the_nightly_means_test() -> None:
+    """Two previous fires (one with two sweeps) become two nights per layout, newest first; a trial
+    of a sweep that belongs to no previous fire is not history. (That check_fire stores the
+    nightly-means verdicts is asserted on real fires in the re-measure and speed-up tests.)"""
+    from api.schedules import _check
+    from api.schedules.models import ScheduleFire
+    from tuner._regression import compare_night
+
+    newer, older = ScheduleFire(id=2, sweep_ids=[20, 21]), ScheduleFire(id=1, sweep_ids=[10])
+    trials = [Trial(sweep_id=sw, layout_key=key, tokens_per_s=v) for sw, key, v in [
+        (10, "a", 100.0), (10, "a", 102.0), (10, "b", 50.0), (20, "a", 90.0), (21, "a", 91.0), (21, "b", 55.0),
+        (20, "a", 92.0), (99, "a", 1.0),  # sweep 99: not a previous fire of this schedule
+    ]]
+    grouped = _check.history_by_fire([newer, older], trials)
+    assert grouped == {"a": [[90.0, 91.0, 92.0], [100.0, 102.0]], "b": [[55.0], [50.0]]}
+    (c,) = compare_night({"a": [95.0, 96.0, 94.0]}, grouped)
+    assert c.method == "nightly-means" and c.history_nights == 2 and c.history_n == 5 and c.verdict == "unchanged"
 
 
 # --- alerts and webhooks ----------------------------------------------------------------------------
@@ -347,8 +373,9 @@ def test_router_runs_the_scheduler_only_beside_the_engine(db) -> None:
 
 
 def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends(db, client, webhook_receiver, allow_private_webhooks) -> None:
-    """Simulated runs (labelled so): the cluster's peak FLOP/s doubles on night 3, the layout's
-    tokens/s doubles; the alert is an improvement that names the changed fingerprint key."""
+    """Simulated runs (labelled so): the cluster's peak FLOP/s doubles on night 5, the layout's
+    tokens/s doubles; the alert is an improvement against the 4 past nightly means that names the
+    changed fingerprint key."""
     from api.schedules._launch import pinned_space
     from tuner import Layout
 
@@ -360,8 +387,8 @@ def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends
     sid = make_schedule(sessions, template=one_rank, webhook_url=webhook_receiver.url)
     scheduler = Scheduler(sessions=sessions, replica_id="r1")
     fire_ids = []
-    for night in range(3):
-        if night == 2:
+    for night in range(5):
+        if night == 4:
             faster = {**one_rank, "cluster": {**one_rank["cluster"], "peak_flops": 1e11}}
             with store.session_scope(sessions) as s:
                 _store.update_schedule(s, schedule_id=sid, values={"template": faster})
@@ -379,17 +406,19 @@ def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends
     alerts = client.get("/api/alerts", params={"schedule_id": sid}).json()["items"]
     assert [a["kind"] for a in alerts] == ["improvement"]
     (alert,) = alerts
-    assert alert["layout_key"] == Layout().key and alert["fire_id"] == fire_ids[2]
+    assert alert["layout_key"] == Layout().key and alert["fire_id"] == fire_ids[4]
     assert 1.8 < alert["ratio_low"] < alert["ratio"] < alert["ratio_high"] < 2.2
     assert alert["detail"]["env_changes"] == {"source": {"before": "model v0", "after": "tuner analytical model"}}
     assert "faster" in alert["message"] and "source: 'model v0' -> 'tuner analytical model'" in alert["message"]
+    assert alert["detail"]["method"] == "nightly-means" and alert["detail"]["history_nights"] == 4
+    assert "4 nights, tested on nightly means" in alert["message"]
     assert alert["detail"]["simulated"] is True and alert["delivery_status"] == "delivered"
     assert webhook_receiver.received[0]["json"]["alerts"][0]["kind"] == "improvement"
 
     trend = client.get("/api/trends", params={"schedule_id": sid}).json()
-    assert [p["verdict"] for p in trend["points"]] == ["insufficient", "unchanged", "improvement"]
-    assert trend["points"][2]["alert_id"] == alert["id"] and trend["points"][2]["simulated"] is True
-    assert trend["points"][2]["best_tokens_per_s"] > 1.8 * trend["points"][1]["median_tokens_per_s"]
+    assert [p["verdict"] for p in trend["points"]] == ["insufficient"] * 2 + ["unchanged"] * 2 + ["improvement"]
+    assert trend["points"][4]["alert_id"] == alert["id"] and trend["points"][4]["simulated"] is True
+    assert trend["points"][4]["best_tokens_per_s"] > 1.8 * trend["points"][3]["median_tokens_per_s"]
 
 
 JUNK = [
@@ -405,6 +434,8 @@ JUNK = [
     {"name": "n", "cron": "0 2 * * *", "template": {**SIM_TEMPLATE, "search": {"repeats": 1}}},
     {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "misfire_grace_s": -1},
     {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "regression": {"min_repeats": 1}},
+    {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "regression": {"min_history_nights": 0}},
+    {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "regression": {"min_history_nights": True}},
     {"name": "n", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "bogus": 1},
 ]
 

@@ -1,6 +1,7 @@
 """A slowdown injected into real runs (Ray, CPU rank on gloo, the tiny model) is flagged as a
 regression naming the layout, its drop with an interval and the environment, and the alert reaches a
-webhook on 127.0.0.1. The simulate backend ignores ``sleep_per_step_s``, so these runs are real."""
+webhook on 127.0.0.1. Two baseline nights, so the production test (tonight against the past nightly
+means, default ``min_history_nights=2``) is the one that runs. The simulate backend ignores ``sleep_per_step_s``, so these runs are real."""
 
 from __future__ import annotations
 
@@ -48,13 +49,13 @@ def test_injected_slowdown_in_real_runs_is_flagged_and_posted(tmp_path: Path, ra
         return fire.id
 
     try:
-        baseline = night()
+        baseline = [night(), night()]  # two nights: the default policy tests against nightly means
         slow = dict(TEMPLATE, trial={**TEMPLATE["trial"], "options": {"sleep_per_step_s": SLEEP_S}})
         with store.session_scope(sessions) as s:  # what changed tonight: a slower step (e.g. a driver)
             _store.update_schedule(s, schedule_id=sid, values={"template": slow})
         tonight = night()
         with sessions() as s:
-            before = _store.get_fire(s, fire_id=baseline)
+            before = _store.get_fire(s, fire_id=baseline[-1])
             fire = _store.get_fire(s, fire_id=tonight)
             measured = _store.fire_measurements(s, sweep_ids=fire.sweep_ids)
             alerts = _store.list_alerts(s, schedule_id=sid)[0]
@@ -66,7 +67,8 @@ def test_injected_slowdown_in_real_runs_is_flagged_and_posted(tmp_path: Path, ra
     assert before.env["torch"] and before.env["device_kind"] == "cpu" and before.env["hosts"]
     assert fire.env_changes == {}  # same machine, same software: nothing to blame but the change itself
     (c,) = fire.comparisons
-    assert c["layout"] == LAYOUT.key and c["verdict"] == "regression" and c["tonight_n"] == c["history_n"] == 3
+    assert c["layout"] == LAYOUT.key and c["verdict"] == "regression" and c["tonight_n"] == 3
+    assert c["method"] == "nightly-means" and c["history_nights"] == 2 and c["history_n"] == 6
     assert c["ratio_low"] < c["ratio"] < c["ratio_high"] < 1.0 and c["ratio"] < 0.6
 
     (alert,) = alerts

@@ -6,7 +6,10 @@ rows written in the same transaction, before any webhook is tried, so a failing 
 an alert but never lose it.
 
 History = the measurements of the same schedule's previous completed fires (the newest
-``policy.history_nights``), measured with the same ``simulated`` flag as tonight's runs. The
+``policy.history_nights``), measured with the same ``simulated`` flag as tonight's runs, kept
+grouped by fire (``history_by_fire``): one list of repeats per previous night, so the regression
+test compares tonight with the past nightly means and the night-to-night variation counts as noise
+(a flat list would fall back to the pooled-repeats test, which over-alarms when nights differ). The
 statistics are ``tuner._regression`` (documented there).
 """
 
@@ -45,6 +48,17 @@ def _by_layout(trials: list[Trial]) -> dict[str, list[float]]:
     return dict(out)
 
 
+def history_by_fire(previous: list[ScheduleFire], history: list[Trial]) -> dict[str, list[list[float]]]:
+    """Per layout: one list of tokens/s per previous fire that measured it (``previous`` order,
+    newest first), the history shape ``tuner._regression.compare_night`` tests night by night."""
+    fire_of = {sweep_id: i for i, f in enumerate(previous) for sweep_id in (f.sweep_ids or [])}
+    nights: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for t in history:
+        if t.sweep_id in fire_of:
+            nights[t.layout_key][fire_of[t.sweep_id]].append(float(t.tokens_per_s))
+    return {key: [by_fire[i] for i in sorted(by_fire)] for key, by_fire in nights.items()}
+
+
 def _env_changes_by_layout(
     tonight: list[Trial], history: list[Trial], previous: list[ScheduleFire]
 ) -> dict[str, dict[str, Any]]:
@@ -75,13 +89,20 @@ def _describe_env(changes: dict[str, Any]) -> str:
     return "environment changed: " + "; ".join(parts) + more
 
 
+def _basis(c: LayoutComparison) -> str:
+    if c.method == "nightly-means":
+        return f"{c.history_nights} nights, tested on nightly means"
+    nights = "" if c.history_nights is None else f"{c.history_nights} night, "
+    return f"{nights}tested on pooled repeats"
+
+
 def alert_message(schedule: Schedule, c: LayoutComparison, env_changes: dict[str, Any]) -> str:
     word = "slower" if c.verdict == "regression" else "faster"
     return (
         f"[{schedule.name}] layout {c.layout} is {abs(c.change):.1%} {word}: tokens/s ratio {c.ratio:.3f} "
         f"(interval {c.ratio_low:.3f}-{c.ratio_high:.3f} at {c.confidence:.2%} confidence, p={c.p_value:.2g}); "
         f"median {c.tonight_median:.4g} tonight (n={c.tonight_n}) vs {c.history_median:.4g} before "
-        f"(n={c.history_n}); {_describe_env(env_changes)}"
+        f"(n={c.history_n}, {_basis(c)}); {_describe_env(env_changes)}"
     )
 
 
@@ -117,7 +138,7 @@ def check_fire(session: Session, *, fire: ScheduleFire, schedule: Schedule) -> b
     )
     history_ids = [i for f in previous for i in (f.sweep_ids or [])]
     history = [t for t in _store.fire_measurements(session, sweep_ids=history_ids) if bool(t.simulated) == simulated]
-    comparisons = compare_night(_by_layout(tonight), _by_layout(history), policy=policy)
+    comparisons = compare_night(_by_layout(tonight), history_by_fire(previous, history), policy=policy)
 
     env = night_env(tonight)
     changes_by_layout = _env_changes_by_layout(tonight, history, previous)

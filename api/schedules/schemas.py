@@ -47,9 +47,20 @@ class RegressionIn(BaseModel):
     min_effect: float = Field(0.05, ge=0, lt=1, description="Smallest relative change of tokens/s that is alerted (0.05 = 5%).")
     min_repeats: int = Field(2, ge=2, le=50, description="Measurements needed tonight and in history before a layout is judged.")
     history_nights: int = Field(7, ge=1, le=1000, description="Previous completed runs of the schedule that form the history.")
+    min_history_nights: int = Field(
+        2, ge=1, le=1000, strict=True,
+        description="Previous runs that measured a layout before it is judged. Two or more: tonight is tested "
+                    "against the past nightly means (night-to-night variation counts as noise); 1: a single "
+                    "past night is compared repeat against repeat, which cannot tell a slow night from a slowdown.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RegressionIn:
+        if self.min_history_nights > self.history_nights:
+            raise ValueError(
+                f"regression.min_history_nights={self.min_history_nights} exceeds regression.history_nights="
+                f"{self.history_nights}: no layout could ever be judged"
+            )
         RegressionPolicy(**self.model_dump())  # the tuner's own validation (SpecError naming the field)
         return self
 
@@ -172,7 +183,8 @@ class ScheduleOut(_Out):
     webhook_url: str | None = Field(description="Where alerts are POSTed, masked as scheme://host/… (the full "
                                     "URL is a secret and is never returned).")
     misfire_grace_s: float = Field(description="Misfire grace window in seconds.")
-    policy: dict[str, Any] = Field(description="Regression policy (alpha, min_effect, min_repeats, history_nights).")
+    policy: dict[str, Any] = Field(description="Regression policy (alpha, min_effect, min_repeats, history_nights, "
+                                              "min_history_nights).")
     next_fire_at: datetime | None = Field(None, description="Next cron fire (UTC), when enabled.")
     created_at: datetime = Field(description="Creation time (UTC).")
     updated_at: datetime = Field(description="Last change (UTC).")
