@@ -28,7 +28,7 @@ from tuner import (
 router = APIRouter(tags=["plan"])
 
 MAX_TOP = 200
-MAX_DEVICES = 65_536  # enumeration grows with the divisors of the device count: ~15 s at 32k devices
+MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
 
 
 @lru_cache(maxsize=32)
