@@ -84,12 +84,14 @@ def test_chunk_attention_of_every_rank_equals_full_causal_attention(cp, device):
         chunk_positions(50, 2, 0)
 
 
-def _check_cp_attention(group) -> None:
-    """attn_fn over the cp ``group`` (a 1-D mesh or a ProcessGroup) vs one causal SDPA call."""
+def _check_cp_attention(group, kv_heads: int = 6) -> None:
+    """attn_fn over the cp ``group`` (a 1-D mesh or a ProcessGroup) vs one causal SDPA call; with
+    kv_heads < 6 query heads, k/v are passed un-repeated (grouped-query attention)."""
     _, cp, rank = group_of(group)
-    b, h, s, d = 2, 3, 48, 8
+    b, h, s, d = 2, 6, 48, 8
     gen = torch.Generator().manual_seed(cp)
-    q, k, v, gout = (torch.randn(b, h, s, d, generator=gen) for _ in range(4))
+    q, gout = (torch.randn(b, h, s, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = causal_sdpa(*ref)
     (out_ref * gout).sum().backward()
@@ -107,6 +109,9 @@ def _check_cp_attention(group) -> None:
     holder.attention = Transformer(MODEL_PRESETS["tiny"]).layers["0"].attention
     apply_context_parallel(holder, group)
     loc = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    k_all, v_all = holder.attention.attn_fn.gather_kv(loc[1].detach(), loc[2].detach())
+    assert k_all.shape == v_all.shape == (b, kv_heads, s, d), "the cp gather must move only the kv heads"
+    torch.testing.assert_close(k_all, k, rtol=0, atol=0)  # global order restored exactly
     out = holder.attention.attn_fn(*loc)
     (out * gout[:, :, pos]).sum().backward()
     _close(out, out_ref[:, :, pos], f"cp{cp} attention output")
@@ -141,8 +146,9 @@ def _check_cp_model(cp_mesh) -> None:
 
 def _cp_checks(rank: int, world: int) -> None:
     _check_cp_attention(dist.group.WORLD)  # cp=4 over every rank, given as a plain ProcessGroup
+    _check_cp_attention(dist.group.WORLD, kv_heads=1)  # GQA 6:1, un-repeated k/v through the gather
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    _check_cp_attention(mesh["cp"])  # cp=2, both dp replicas at once
+    _check_cp_attention(mesh["cp"], kv_heads=2)  # cp=2 with GQA 6:2, both dp replicas at once
     _check_cp_model(mesh["cp"])
 
 

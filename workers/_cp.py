@@ -12,8 +12,9 @@ Gradients: every cp rank computes the loss of its own tokens; the K/V gather's b
 reduce-scatter (sum), so parameter gradients must then be averaged over the cp group like a data
 axis (dp*cp ranks with equal token counts -> the mean over them is the global token mean).
 
-GQA: the model hands attn_fn K/V already repeated to the query heads, so the gather moves
-heads/kv_heads times more than the distinct K/V would (exact, only more traffic).
+GQA: the model hands attn_fn un-repeated K/V (its local kv heads), so the gather moves only the
+distinct K/V (as tuner/_timing.py's CP cost assumes) and each rank repeats them to its query heads
+after the gather; autograd sums the repeat's gradient over each group before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from workers.model import repeat_kv
 
 # torch 2.13 renamed the single-tensor collectives; keep the older names working (torch >= 2.8).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -129,8 +132,9 @@ def attend_local_chunks(
 
 
 class ContextParallelAttention:
-    """``Attention.attn_fn`` under context parallelism; q, k, v: [batch, heads, seq/cp, head_dim]
-    holding this rank's chunks ``chunk_ids(cp, rank)`` (as cut by ``shard_sequence``)."""
+    """``Attention.attn_fn`` under context parallelism; q: [batch, heads, seq/cp, head_dim] and k, v:
+    [batch, kv_heads, seq/cp, head_dim] (un-repeated) holding this rank's chunks ``chunk_ids(cp, rank)``
+    (as cut by ``shard_sequence``)."""
 
     def __init__(self, group: ProcessGroup, cp: int, rank: int) -> None:
         self.group, self.cp, self.rank = group, cp, rank
@@ -138,7 +142,7 @@ class ContextParallelAttention:
         self._order = _global_chunk_order(cp)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the whole sequence in global order: [batch, heads, seq, head_dim] each."""
+        """K and V of the whole sequence in global order: [batch, kv_heads, seq, head_dim] each."""
         b, h, s_local, d = k.shape
         c = s_local // 2
         kv = _GatherSeq.apply(torch.stack((k, v)), self.group, self.cp)  # [cp, 2, b, h, 2c, d]
@@ -150,7 +154,7 @@ class ContextParallelAttention:
         if isinstance(q, DTensor) or isinstance(k, DTensor):
             raise TypeError("context parallel attention needs plain local q/k/v (TP plans with use_local_output=True)")
         assert q.shape[2] % 2 == 0 and k.shape[2] == q.shape[2], (q.shape, k.shape)
-        k_all, v_all = self.gather_kv(k, v)
+        k_all, v_all = repeat_kv(q, *self.gather_kv(k, v))  # gather kv heads only, repeat locally
         return attend_local_chunks(q, k_all, v_all, self.chunks)
 
 

@@ -4,7 +4,10 @@ Written so that the parallelisms can be applied from outside, torchtitan-style:
 - ``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage deletes the layers
   it does not own and ``tok_embeddings``/``norm``/``output`` may be ``None`` on middle stages;
 - attention reshapes with ``-1`` heads, so tensor parallelism only has to shard the projections;
-- ``Attention.attn_fn`` is the attention kernel (context parallelism swaps it);
+- ``Attention.attn_fn(q, k, v)`` is the attention kernel (context parallelism swaps it); it gets q as
+  [batch, heads_local, seq, head_dim] and k, v UN-repeated as [batch, kv_heads_local, seq, head_dim]
+  and does grouped-query attention itself (``repeat_kv``), so a kernel that moves K/V (the cp
+  all-gather) moves only the distinct kv heads;
 - ``MoE.experts_fn`` computes the routed experts (expert parallelism swaps it for all-to-all);
 - ``forward`` takes explicit ``positions`` so a context-parallel shard gets the right RoPE angles.
 """
@@ -22,9 +25,23 @@ from tuner import ModelSpec
 ROPE_THETA = 500_000.0  # Llama 3 (Dubey et al. 2024, Table 3)
 
 
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [batch, kv_heads, seq, head_dim] repeated to q's heads (grouped-query attention, Ainslie
+    et al. 2023, Sec. 2.2): kv head j serves query heads [j*rep, (j+1)*rep). The ratio comes from the
+    local shapes, so it holds under tensor parallelism (heads/tp vs kv_heads/tp, or 1 kv head per rank
+    when tp > kv_heads)."""
+    rep, rem = divmod(q.shape[1], k.shape[1])
+    assert rem == 0 and k.shape[1] == v.shape[1], (q.shape, k.shape, v.shape)
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention over [batch, heads, seq, head_dim] tensors."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Plain causal attention of q [batch, heads, seq, head_dim] over un-repeated k, v
+    [batch, kv_heads, seq, head_dim]. The repeat is explicit rather than SDPA's ``enable_gqa``: on CPU
+    (torch 2.13) that gives the same output but sums dk/dv in another order (a few ulps apart)."""
+    return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
 
 
 def rope_angles(head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,10 +76,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = q.shape[2] // k.shape[2]  # grouped-query attention: share each kv head
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
+        # k, v stay un-repeated (kv heads only): attn_fn does grouped-query attention itself.
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
