@@ -290,6 +290,20 @@ def _tables_ctx(request: Request, session: Any, state: dict[str, Any], *, rank_p
     }
 
 
+def _load_sweep_tables(request: Request, session, settings: Settings, sweep_id: int,
+                       rank_page: int, trial_page: int, trial_status: str):
+    """The sweep page's and its tables fragment's shared start: the read check, the sweep's state and
+    the tables' context; or the login / not-found page to answer with instead."""
+    if not _can_read(request, settings):
+        return _login(request)
+    try:
+        state = data.sweep_state(session, sweep_id=sweep_id)
+    except NotFoundError as exc:
+        return _not_found(request, str(exc))
+    ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    return state, ctx
+
+
 Page = Annotated[int, Query(ge=1, le=1_000_000)]
 
 
@@ -299,13 +313,10 @@ def sweep_page(
     rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
     refresh_ms: Annotated[int, Query(ge=500, le=600_000)] = REFRESH_MS,
 ) -> HTMLResponse:
-    if not _can_read(request, settings):
-        return _login(request)
-    try:
-        state = data.sweep_state(session, sweep_id=sweep_id)
-    except NotFoundError as exc:
-        return _not_found(request, str(exc))
-    ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    loaded = _load_sweep_tables(request, session, settings, sweep_id, rank_page, trial_page, trial_status)
+    if isinstance(loaded, Response):
+        return loaded
+    state, ctx = loaded
     ctx.update(bundle=state["bundle"], live=state["bundle"]["live"], refresh_ms=refresh_ms,
                auth_on=bool(settings.api_tokens))
     return templates.TemplateResponse(request, "sweep.html", ctx)
@@ -316,14 +327,10 @@ def sweep_tables(
     request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep,
     rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
 ) -> HTMLResponse:
-    if not _can_read(request, settings):
-        return _login(request)
-    try:
-        state = data.sweep_state(session, sweep_id=sweep_id)
-    except NotFoundError as exc:
-        return _not_found(request, str(exc))
-    ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
-    return templates.TemplateResponse(request, "_tables.html", ctx, headers={"Cache-Control": "no-store"})
+    loaded = _load_sweep_tables(request, session, settings, sweep_id, rank_page, trial_page, trial_status)
+    if isinstance(loaded, Response):
+        return loaded
+    return templates.TemplateResponse(request, "_tables.html", loaded[1], headers={"Cache-Control": "no-store"})
 
 
 def _json_guard(request: Request, settings: Settings) -> JSONResponse | None:
