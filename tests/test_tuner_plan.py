@@ -72,7 +72,8 @@ def test_to_dict_is_json_with_memory_in_bytes(tiny_plan) -> None:
         "compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p"}
 
 
-# Analytical step-time models land within 3-15% of measured runs (Calculon, vTrain; FIELD-NOTES):
+# Analytical step-time models land within 3-15% of measured runs (Isaev et al. 2023, Calculon, SC'23,
+# Sec. 5; Bang et al. 2024, vTrain, MICRO'24, Sec. 6):
 # the reference layouts' reported utilisation must be reproduced within that 15%.
 MFU_TOLERANCE = 0.15
 

@@ -20,7 +20,7 @@ MiB = 2**20
 # Framework allowance per device, beyond what the model's tensors need. CUDA: context and kernels
 # (~0.5-1 GiB), NCCL communicator buffers, cuBLAS/cuDNN workspaces and allocator slack. CPU: the
 # Python interpreter plus torch libraries, which the CPU peak (VmHWM) includes (~360 MB measured per
-# Ray rank, FIELD-NOTES).
+# idle Ray rank actor with torch imported, on torch 2.13.0+cpu / Ray 2.60).
 OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
 
 # Bytes per parameter for (weights, gradients, optimizer states) of AdamW.

@@ -6,8 +6,9 @@ Each tick, in order:
    are recorded as coalesced/missed; the fire to run is claimed and its sweeps created in one
    transaction (``_launch.fire_schedule``). Any number of replicas may tick the same database: the
    unique (schedule_id, fire_time) row inserted with ON CONFLICT DO NOTHING lets exactly one of them
-   launch each fire (APScheduler 3 cannot share a job store, see shared/FIELD-NOTES.md, so croniter
-   computes the times and the database decides who runs them).
+   launch each fire (APScheduler 3 cannot share a job store between processes — its FAQ, "How do I
+   share a single job store among one or more worker processes?" — so croniter computes the times
+   and the database decides who runs them).
 2. **check** — fires whose sweeps have all ended are compared with the schedule's history
    (``_check.check_fire``), writing alerts.
 3. **deliver** — due alerts are POSTed to webhooks with retries (``webhook.deliver_due``).
