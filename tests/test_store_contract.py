@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
+import sqlalchemy as sa
 
 from api import store
 from api.services import sweeps as svc
@@ -175,3 +178,93 @@ class TestStoreContract:
             (row,) = store.all_trials(s, sweep_id=sw.id)
             assert row.status == "interrupted" and row.cause == "sweep failed: ImportError: x"
             assert svc.counts(s).trials_by_status == {"interrupted": 1}
+
+
+# --- timestamps: every DateTime column reads back as an aware UTC datetime (issue 11, item 10) ------------
+# SQLite has no time-zone type: it stored the wall time and handed back a naive datetime, which the API then
+# serialised without an offset (a JavaScript client reads that as local time). PostgreSQL returns the
+# session's zone. Every DateTime column must give aware UTC on both, and an offset given on write must be
+# honoured (SQLite used to drop it, shifting the instant).
+
+WRITTEN = datetime(2026, 3, 1, 12, 30, 15, 250000, tzinfo=timezone(timedelta(hours=2)))  # = 10:30:15.25Z
+
+
+def _all_models() -> list[type]:
+    import api.schedules.models  # noqa: F401 - registers the schedule tables on Base
+    import api.store.reshard_models  # noqa: F401 - registers the reshard-check table on Base
+
+    return [m.class_ for m in store.Base.registry.mappers]
+
+
+def _datetime_columns(model: type) -> list[str]:
+    return [c.key for c in model.__table__.columns
+            if isinstance(c.type, sa.DateTime) or isinstance(getattr(c.type, "impl", None), sa.DateTime)]
+
+
+def test_every_datetime_column_is_utc_aware():
+    untyped = [f"{m.__tablename__}.{c.key}" for m in _all_models() for c in m.__table__.columns
+               if isinstance(c.type, sa.DateTime)]
+    assert untyped == []  # a plain DateTime reads back naive on SQLite: use store.UTCDateTime
+    assert {m.__tablename__: _datetime_columns(m) for m in _all_models()}.keys() >= {
+        "sweeps", "trials", "schedules", "schedule_fires", "schedule_alerts", "schedule_alert_deliveries",
+        "reshard_checks"}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def zoned_sessions(request, tmp_path):
+    """A store whose PostgreSQL sessions run in a non-UTC zone (libpq ``options``), so a column that
+    handed back the session's zone would show it."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tz.db'}"
+    else:
+        url = request.getfixturevalue("fresh_pg_url") + "?options=-c%20timezone%3DAsia/Kolkata"
+    engine, sessions = store.open_store(url)
+    yield sessions
+    engine.dispose()
+
+
+def test_timestamps_read_back_as_the_same_instant_in_utc(zoned_sessions):
+    from api.schedules.models import AlertDelivery, Schedule, ScheduleAlert, ScheduleFire
+    from api.store.reshard_models import ReshardCheck
+
+    def stamped(obj):
+        for key in _datetime_columns(type(obj)):
+            setattr(obj, key, WRITTEN)
+        return obj
+
+    with zoned_sessions() as s:
+        sweep = stamped(store.Sweep(name="tz", spec={}, backend="simulate", sampler="tpe"))
+        s.add(sweep)
+        s.flush()
+        schedule = stamped(Schedule(name="n", cron="0 2 * * *", timezone="UTC", kind="template"))
+        s.add_all([stamped(store.Trial(sweep_id=sweep.id, number=0, layout=LAYOUT, layout_key="k", world_size=4)),
+                   schedule,
+                   stamped(ReshardCheck(sweep_id=sweep.id, from_layout={}, to_layout={}, from_key="a", to_key="b",
+                                        steps_before=1, steps_after=1, verdict="ok", mismatches=[],
+                                        losses_before=[], losses_a=[], losses_b=[], tolerance=0.0,
+                                        backend="simulate"))])
+        s.flush()
+        fire = stamped(ScheduleFire(schedule_id=schedule.id, status="completed"))
+        s.add(fire)
+        s.flush()
+        s.add_all([stamped(ScheduleAlert(schedule_id=schedule.id, fire_id=fire.id, kind="failure", message="m")),
+                   stamped(AlertDelivery(fire_id=fire.id, attempt=1, url="http://127.0.0.1/h", ok=True,
+                                         alert_ids=[]))])
+        s.commit()
+    checked = []
+    with zoned_sessions() as s:  # a new session: every value comes from the database, not the identity map
+        for model in _all_models():
+            for row in s.scalars(sa.select(model)):
+                for key in _datetime_columns(model):
+                    value = getattr(row, key)
+                    checked.append(f"{model.__tablename__}.{key}")
+                    assert value == WRITTEN, (checked[-1], value)
+                    assert value.utcoffset() == timedelta(0) and value.tzinfo is timezone.utc, (checked[-1], value)
+        # Column expressions (max/min, as the scheduler's queries use) carry the column's type too.
+        latest = s.scalar(sa.select(sa.func.max(ScheduleFire.fire_time)))
+        assert latest == WRITTEN and latest.tzinfo is timezone.utc
+        # Comparisons in SQL use the same instant: 10:30Z is after 10:00Z and before 11:00Z.
+        after = datetime(2026, 3, 1, 10, 0, tzinfo=timezone.utc)
+        assert s.scalar(sa.select(sa.func.count()).where(store.Sweep.created_at > after,
+                                                         store.Sweep.created_at < after + timedelta(hours=1))) == 1
+    assert len(checked) == 18  # every DateTime column of the seven tables

@@ -18,7 +18,6 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     Boolean,
-    DateTime,
     Float,
     ForeignKey,
     Index,
@@ -30,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from api.store._models import Base, utcnow
+from api.store._types import UTCDateTime
 
 SCHEDULE_KINDS = ("template", "remeasure")
 # running: claimed and its sweeps created (one transaction); completed: sweeps finished and checked for
@@ -62,9 +62,9 @@ class Schedule(Base):
     policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # tuner RegressionPolicy fields
     # Fires before this instant are never owed (set on creation and whenever the schedule is enabled),
     # so a schedule that was off does not report its off-time as missed.
-    active_since: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    active_since: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (Index(None, "enabled"),)
 
@@ -74,7 +74,7 @@ class ScheduleFire(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     schedule_id: Mapped[int] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
-    fire_time: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # UTC, whole seconds for cron
+    fire_time: Mapped[datetime] = mapped_column(UTCDateTime())  # UTC, whole seconds for cron
     trigger: Mapped[str] = mapped_column(String(16), default="cron")  # cron | manual
     status: Mapped[str] = mapped_column(String(16))
     claimed_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
@@ -85,8 +85,8 @@ class ScheduleFire(Base):
     env: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # the run's fingerprint
     env_changes: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # vs the previous run
     comparisons: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)  # every layout's verdict
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("schedule_id", "fire_time"),
@@ -111,9 +111,9 @@ class ScheduleAlert(Base):
     delivery_status: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (
         UniqueConstraint("fire_id", "kind", "layout_key"),
@@ -133,6 +133,6 @@ class AlertDelivery(Base):
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     alert_ids: Mapped[list[Any]] = mapped_column(JSON)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (Index(None, "fire_id"),)

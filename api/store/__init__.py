@@ -56,6 +56,7 @@ from api.store._trials import (
     next_number,
     record_result,
 )
+from api.store._types import UTCDateTime, as_utc
 
 __all__ = [
     "FAILED_TRIAL_STATUSES",
@@ -69,7 +70,9 @@ __all__ = [
     "StoreUnavailableError",
     "Sweep",
     "Trial",
+    "UTCDateTime",
     "all_trials",
+    "as_utc",
     "check_connection",
     "claim_sweep",
     "count_sweeps_by_status",

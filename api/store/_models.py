@@ -18,7 +18,6 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    DateTime,
     Float,
     ForeignKey,
     Index,
@@ -29,6 +28,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from api.store._types import UTCDateTime
 
 SWEEP_STATUSES = ("queued", "running", "completed", "cancelled", "failed")
 FINISHED_SWEEP_STATUSES = ("completed", "cancelled", "failed")
@@ -73,10 +74,10 @@ class Sweep(Base):
     calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # Which coordinator runs it (host:pid:uuid) and when it last said so; lets a restart take over.
     runner_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # Cache for fast listing (kept up to date by the engine when a trial is recorded).
     n_trials: Mapped[int] = mapped_column(Integer, default=0)
     n_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -142,9 +143,9 @@ class Trial(Base):
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     wall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("sweep_id", "number", "attempt"),

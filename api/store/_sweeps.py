@@ -115,9 +115,7 @@ def claim_sweep(
     if sweep_id is not None:
         query = query.where(Sweep.id == sweep_id)
     for sweep in session.scalars(query.execution_options(populate_existing=True)).all():
-        hb = sweep.heartbeat_at
-        if hb is not None and hb.tzinfo is None:  # SQLite returns naive datetimes
-            hb = hb.replace(tzinfo=stale_before.tzinfo)
+        hb = sweep.heartbeat_at  # aware UTC on every backend (api/store/_types.py)
         takeable = (
             sweep.status == "queued"
             or sweep.runner_id == runner_id

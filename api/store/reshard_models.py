@@ -11,10 +11,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from api.store._models import Base, utcnow
+from api.store._types import UTCDateTime
 
 RESHARD_VERDICTS = ("ok", "corrupted", "diverged", "failed")
 
@@ -47,6 +48,6 @@ class ReshardCheck(Base):
     save_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     load_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     wall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (Index(None, "sweep_id", "created_at"),)
