@@ -79,6 +79,29 @@ class Layout:
             f"-ac_{self.ac}{'-sp' if self.sp else ''}-{sched}"
         )
 
+    @property
+    def short(self) -> str:
+        """The display form of ``key``: only what differs from the defaults, e.g. ``dp4 z1 mbs2``
+        for ``tp1-cp1-ep1-dp4-pp1-z1-mbs2-ac_none-nopp``. Two different keys never read the same:
+        every field that is not at its default is shown (dp always, so the form is never empty; the
+        schedule whenever pp > 1, since it is what the pipeline runs, and never at pp = 1, where the
+        key has none either). Tables and labels show this; JSON, CSV and the store keep ``key``."""
+        parts = [f"{a}{getattr(self, a)}" for a in ("tp", "cp", "ep") if getattr(self, a) > 1]
+        parts.append(f"dp{self.dp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.zero:
+            parts.append(f"z{self.zero}")
+        if self.mbs > 1:
+            parts.append(f"mbs{self.mbs}")
+        if self.ac != "none":
+            parts.append(f"ac_{self.ac}")
+        if self.sp:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(f"interleaved-v{self.vpp}" if self.schedule == "interleaved" else self.schedule)
+        return " ".join(parts)
+
     def with_(self, **changes: object) -> Layout:
         return replace(self, **changes)  # type: ignore[arg-type]
 

@@ -99,6 +99,27 @@ def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True
     return out
 
 
+# How a ranked layout compares with the best one, for display. ``tied_with_best`` (above) answers
+# "can measurement separate it from the best?" and is True for an unknown interval, so that a single
+# run is never declared slower; shown as "tied" it would put a layout measured once at 68 tok/s
+# next to a best of 606 as its equal. A display therefore tells the two apart: "tied" needs two
+# known, overlapping intervals; a layout with no interval (or a best with none) is NOT_COMPARABLE.
+# The rule reads the intervals, not n: once single runs get an interval (a pooled noise estimate),
+# they become comparable with no change here.
+BEST, TIED, SLOWER, NOT_COMPARABLE = "best", "tied", "slower", "not comparable"
+
+
+def versus_best(row: Interval, best: Interval, *, is_best: bool) -> str:
+    """BEST for the ranking's first row, TIED when both intervals are known and overlap, SLOWER when
+    both are known and apart (ranks are by median, so "apart" below the best is slower), else
+    NOT_COMPARABLE (one of the two layouts has no interval: measured once)."""
+    if is_best:
+        return BEST
+    if not (row.known and best.known):
+        return NOT_COMPARABLE
+    return TIED if row.overlaps(best) else SLOWER
+
+
 def pareto_front(points: Sequence[tuple[str, float, float]]) -> list[str]:
     """Keys of (key, throughput, memory) points that no other point dominates (higher-or-equal
     throughput and lower-or-equal memory, one strictly), sorted by memory. O(n log n): sweep by

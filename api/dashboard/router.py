@@ -24,8 +24,6 @@ read them).
 from __future__ import annotations
 
 import gzip
-import math
-from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,6 +37,7 @@ from jinja2 import pass_context
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import NoMatchFound
 
+from api import format as fmt
 from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
@@ -60,21 +59,7 @@ router = APIRouter(include_in_schema=False)
 router.mount("/dashboard/static", StaticFiles(directory=str(HERE / "static")), name="dashboard_static")
 
 
-# --- formatting filters ----------------------------------------------------------------------------
-
-def _num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "—"
-    return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
-
-
-def _when(v: Any) -> str:
-    if not isinstance(v, datetime):
-        return "—"
-    if v.tzinfo is None:  # SQLite returns naive UTC
-        v = v.replace(tzinfo=timezone.utc)
-    return v.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
+# --- template globals and filters (the filters are api.format's, shared with the CLI) -------------
 
 @pass_context
 def _path_for(context: dict[str, Any], name: str, /, **params: Any) -> str:
@@ -93,18 +78,7 @@ def _path_if_routed(context: dict[str, Any], name: str, /, **params: Any) -> str
 
 templates.env.globals["path_for"] = _path_for
 templates.env.globals["path_if_routed"] = _path_if_routed
-templates.env.filters.update(
-    num=_num,
-    pct=lambda v: "—" if v is None else f"{100 * v:.1f}%",
-    signed_pct=lambda v: "—" if v is None else f"{100 * v:+.0f}%",
-    errclass=lambda v: "" if v is None or abs(v) < 0.15 else ("pos" if v > 0 else "neg"),
-    gib=lambda v: "—" if v is None else (f"{v:.3g} GiB" if v >= 0.1 else f"{v * 1024:.3g} MiB"),
-    seconds=lambda v: "—" if v is None else (f"{v:.3g} s" if v >= 1 else f"{v * 1000:.3g} ms"),
-    duration=views.duration,
-    when=_when,
-    sci=lambda v: "—" if v is None else ("0" if v == 0 else f"{v:.2g}"),
-    layout_label=views.layout_label,
-)
+templates.env.filters.update(fmt.jinja_filters())
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,227 @@
+"""Text shown to people, in one place for the dashboard (its Jinja filters and view-model) and the CLI
+tables, so that the two never disagree: numbers, bytes, durations, layouts, failure causes,
+prediction errors, how a layout compares with the best, and device time (real apart from simulated).
+
+Pure functions of plain values; JSON and CSV never go through here (they keep exact numbers and the
+full layout key).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from tuner import Layout
+from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED
+
+GiB = 2**30
+DASH = "—"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _fixed(x: float, digits: int) -> str:
+    """``x`` to ``digits`` significant digits in fixed notation with thousands separators: never the
+    ``1.04e+03`` that ``format(x, '.3g')`` gives from 1,000 up."""
+    if x == 0 or not math.isfinite(x):
+        return "0" if x == 0 else str(x)
+    magnitude = math.floor(math.log10(abs(x)))
+    decimals = max(0, digits - 1 - magnitude)
+    rounded = round(x, decimals)
+    if rounded and math.floor(math.log10(abs(rounded))) > magnitude:  # 0.9997 -> 1.00, not 1.000
+        decimals = max(0, decimals - 1)
+    text = f"{x:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text  # 68.5, not 68.50
+
+
+def num(v: float | None, *, dash: str = DASH) -> str:
+    """Throughput and other plain quantities: 4 significant digits, whole numbers from 10,000 up."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return dash
+    return _fixed(v, 4) if abs(v) < 9999.5 else f"{v:,.0f}"
+
+
+def pct(v: float | None, *, dash: str = DASH) -> str:
+    return dash if v is None else f"{100 * v:.1f}%"
+
+
+def signed_pct(v: float | None, *, dash: str = DASH) -> str:
+    return dash if v is None else f"{100 * v:+.0f}%"
+
+
+def sci(v: float | None, *, dash: str = DASH) -> str:
+    """Differences that may be tiny (max |Δ| of a reshard check, tolerances): 2 significant digits,
+    exponent notation where that is what keeps them readable."""
+    return dash if v is None else ("0" if v == 0 else f"{v:.2g}")
+
+
+def bytes_text(n: float | None, *, dash: str = DASH) -> str:
+    """Bytes in binary units, 3 significant digits: ``80 GiB``, ``1.02 TiB``, ``512 B``."""
+    if n is None:
+        return dash
+    x = float(n)
+    if abs(x) < 1024:
+        return f"{int(x)} B"
+    for unit in _UNITS[1:]:
+        x /= 1024
+        text = _fixed(x, 3).replace(",", "")
+        if abs(float(text)) < 1024 or unit == _UNITS[-1]:  # 1023.7 would read 1024: the next unit
+            return f"{text} {unit}"
+    raise AssertionError("unreachable: the loop returns at the last unit")
+
+
+def gib_text(gib: float | None, *, dash: str = DASH) -> str:
+    """A size the dashboard holds in GiB (peak memory, capacity), shown as ``bytes_text`` shows it."""
+    return dash if gib is None else bytes_text(gib * GiB, dash=dash)
+
+
+def duration(seconds: float | None, *, dash: str = DASH) -> str:
+    """``3725`` -> ``1 h 02 min``; ``42.5`` -> ``42.5 s``; ``0.25`` -> ``250 ms``."""
+    if seconds is None:
+        return dash
+    if 0 < seconds and float(_fixed(seconds * 1000, 3).replace(",", "")) < 1000:
+        return f"{_fixed(seconds * 1000, 3)} ms"
+    if seconds < 59.95:
+        return f"{_fixed(seconds, 3)} s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:,} h {minutes:02d} min"
+
+
+def when(v: Any, *, dash: str = DASH) -> str:
+    if not isinstance(v, datetime):
+        return dash
+    if v.tzinfo is None:  # SQLite returns naive UTC
+        v = v.replace(tzinfo=timezone.utc)
+    return v.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+# --- layouts ---------------------------------------------------------------------------------------
+
+def layout_text(layout: Layout | Mapping[str, Any] | None, *, dash: str = DASH) -> str:
+    """A layout's display form (``Layout.short``: ``dp4 z1 mbs2``); the full key stays in JSON/CSV."""
+    if layout is None:
+        return dash
+    if not isinstance(layout, Layout):
+        try:
+            layout = Layout(**layout)
+        except (TypeError, ValueError):  # a row stored by an older version: show what it holds
+            return " ".join(f"{k}={v}" for k, v in layout.items())
+    return layout.short
+
+
+def layout_fields(layout: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A layout's fields for a detail list: booleans as yes/no, and no schedule where there is no
+    pipeline (pp = 1 runs none) nor vpp outside the interleaved schedule."""
+    out = []
+    for name, value in layout.items():
+        if name == "schedule" and layout.get("pp", 1) == 1:
+            continue
+        if name == "vpp" and layout.get("schedule") != "interleaved":
+            continue
+        out.append((name, ("yes" if value else "no") if isinstance(value, bool) else str(value)))
+    return out
+
+
+def cluster_label(cluster: Any) -> str:
+    """``h100-sxm (8×8 cuda)`` from a ClusterSpec."""
+    return f"{cluster.name} ({cluster.nodes}×{cluster.devices_per_node} {cluster.device_kind})"
+
+
+# Causes are stored as the engine and the workers wrote them, exact numbers included (they are read
+# by programs too); shown, a byte count is put in binary units.
+_BYTES = re.compile(r"\b(\d{4,}) bytes\b")
+_BYTES_FIELD = re.compile(r"\b(\w*(?:memory|bytes)\w*)=(\d{4,})\b")
+
+
+def cause_text(cause: str | None, *, dash: str = "") -> str:
+    """A failure or prune cause with its byte counts readable:
+    ``predicted 92341000000 bytes per device exceeds device_memory=85899345920`` ->
+    ``predicted 86.0 GiB per device exceeds device_memory=80.0 GiB``."""
+    if not cause:
+        return dash
+    text = _BYTES.sub(lambda m: bytes_text(int(m[1])), cause)
+    return _BYTES_FIELD.sub(lambda m: f"{m[1]}={bytes_text(int(m[2]))}", text)
+
+
+# --- prediction errors -----------------------------------------------------------------------------
+
+# (predicted - measured) / measured is judged by its size, whatever its sign: -97% is as wrong as
+# +97%. Within 15% the model ranks layouts usefully; past 50% it is off by more than the whole
+# spread between layouts of one model (1.5-2x, tuner/_stats.py), i.e. no guide at all.
+ERROR_BANDS = ((0.15, "good"), (0.5, "fair"), (math.inf, "poor"))
+BAND_STYLES = {"good": "green", "fair": "yellow", "poor": "red"}  # rich styles, for the CLI
+
+
+def error_band(error: float | None) -> str | None:
+    """"good", "fair" or "poor" by |error| (None when there is no prediction to judge)."""
+    if error is None or not math.isfinite(error):
+        return None
+    return next(band for limit, band in ERROR_BANDS if abs(error) <= limit)
+
+
+def error_class(error: float | None) -> str:
+    """The dashboard's CSS class for a prediction error (dashboard.css: err-good/-fair/-poor)."""
+    band = error_band(error)
+    return f"err-{band}" if band else ""
+
+
+def error_markup(error: float | None, *, dash: str = "-") -> str:
+    """A signed percentage coloured by its band, as rich markup for the CLI tables."""
+    band = error_band(error)
+    return dash if band is None else f"[{BAND_STYLES[band]}]{signed_pct(error)}[/]"
+
+
+# --- comparison with the best (tuner._stats.versus_best) ----------------------------------------
+
+VERSUS_TEXT = {
+    BEST: "best",
+    TIED: "tied with best",
+    SLOWER: "slower than best",
+    NOT_COMPARABLE: "measured once — not comparable",
+}
+VERSUS_LEGEND = (
+    "tied with best: its 95% interval overlaps the best one's, so measurement cannot separate them; "
+    "slower than best: the two intervals are apart; measured once — not comparable: a single run has no "
+    "interval, so it is neither tied with the best nor shown to be slower (re-measure it to compare)"
+)
+
+
+def versus_text(verdict: str, *, best_known: bool = True) -> str:
+    """The words for ``tuner._stats.versus_best``'s verdict; when it is the best that has no interval,
+    every other row is not comparable for that reason."""
+    if verdict == NOT_COMPARABLE and not best_known:
+        return "not comparable — the best was measured once"
+    return VERSUS_TEXT[verdict]
+
+
+def tied_sentence(n_tied: int) -> str:
+    """How many layouts (the best itself not counted) are tied with the best."""
+    if n_tied == 0:
+        return "No other layout is tied with the best."
+    return f"{n_tied} other layout{'' if n_tied == 1 else 's'} {'is' if n_tied == 1 else 'are'} tied with the best."
+
+
+# --- device time -----------------------------------------------------------------------------------
+
+def device_time(real_s: float, simulated_s: float) -> dict[str, str]:
+    """Device time with simulated seconds never passed off as real: the simulate backend reports the
+    device time its modelled run *would* take, which no device spent. ``value``/``label`` are the
+    headline (real time if any was spent), ``simulated`` the simulated part ("" when none)."""
+    simulated = f"{duration(simulated_s)} simulated" if simulated_s else ""
+    if real_s or not simulated_s:
+        return {"value": duration(real_s), "label": "device time", "simulated": simulated}
+    return {"value": duration(simulated_s), "label": "simulated device time (no real device used)", "simulated": ""}
+
+
+def jinja_filters() -> dict[str, Any]:
+    """The dashboard templates' filters (api/dashboard/router.py registers them)."""
+    return {
+        "num": num, "pct": pct, "signed_pct": signed_pct, "sci": sci, "gib": gib_text, "bytes": bytes_text,
+        "seconds": duration, "duration": duration, "when": when, "errclass": error_class,
+        "layout_label": layout_text, "cause": cause_text, "layout_fields": layout_fields,
+    }
