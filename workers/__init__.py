@@ -4,6 +4,14 @@ Importing ``workers`` does not import torch; the contract types are light so the
 use them without paying for torch at start-up.
 """
 
-from workers._contract import TRIAL_STATUSES, Backend, TrialError, TrialRequest, TrialResult, TrialStatus
+from workers._contract import (
+    TRIAL_STATUSES,
+    Backend,
+    BackendUnavailable,
+    TrialError,
+    TrialRequest,
+    TrialResult,
+    TrialStatus,
+)
 
-__all__ = ["TRIAL_STATUSES", "Backend", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]
+__all__ = ["TRIAL_STATUSES", "Backend", "BackendUnavailable", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]

@@ -11,7 +11,26 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from tuner import ClusterSpec, Layout, ModelSpec, TrainingSpec, cluster_spec, model_spec, training_spec
+from tuner import (
+    BackendError,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    TrainingSpec,
+    cluster_spec,
+    model_spec,
+    training_spec,
+)
+
+
+class BackendUnavailable(BackendError):  # noqa: N818 - reads as the condition it names
+    """The backend exists and is configured but cannot run anything *now*: Ray did not start or is
+    not reachable, no room for the trial's placement groups, rank processes did not start. An
+    infrastructure condition, not the trial's nor the spec's fault: callers retry it with back-off
+    (the sweep engine re-runs the trial and, if it persists, leaves the sweep resumable instead of
+    failing it). A plug-in backend raises it for the same conditions; a plain ``BackendError`` means
+    the backend cannot run this sweep at all (e.g. it cannot be imported)."""
+
 
 TrialStatus = Literal["completed", "oom", "timeout", "crash", "nan"]
 TRIAL_STATUSES: tuple[str, ...] = ("completed", "oom", "timeout", "crash", "nan")

@@ -12,7 +12,10 @@ and a ``run-trial``, or two tests) never starve each other with idle reservation
 new shape evicts idle gangs, least recently used first, when Ray lacks room. A gang serves one
 trial at a time. A trial that leaves ranks stuck (timeout, dead peer) gets those ranks — or, when
 its peers cannot recover, all of its gang's actors — killed, never another gang's; the placement
-groups stay, so replacements start in the same bundles on next use.
+groups stay, so replacements start in the same bundles on next use. A rank process that died (in a
+trial, or idle between trials) never keeps its slot: the launcher drops a rank whose ``run`` came
+back as ``ActorDiedError``, and every reuse first asks each actor for a snapshot and replaces the
+ones that do not answer (``drop_dead``), so one dead process fails at most the trial it died in.
 If Ray was shut down and started again, the pool notices (a new job id) and forgets stale gangs.
 """
 
@@ -31,10 +34,10 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tuner import BackendError
-from workers._contract import TrialRequest
+from workers._contract import BackendUnavailable, TrialRequest
 
 GangKey = tuple[str, tuple[int, ...]]  # (Ray resource "GPU"/"CPU", ranks per node)
+HEALTH_TIMEOUT_S = 30.0  # a live actor answers its control group in milliseconds; this is for a loaded machine
 
 
 class RankWorker:
@@ -149,7 +152,7 @@ class GangPool:
                     break  # nothing of ours to wait for: the placement group waits below
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise BackendError(f"no room for {need} {resource} bundles within {timeout_s:g} s")
+                    raise BackendUnavailable(f"no room for {need} {resource} bundles within {timeout_s:g} s")
                 self._cond.wait(timeout=min(left, 1.0))
             gang = Gang(key=key)
             self._gangs.append(gang)
@@ -160,7 +163,7 @@ class GangPool:
             left = max(1.0, deadline - time.monotonic())
             ready, _ = ray.wait([pg.ready() for pg in gang.pgs], num_returns=len(gang.pgs), timeout=left)
             if len(ready) < len(gang.pgs):
-                raise BackendError(
+                raise BackendUnavailable(
                     f"Ray could not reserve placement groups of {list(groups)} x {bundle} within {left:.0f} s"
                     f" (available now: {ray.available_resources().get(resource, 0):g} {resource})"
                 )
@@ -195,13 +198,43 @@ class GangPool:
 POOL = GangPool()
 
 
+def drop(slot: Slot) -> None:
+    """Kill the slot's rank process (if it still runs) and forget its handle: the next
+    ``ensure_actors`` starts a fresh one in the same bundle. A handle of a dead actor must never
+    stay in a slot: every later call on it fails (``ActorDiedError``), so the next trial would."""
+    if slot.actor is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor, no_restart=True)
+    slot.actor, slot.info = None, None
+
+
 def kill_actors(gang: Gang) -> None:
     """Kill this gang's rank processes (only these); its placement groups stay for respawns."""
     for slot in gang.ranks:
-        if slot.actor is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(slot.actor, no_restart=True)
-        slot.actor, slot.info = None, None
+        drop(slot)
+
+
+def drop_dead(gang: Gang, *, timeout_s: float = HEALTH_TIMEOUT_S) -> list[int]:
+    """Health check before reuse: ask every live slot's actor for a snapshot (its "control"
+    concurrency group answers at once even if ``run`` were busy) and drop the ones that died since
+    their last trial (the OS's OOM killer, a signal, a lost node) or do not answer; returns their
+    ranks. One Ray round trip for the gang."""
+    live = [(rank, s) for rank, s in enumerate(gang.ranks) if s.actor is not None]
+    if not live:
+        return []
+    refs = [s.actor.snapshot.remote() for _, s in live]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    answered = set(ready)
+    dead = []
+    for (rank, slot), ref in zip(live, refs, strict=True):
+        try:
+            if ref not in answered:
+                raise GetTimeoutError(f"no answer within {timeout_s:g} s")
+            ray.get(ref)
+        except RayError:  # ActorDiedError, ActorUnavailableError, GetTimeoutError
+            drop(slot)
+            dead.append(rank)
+    return dead
 
 
 def destroy(gang: Gang) -> None:
@@ -213,7 +246,9 @@ def destroy(gang: Gang) -> None:
 
 
 def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
-    """Start the gang's missing rank processes and wait until each has imported torch."""
+    """Replace the gang's dead rank processes (``drop_dead``), start its missing ones and wait until
+    each has imported torch."""
+    drop_dead(gang)
     gpu = gang.key[0] == "GPU"
     new: list[Slot] = []
     for pg, slots in zip(gang.pgs, gang.slots, strict=True):
@@ -230,7 +265,7 @@ def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
         infos = ray.get([s.actor.info.remote() for s in new], timeout=timeout_s)
     except (GetTimeoutError, RayError) as exc:
         kill_actors(gang)
-        raise BackendError(f"rank processes did not start within {timeout_s:g} s: {exc}") from exc
+        raise BackendUnavailable(f"rank processes did not start within {timeout_s:g} s: {exc}") from exc
     for slot, info in zip(new, infos, strict=True):
         slot.info = info
     if gpu:  # every rank on a node sees the union of the gang's GPUs on that node

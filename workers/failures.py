@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Iterable
 
 from workers._contract import TrialError
 
@@ -117,12 +118,31 @@ def classify(exc: BaseException, *, rank: int | None) -> TrialError:
     )
 
 
-def timeout_error(*, rank: int | None, seconds: float, what: str, steps_done: int | None = None) -> TrialError:
-    """The watchdog's verdict: ``rank`` made no progress for ``seconds`` while doing ``what``."""
+def timeout_error(
+    *,
+    rank: int | None = None,
+    ranks: Iterable[int] | None = None,
+    world_size: int | None = None,
+    seconds: float,
+    what: str,
+    steps_done: int | None = None,
+) -> TrialError:
+    """The watchdog's verdict: ``rank`` (or each of ``ranks``, of a trial of ``world_size`` ranks)
+    made no progress for ``seconds`` while doing ``what``. ``TrialError.rank`` is set only when one
+    rank is to blame; the message names the ranks either way ("all 4 ranks" when every rank hung)."""
+    names = sorted(set(ranks if ranks is not None else ([] if rank is None else [rank])))
+    if len(names) == 1:
+        rank, who = names[0], f"rank {names[0]}"
+    elif names and world_size is not None and names == list(range(world_size)):
+        rank, who = None, f"all {world_size} ranks"
+    elif names:
+        rank, who = None, "ranks " + ", ".join(str(r) for r in names)
+    else:
+        rank, who = None, "the trial"
     done = "" if steps_done is None else f" after {steps_done} optimizer steps"
     return TrialError(
         kind="timeout",
-        message=f"rank {rank} made no progress for {seconds:.1f} s ({what}){done}; trial killed",
+        message=f"{who} made no progress for {seconds:.1f} s ({what}){done}; trial killed",
         rank=rank,
     )
 

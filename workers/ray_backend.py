@@ -27,6 +27,14 @@ Failures
     do not notice, a dead process, peers stuck after one rank failed), *that gang's* actors are
     killed — never another's. Killed ranks are respawned in the same placement groups on next use.
     One failing trial never breaks the pool or the caller.
+  - A rank whose process died (``ActorDiedError`` from its ``run``: SIGKILL, the OOM killer) is
+    that trial's ``crash`` and its slot is emptied at once, even when every peer returned; before
+    each reuse the gang's actors are health-checked (workers/_gangs.py ``drop_dead``), so a process
+    that died between trials is replaced too. A dead process fails at most the trial it died in.
+  - Infrastructure that is not there *now* raises ``BackendUnavailable`` (a ``BackendError``):
+    Ray not starting (retried here with back-off, ``start_retry_delays_s``), a cluster address
+    that does not answer, no room for the placement groups, rank processes that do not start.
+    Callers retry it; the sweep engine never fails a sweep for it.
 
 Request options read here: ``init_timeout_s`` (start-up allowance before the first step, default
 the backend's ``init_timeout_s``); ``memory_cap_bytes`` (validated here, applied by
@@ -36,6 +44,7 @@ workers/_launch.py); the rank program reads the rest (``fail``, ``sleep_per_step
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -45,17 +54,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 import tuner
 from tuner import BackendError, SpecError, check_layout
-from workers._contract import TrialError, TrialRequest, TrialResult
-from workers._gangs import POOL, Slot, ensure_actors, kill_actors
+from workers._contract import BackendUnavailable, TrialError, TrialRequest, TrialResult
+from workers._gangs import POOL, Slot, drop, ensure_actors, kill_actors
 from workers.aggregate import aggregate
 from workers.failures import died_error, timeout_error
 
+log = logging.getLogger("meshtune.workers")
 ERROR_GRACE_S = 2.0  # after one rank fails, how long its peers get to return before they are killed
+# One lock for the process: Ray is one per process, and two backends starting it at once would
+# race into "ray.init called twice".
+_RAY_INIT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -81,13 +95,43 @@ def _reachable(address: str, timeout_s: float = 3.0) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except OSError as exc:
-        raise BackendError(f"Ray is not reachable at RAY_ADDRESS={address!r}: {exc}") from None
+        raise BackendUnavailable(f"Ray is not reachable at RAY_ADDRESS={address!r}: {exc}") from None
+
+
+def _child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _is_ray(proc: psutil.Process) -> bool:
+    """A process of Ray's own: its binaries and scripts live in the ray package, its workers are
+    titled "ray::..." (nothing else this process may have spawned meanwhile is touched)."""
+    try:
+        command = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        return False
+    return f"{os.sep}ray{os.sep}" in command or command.startswith("ray::")
+
+
+def _clean_failed_start(before: set[int]) -> None:
+    """Undo what a failed ``ray.init`` left running: the driver's half-made connection, and the Ray
+    processes (GCS, raylet, their workers) it spawned before giving up. Ray forgets them when its
+    ``Node`` fails to construct, so ``ray.shutdown`` cannot stop them; they are this process's
+    children that did not exist before the attempt."""
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _is_ray(p)]
+    for proc in new:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(new, timeout=10)
 
 
 class RayBackend:
     """``Backend`` running real trials on a local Ray or the Ray cluster at ``address``."""
 
     name = "ray"
+    start_retry_delays_s: tuple[float, ...] = (5.0, 20.0)  # back-off between Ray start attempts
 
     def __init__(
         self,
@@ -106,24 +150,43 @@ class RayBackend:
         self.placement_timeout_s = placement_timeout_s
         self.actor_start_timeout_s = actor_start_timeout_s
         self._started_ray = False
-        self._init_lock = threading.Lock()
 
     # --- Ray connection ---------------------------------------------------------------------------
 
     def _ensure_ray(self, min_cpus: int = 0) -> None:
-        with self._init_lock:
-            if ray.is_initialized():
-                return
-            try:
-                if self.address:
-                    ray.init(address=self.address, log_to_driver=False)
-                else:
-                    cpus = max(os.cpu_count() or 1, self.num_cpus or 0, min_cpus)
-                    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-                    self._started_ray = True
-            except (ConnectionError, RayError, RuntimeError, ValueError) as exc:
-                where = f"RAY_ADDRESS={self.address!r}" if self.address else "a local Ray"
-                raise BackendError(f"cannot start or join {where}: {exc}") from exc
+        """Start (or join) Ray once per process, retried with back-off: on a loaded machine a local
+        Ray can miss its own start-up deadline (Ray 2.x waits a fixed 30 s for the raylet to
+        register, then raises a bare ``Exception("The current node timed out during startup...")``,
+        ray/_private/node.py ``Node.__init__``), and a cluster can be briefly unreachable. Bad
+        arguments (``ValueError``/``TypeError``) are not retried. What a failed attempt started is
+        stopped before the next one, so retries do not pile up raylets on an already loaded machine."""
+        where = f"join Ray at RAY_ADDRESS={self.address!r}" if self.address else "start a local Ray"
+        with _RAY_INIT_LOCK:
+            delays = list(self.start_retry_delays_s)
+            for attempt in range(1, len(delays) + 2):
+                if ray.is_initialized():
+                    return
+                before = _child_pids()
+                try:
+                    if self.address:
+                        ray.init(address=self.address, log_to_driver=False)
+                    else:
+                        cpus = max(os.cpu_count() or 1, self.num_cpus or 0, min_cpus)
+                        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                        self._started_ray = True
+                    return
+                except (ValueError, TypeError) as exc:
+                    raise BackendError(f"cannot {where}: {exc}") from exc
+                except Exception as exc:  # noqa: BLE001 - Ray's start-up failures include bare Exceptions
+                    _clean_failed_start(before)
+                    if attempt > len(delays):
+                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                        raise BackendUnavailable(
+                            f"cannot {where} after {attempt} attempts: {type(exc).__name__}: {first}"
+                        ) from exc
+                    log.warning("cannot %s (attempt %d: %s: %s); retrying in %.0f s",
+                                where, attempt, type(exc).__name__, exc, delays[attempt - 1])
+                    time.sleep(delays[attempt - 1])
 
     def capacity(self) -> int:
         self._ensure_ray()
@@ -211,7 +274,10 @@ class RayBackend:
             ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
             ranks = gang.ranks  # node-major: rank r is the r-th slot, as in the tuner's Placement
             hosts = sorted({s.info["host"] for s in ranks})
-            port = ray.get(ranks[0].actor.free_port.remote())
+            try:
+                port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.actor_start_timeout_s)
+            except RayError as exc:  # rank 0 died since its health check: nothing of the trial ran
+                raise BackendUnavailable(f"rank 0's process was lost before the trial started: {exc}") from exc
             addr = ranks[0].info["ip"]
             refs = {}
             for rank, slot in enumerate(ranks):
@@ -254,6 +320,7 @@ class RayBackend:
                     out = ray.get(ref)
                 except RayActorError as exc:  # the process died (os._exit, signal, OOM killer)
                     errors.append(died_error(rank=rank, exc=exc))
+                    drop(ranks[rank])  # even if every peer returns: a dead handle must not be reused
                     continue
                 if "report" in out:
                     reports[rank] = out["report"]
@@ -288,8 +355,8 @@ class RayBackend:
         stack): the hung ones, as opposed to their peers blocked in a collective with them.
         On NCCL a blocked peer's Python stack ends in ``torch.cuda.synchronize`` or a ``.item()``
         (collectives return at once; the host waits on the stream), so every stalled rank counts
-        as a culprit, the whole gang is killed at once and the error names no single rank (the
-        stacks and step counts in it still show which one hung). Killing only a culprit would not
+        as a culprit, the whole gang is killed at once and the error names every stalled rank ("all
+        N ranks"; the stacks and step counts in it still show which one hung). Killing only a culprit would not
         free NCCL peers anyway."""
         waiting = sorted(pending.values())
         try:
@@ -320,9 +387,7 @@ class RayBackend:
         ]
         laggards = culprits or [r for r, n in steps.items() if n == fewest]
         _, _, idle, what = stalled[0]
-        error = timeout_error(
-            rank=laggards[0] if len(laggards) == 1 else None, seconds=idle, what=what, steps_done=fewest
-        )
+        error = timeout_error(ranks=laggards, world_size=len(ranks), seconds=idle, what=what, steps_done=fewest)
         error.message += f"; optimizer steps per rank: {steps}"
         stacks = [f"rank {r}:\n{s.get('stack', '(no stack)')}" for r, s in zip(waiting, snaps, strict=True)]
         error.traceback_tail = "\n".join(stacks)[-8000:]
@@ -334,9 +399,7 @@ class RayBackend:
         closed connections) and stay reusable. True if every peer returned within the grace time;
         False leaves the caller to kill the rest (e.g. NCCL peers that do not notice)."""
         for r in culprits:
-            with contextlib.suppress(Exception):
-                ray.kill(ranks[r].actor, no_restart=True)
-            ranks[r].actor, ranks[r].info = None, None
+            drop(ranks[r])
         rest = [ref for ref, r in pending.items() if r not in culprits]
         done, _ = ray.wait(rest, num_returns=len(rest), timeout=ERROR_GRACE_S + 3.0)
         return len(done) == len(rest)
