@@ -1,6 +1,9 @@
 """Coordinator configuration from the environment (pydantic-settings), prefix ``MESHTUNE_``.
 
 Embedded default: a SQLite file under ``MESHTUNE_HOME`` and a local Ray started on demand.
+``MESHTUNE_HOME`` defaults to one per-user data directory (``$XDG_DATA_HOME/meshtune``, else
+``~/.local/share/meshtune``), never to something under the current directory: a store that moved with
+the shell's ``cd`` made ``meshtune show 5`` miss a sweep recorded from elsewhere.
 Production: ``MESHTUNE_DATABASE_URL=postgresql+psycopg://...`` and ``RAY_ADDRESS`` (Ray's own name).
 """
 
@@ -16,10 +19,20 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+def default_home() -> Path:
+    """``$XDG_DATA_HOME/meshtune``, else ``~/.local/share/meshtune``. The XDG Base Directory
+    Specification (freedesktop.org, basedir-spec 0.8): an unset or empty ``XDG_DATA_HOME`` means
+    ``$HOME/.local/share``, and a relative one "should be considered invalid and ignored"."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "meshtune"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHTUNE_", extra="ignore")
 
-    home: Path = Field(default=Path(".meshtune"), description="Directory for the embedded SQLite file and artefacts.")
+    home: Path = Field(default_factory=default_home,
+                       description="Directory for the embedded SQLite file (default: the per-user data dir).")
     database_url: str | None = Field(default=None, description="SQLAlchemy URL; default sqlite:///<home>/meshtune.db")
     ray_address: str | None = Field(
         default_factory=lambda: os.environ.get("RAY_ADDRESS"),
@@ -51,7 +64,18 @@ class Settings(BaseSettings):
 
     @property
     def resolved_database_url(self) -> str:
+        """The store's URL. A ``MESHTUNE_DATABASE_URL`` that cannot work (no such kind of database,
+        its driver not installed, a SQLite file in a directory that does not exist) is refused here,
+        naming the variable and its value (password masked): every entry point (CLI commands,
+        ``serve``, the app, the Alembic environment) resolves the URL through this property. Only the
+        embedded default's directory is created: a given path with a typo is an error, not a new,
+        empty store somewhere unexpected."""
+        from api.store import StoreUnavailableError, safe_url, url_problem
+
         if self.database_url:
+            problem = url_problem(self.database_url)
+            if problem:
+                raise StoreUnavailableError(f"MESHTUNE_DATABASE_URL={safe_url(self.database_url)!r}: {problem}")
             return self.database_url
         self.home.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(self.home / 'meshtune.db').resolve()}"

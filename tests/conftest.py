@@ -1,13 +1,28 @@
-"""Shared fixtures: a fresh PostgreSQL database per test session, one local Ray per session."""
+"""Shared fixtures: a fresh PostgreSQL database per test session, one local Ray per session, and a
+throw-away MESHTUNE_HOME for the whole run."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# No test touches a real store: not the per-user data dir that is MESHTUNE_HOME's default
+# (~/.local/share/meshtune), nor a database the developer configured. Set when pytest loads this file,
+# before any test runs, so every in-process Settings() and every CLI subprocess (they inherit
+# os.environ) gets a throw-away home; a test that needs a home of its own sets MESHTUNE_HOME itself.
+TEST_HOME = tempfile.mkdtemp(prefix="meshtune-test-home-")
+os.environ["MESHTUNE_HOME"] = TEST_HOME
+os.environ.pop("MESHTUNE_DATABASE_URL", None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 PG_ADMIN_URL = os.environ.get("MESHTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 ARTIFACTS = Path(os.environ.get("MESHTUNE_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))

@@ -1,7 +1,9 @@
 """The ``meshtune`` command. Each sub-command lives in its own module with ``register(subparsers)``.
 
 User errors (any ``MeshtuneError``/``ValueError`` from our code) print one line naming the field and
-value and exit 2; no traceback reaches the user.
+value and exit 2; no traceback reaches the user. A command that creates a store says where, in one
+line on stderr ("store: sqlite:///... (created)"), and a not-found error names the store it looked in
+(api/cli/_console.py); a database URL that cannot work is such a one-line error too (api/settings.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import argparse
 import importlib
 import sys
 
-from tuner import MeshtuneError
+from api.cli._console import quiet_ray_token_auth, store_lines
+from tuner import MeshtuneError, NotFoundError
 
 # Sub-command modules, in the order ``meshtune --help`` lists them. Add a module here to add a command.
 COMMANDS = (
@@ -44,14 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except MeshtuneError as exc:
-        print(f"meshtune {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"meshtune {args.command}: interrupted", file=sys.stderr)
-        return 130
+    quiet_ray_token_auth()
+    with store_lines() as store:
+        try:
+            return int(args.func(args) or 0)
+        except MeshtuneError as exc:
+            where = f" (store: {store.opened})" if isinstance(exc, NotFoundError) and store.opened else ""
+            print(f"meshtune {args.command}: error: {exc}{where}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print(f"meshtune {args.command}: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ from api.store._db import (
     safe_url,
     session_scope,
     upgrade,
+    url_problem,
 )
 from api.store._models import (
     FAILED_TRIAL_STATUSES,
@@ -106,4 +107,5 @@ __all__ = [
     "set_sweep_status",
     "total_device_seconds",
     "upgrade",
+    "url_problem",
 ]

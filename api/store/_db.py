@@ -1,5 +1,7 @@
-"""Engines, sessions and migrations. A database that cannot be reached is a StoreUnavailableError that
-names the URL without its password (never a driver traceback).
+"""Engines, sessions and migrations. A database that cannot be used (a URL of an unknown kind, a driver
+that is not installed, a SQLite file in a directory that does not exist) or reached is a
+StoreUnavailableError that names the URL without its password: one line, never a driver traceback.
+A SQLite URL never creates directories: only the embedded default's home is created (api/settings.py).
 
 SQLite (the embedded default) runs in WAL mode with a busy timeout so the API and the engine thread
 can share the file; PostgreSQL is used as is. The schema is Alembic's (``migrations/``, configured by
@@ -9,6 +11,8 @@ collide with another tool's default ``alembic_version`` (Optuna's RDBStorage use
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,12 +20,19 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tuner import MeshtuneError
 
 ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
 VERSION_TABLE = "meshtune_alembic_version"
+SUPPORTED = "meshtune supports sqlite:///PATH and postgresql+psycopg://USER@HOST/DB"
+
+# Says where the store is: INFO "store: URL (created)" when a database gets its schema from nothing,
+# DEBUG "store: URL" on every open. Each record carries ``store_url`` (password masked). The CLI prints
+# the INFO lines and names the last store opened in a not-found error (api/cli/__init__.py).
+log = logging.getLogger("meshtune.store")
 
 
 class StoreUnavailableError(MeshtuneError):
@@ -32,19 +43,41 @@ def safe_url(url: str | sa.URL) -> str:
     """``url`` with its password masked, for messages and logs."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL: show nothing secret-looking
-        return "<unparsable database URL>"
+    except Exception:  # unparsable: still mask anything shaped like the password of user:password@host
+        return re.sub(r"(?<=:)[^:/@]*(?=@)", "***", str(url))
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot work, in a few words, or None. Checked before any engine exists, because
+    SQLAlchemy only finds out on ``create_engine`` (an ImportError from deep in the dialect) and
+    SQLite's driver would create an empty file wherever the path points."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return f"not a database URL ({SUPPORTED})"
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:
+        return f"unknown kind of database {parsed.drivername!r} ({SUPPORTED})"
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        return f"the database driver for {parsed.drivername!r} is not installed ({exc}); {SUPPORTED}"
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") \
+            and not parsed.query.get("uri"):  # a file: URI names its file in its own syntax
+        parent = Path(parsed.database).expanduser().parent
+        if not parent.is_dir():
+            return f"directory {parent} does not exist (the SQLite file's directory is never created)"
+    return None
 
 
 def create_engine(url: str) -> Engine:
     """An Engine for ``url``; SQLite gets WAL, a busy timeout and cross-thread use."""
-    try:
-        parsed = make_url(url)
-    except Exception as exc:
-        raise StoreUnavailableError(f"invalid database URL {safe_url(url)!r}: {exc}") from None
+    problem = url_problem(url)
+    if problem:
+        raise StoreUnavailableError(f"database URL {safe_url(url)!r}: {problem}")
+    parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
@@ -101,29 +134,46 @@ def alembic_config(url: str):  # -> alembic.config.Config
     return cfg
 
 
+def _revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    """``alembic upgrade`` on ``url`` (what ``meshtune db upgrade`` and coordinator start-up run)."""
+    """``alembic upgrade`` on ``url`` (what ``meshtune db upgrade`` and coordinator start-up run).
+    A database that had no schema says so on the ``meshtune.store`` logger: a new store was made."""
     from alembic import command
 
-    check_connection(create_engine(url))
+    engine = create_engine(url)
+    try:
+        check_connection(engine)
+        before = _revision(engine)
+    finally:
+        engine.dispose()
     command.upgrade(alembic_config(url), revision)
+    if before is None:
+        shown = safe_url(url)
+        log.info("store: %s (created)", shown, extra={"store_url": shown})
 
 
 def downgrade(url: str, revision: str = "base") -> None:
     from alembic import command
 
-    check_connection(create_engine(url))
+    engine = create_engine(url)
+    try:
+        check_connection(engine)
+    finally:
+        engine.dispose()
     command.downgrade(alembic_config(url), revision)
 
 
 def current_revision(url: str) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
     engine = create_engine(url)
-    check_connection(engine)
     try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+        check_connection(engine)
+        return _revision(engine)
     finally:
         engine.dispose()
 
@@ -134,4 +184,6 @@ def open_store(url: str, *, upgrade_schema: bool = True) -> tuple[Engine, sessio
     check_connection(engine)
     if upgrade_schema:
         upgrade(url)
+    shown = safe_url(url)
+    log.debug("store: %s", shown, extra={"store_url": shown})
     return engine, make_sessionmaker(engine)
