@@ -7,9 +7,9 @@ lifespan), so a test can build an app on any settings without touching process-w
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -63,3 +63,24 @@ def writer(settings: SettingsDep, credentials: Credentials) -> Principal:
 
 ReaderDep = Annotated[Principal, Depends(reader)]
 WriterDep = Annotated[Principal, Depends(writer)]
+
+
+# Every stored row's id is an INTEGER column: 32-bit signed on PostgreSQL (an id above 2^31 - 1 is a
+# database error there, and above 2^63 - 1 an OverflowError in SQLite's driver). One bound for every
+# id a route takes, so an out-of-range id is a 422 naming the parameter, never a 500.
+MAX_ID = 2**31 - 1
+
+
+def path_id(description: str) -> Any:
+    """The id type of a path parameter (1 .. MAX_ID)."""
+    return Annotated[int, Path(ge=1, le=MAX_ID, description=description)]
+
+
+def query_id(description: str, *, optional: bool = False) -> Any:
+    """The id type of a query parameter (1 .. MAX_ID); ``optional``: it may be left out (None)."""
+    return Annotated[int | None if optional else int, Query(ge=1, le=MAX_ID, description=description)]
+
+
+SweepId = path_id("Sweep id.")
+TrialId = path_id("Trial row id (TrialOut.id).")
+ScheduleId = path_id("Schedule id.")

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 
+from api.schedules._urls import mask_url
 from api.store import StoreUnavailableError, safe_url
 from tuner import BackendError, ConflictError, MeshtuneError, NotFoundError, SpecError
 
@@ -37,8 +38,15 @@ def _lookup(data: Any, path: list[str | int]) -> Any:
     return data
 
 
+_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _clip(value: Any, limit: int = 200) -> Any:
-    """Echo a rejected value back, but not a megabyte of it."""
+    """Echo a rejected value back, but not a megabyte of it, and no URL's secret: a URL (a webhook's
+    path and query carry its secret, its user-info a password) is shown as ``scheme://host/…``,
+    the same mask the validators' messages use."""
+    if isinstance(value, str) and _URL.match(value):
+        return mask_url(value.strip())
     if isinstance(value, (str, bytes)) and len(value) > limit:
         return f"{value[:limit]!s}... ({len(value)} characters)"
     if isinstance(value, (dict, list)) and len(repr(value)) > 4 * limit:
@@ -68,6 +76,12 @@ def field_errors(exc: RequestValidationError, body: Any) -> list[dict[str, Any]]
                 path = [*path, *(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", named) if p)]
                 value = _lookup(body, path)
                 kind = "spec"
+        if kind == "string_unstorable" and "path" in (err.get("ctx") or {}):  # api.spec.RequestModel
+            inner = list(err["ctx"]["path"])
+            path = [*path, *inner]
+            field = ".".join(str(p) for p in path) or "body"
+            loc = [*loc, *inner]
+            value = _lookup(body, path)
         if kind == "missing":
             value = _MISSING
         if kind == "json_invalid":  # loc is ('body', character position)

@@ -6,14 +6,19 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
-from api import dashboard, errors, store
+from api import _http, dashboard, errors, store
 from api.dashboard import trends
 from api.routes import health, metrics, plan, presets, reshard, schedules, sweeps
 from api.settings import Settings, get_settings
@@ -27,9 +32,47 @@ Submit parallelism-layout sweeps, follow their trials, and read the measured ran
 `MESHTUNE_API_TOKENS` (`name:token,...`); the token's name is recorded as the sweep's owner. Reads need
 a token only when `MESHTUNE_READ_REQUIRES_AUTH=true`. No header: 401; unknown token: 403.
 
-**Errors**: invalid input is 422 naming the field and the value; unknown ids 404; cancelling a
-finished sweep 409.
+**Errors**: invalid input is 422 naming the field and the value (a body that is not UTF-8 JSON:
+field `body`); unknown ids 404; cancelling a finished sweep 409; a body over 1 MiB 413; an
+anonymous client that spent its planning budget 429 with `Retry-After`.
 """
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _docs_assets() -> Path:
+    """Swagger UI 5 and ReDoc 2 (MIT), as shipped inside the installed ``fastapi-offline`` package:
+    the pages work on a cluster with no route to a CDN."""
+    return Path(str(importlib.resources.files("fastapi_offline"))) / "static"
+
+
+def _add_docs(app: FastAPI) -> None:
+    """/docs and /redoc with every asset served by this app (FastAPI's own pages load them from
+    public CDNs; see its "Custom Docs UI Static Assets" how-to)."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(_docs_assets())), name="docs_assets")
+    redirect = app.swagger_ui_oauth2_redirect_url
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - API docs",
+            oauth2_redirect_url=f"{root}{redirect}", swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css", swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get(redirect, include_in_schema=False)
+    def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - API reference",
+            redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js", redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
 
 
 STOP_TIMEOUT_S = 30.0
@@ -80,10 +123,18 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served by _add_docs from installed files, not from a CDN
+        redoc_url=None,
+        dependencies=[Depends(_http.storable_params)],  # every route, the dashboard's included
     )
     app.state.settings = settings
+    app.state.plan_budget = plan.ClientBudget()  # per app: a test's clients do not share one
     errors.install(app)
+    _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/").
     for module in (sweeps, plan, presets, health, metrics, schedules, reshard, dashboard, trends):
         app.include_router(module.router)
+    # Outermost last: the body limit applies before anything, even routing, reads the body.
+    app.add_middleware(_http.AllowedMethods)
+    app.add_middleware(_http.BodyLimit)
     return app

@@ -39,9 +39,15 @@ class ErrorOut(_Out):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "No bearer token was sent and this endpoint needs one."},
     403: {"model": ErrorOut, "description": "The bearer token matches none of the configured tokens."},
-    422: {"model": ValidationErrorOut, "description": "A field has an invalid value (named with its value)."},
+    422: {"model": ValidationErrorOut, "description": "A field has an invalid value (named with its value), or "
+          "text the store cannot hold (a NUL character); for a body that is not UTF-8 JSON or nests deeper "
+          "than 32 levels the field is 'body'. Ids out of 1..2^31-1 are 422 naming the parameter."},
 }
 NOT_FOUND = {404: {"model": ErrorOut, "description": "No sweep (or trial) with this id."}}
+# Routes that take a body: one larger than api._http.MAX_BODY_BYTES (1 MiB) is refused unread.
+BODY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorOut, "description": "The request body exceeds 1 MiB (1,048,576 bytes)."},
+}
 
 
 # --- sweeps and trials ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tuner import (
     ClusterSpec,
@@ -22,20 +23,86 @@ from tuner import (
     model_spec,
     training_spec,
 )
+from tuner._plan import check_planning_work
 
 SAMPLERS = ("tpe", "nsga2", "gp", "random", "grid")
-MAX_DEVICES = 2**20
+# Sanity bounds far above any real job. 2^18 devices is above the largest accelerator clusters built
+# (~10^5); the search enumerates divisors of both numbers.
+MAX_DEVICES = 2**18
 MAX_GLOBAL_BATCH = 2**31
+# Optuna's TPE and GP samplers refit on every past trial at each proposal, so a sweep's coordinator
+# time grows with the square of its trials: 10^4 is far beyond what a layout space needs.
+MAX_TRIALS = 10_000
+# Candidate layouts (tuner._plan.candidate_layouts) a sweep may enumerate at submission and in the
+# engine: ~1 s of enumeration on one core; 2^18 devices have ~5 x 10^5.
+MAX_CANDIDATES = 4_000_000
 _BACKEND = re.compile(r"^(ray|simulate|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
-class SearchSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be stored as text, or None. PostgreSQL's text and jsonb types refuse the
+    NUL character (https://www.postgresql.org/docs/current/datatype-character.html), and neither
+    store can encode a lone UTF-16 surrogate (which JSON's \\ud800 escapes can produce) as UTF-8."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000), which text cannot hold"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"contains a lone surrogate ({value[exc.start]!r}), which is not valid Unicode text"
+    return None
 
+
+def find_bad_text(data: Any) -> tuple[list[str | int], str, str] | None:
+    """(path, value, reason) of the first string (a mapping key or a value, at any depth) that
+    ``text_problem`` refuses, or None. Iterative: the depth of the data cannot exhaust the stack."""
+    stack: list[tuple[list[str | int], Any]] = [([], data)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if (why := text_problem(item)) is not None:
+                return path, item, why
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                if isinstance(key, str) and (why := text_problem(key)) is not None:
+                    return path, key, f"has a key that {why}"
+                stack.append(([*path, key], sub))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(([*path, i], sub) for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+class RequestModel(BaseModel):
+    """What every request body (HTTP, dashboard form, CLI file) is validated by.
+
+    * strict types: a boolean must be a JSON boolean and a number must not be one (lax mode would
+      take ``"min_effect": false`` as 0.0 and ``"cpu_bf16": 0`` as False); ints stay valid floats;
+    * no unknown fields;
+    * no string the stores cannot hold, anywhere in the body, free-form mappings included: a 422
+      naming the field (``type`` ``string_unstorable``, ``ctx.path`` the location inside the body),
+      instead of a database error (a 500) at the INSERT."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable_text(cls, data: Any) -> Any:
+        bad = find_bad_text(data)
+        if bad is not None:
+            path, _, why = bad
+            field = ".".join(str(p) for p in path) or "body"
+            raise PydanticCustomError("string_unstorable", "{field} {why}", {"field": field, "why": why, "path": path})
+        return data
+
+
+class SearchSettings(RequestModel):
     sampler: Literal["tpe", "nsga2", "gp", "random", "grid"] = Field(
         "tpe", description="Optuna sampler; nsga2 maximises tokens/s and minimises peak memory."
     )
-    max_trials: int = Field(20, ge=1, le=100_000, description="Trials to run (pruned-by-model ones included).")
+    max_trials: int = Field(
+        20, ge=1, json_schema_extra={"maximum": MAX_TRIALS},
+        description=f"Trials to run (pruned-by-model ones included); at most {MAX_TRIALS:,} (the sampler's cost "
+        "per proposal grows with the trials before it).",
+    )
     max_device_seconds: float | None = Field(
         None, gt=0, description="Stop once the trials have held devices this long in total."
     )
@@ -56,18 +123,26 @@ class SearchSettings(BaseModel):
         "cannot be combined with `space` or `reference_layouts`.",
     )
 
+    @field_validator("max_trials")
+    @classmethod
+    def _max_trials(cls, value: int) -> int:
+        if value > MAX_TRIALS:
+            raise ValueError(f"search.max_trials={value} exceeds the limit of {MAX_TRIALS:,} trials per sweep "
+                             "(each proposal's cost grows with the trials before it)")
+        return value
+
 
 DIAGNOSTIC_OPTIONS = ("fail", "sleep_per_step_s", "memory_cap_bytes")
 
 
-class TrialOptions(BaseModel):
+class TrialOptions(RequestModel):
     """Worker options, typed. Some are DIAGNOSTIC (``fail``, ``sleep_per_step_s``,
     ``memory_cap_bytes``): they inject failures, slowness or a smaller device, so a sweep that uses
     them is flagged ``diagnostic`` and its numbers are never real measurements of the layout. With the
     built-in backends (ray, simulate) any other key is refused; a plug-in backend (``module:attr``)
     defines its own options, which pass through unchecked."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # strict types and storable text from RequestModel
 
     fail: Literal["crash", "hang", "oom", "nan"] | None = Field(
         None, description="DIAGNOSTIC: inject this failure on fail_rank at fail_step.")
@@ -88,9 +163,7 @@ class TrialOptions(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-class TrialSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TrialSettings(RequestModel):
     warmup_steps: int = Field(2, ge=0, le=1000, description="Steps run and discarded before timing.")
     measure_steps: int = Field(3, ge=1, le=10_000, description="Timed steps.")
     step_timeout_s: float = Field(120.0, gt=0, description="Per-step watchdog; a slower step ends the trial as timeout.")
@@ -101,11 +174,10 @@ class TrialSettings(BaseModel):
         return options.to_worker()
 
 
-class SweepSpec(BaseModel):
+class SweepSpec(RequestModel):
     """A sweep: which model on which cluster with which batch, and how to search its layouts."""
 
     model_config = ConfigDict(
-        extra="forbid",
         json_schema_extra={
             "examples": [
                 {
@@ -155,8 +227,7 @@ class SweepSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_problem(self) -> SweepSpec:
-        _, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
-        # Sanity bounds far above any real job: the search enumerates divisors of both numbers.
+        model, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
         if cluster.devices > MAX_DEVICES:
             raise SpecError(
                 f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} "
@@ -166,8 +237,9 @@ class SweepSpec(BaseModel):
             raise SpecError(
                 f"training.global_batch={training.global_batch} sequences exceeds the limit of {MAX_GLOBAL_BATCH}"
             )
-        self.search_space()
-        self.listed_layouts()
+        space = self.search_space()
+        if self.listed_layouts() is None:  # the sweep enumerates its space: bound that work first
+            check_planning_work(model=model, cluster=cluster, space=space, limit=MAX_CANDIDATES, where="sweep")
         extra = sorted(self.trial.options.model_extra or {})
         if extra and self.backend in ("ray", "simulate"):
             known = ", ".join(sorted(TrialOptions.model_fields))

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner._errors import SpecError
 from tuner._layout import AXES, Layout, check_layout
 from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory, mesh_memory
 from tuner._placement import Placement, _place, check_order, place
-from tuner._space import R_TP_NODES, Enumeration, SearchSpace, enumerate_layouts
+from tuner._space import R_TP_NODES, Enumeration, SearchSpace, _schedules, divisors, enumerate_layouts
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, to_dict
 from tuner._timing import CalibrationFactors, MeshTime, TimeEstimate, estimate_time, mesh_time
 
@@ -174,3 +175,49 @@ def plan_one(
     mem = estimate_memory(layout, model=model, cluster=cluster, training=training)
     t = estimate_time(layout, model=model, cluster=cluster, training=training, factors=factors, placement=placement)
     return PlannedLayout(layout=layout, microbatches=m, placement=placement, memory=mem, time=t)
+
+
+def candidate_layouts(*, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace | None = None) -> int:
+    """An upper bound on the layouts ``enumerate_layouts`` walks (valid and rejected), computed from the
+    divisors of the device count without enumerating anything: the (tp, cp, ep, pp) tuples whose
+    product divides the devices (dp takes the rest), times the knob combinations of one mesh.
+
+    The number of such tuples is the number of ordered factorisations of the device count, which
+    for n = p1^a1 ... pk^ak is prod C(ai + 3, 3) (stars and bars per prime): a divisor-rich count
+    such as 720,720 gives 89,600 meshes and ~3 x 10^7 candidates where 2^16 gives 969 and ~4 x 10^5.
+    """
+    space = space or SearchSpace()
+    world = cluster.devices
+    world_divisors = divisors(world)
+    ways = {world: 1}  # devices left for the remaining axes -> number of degree tuples leaving it
+    for name in ("tp", "cp", "ep", "pp"):
+        given = getattr(space, name)
+        if given is None and name == "ep" and not model.is_moe:
+            given = (1,)  # a dense model has no expert axis (iter_meshes does the same)
+        step: dict[int, int] = {}
+        for left, n in ways.items():
+            for d in given if given is not None else world_divisors:
+                if left % d == 0:
+                    step[left // d] = step.get(left // d, 0) + n
+        ways = step
+    meshes = sum(ways.values())
+    n_sp = len(space.sp)
+    n_schedules = max(1, len(_schedules(2, space)))  # pp > 1 has the most (schedule, vpp) variants
+    return meshes * len(space.zero) * len(space.mbs) * len(space.ac) * n_sp * n_schedules
+
+
+def check_planning_work(
+    *, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace | None = None, limit: int, where: str = "request",
+    remedy: str = "restrict space.tp/space.cp/space.pp or use a device count with fewer divisors",
+) -> int:
+    """The candidate count (``candidate_layouts``), or SpecError naming the cluster when it is above
+    ``limit``: enumeration time grows with it (tens of seconds for 3 x 10^7), so a request is refused
+    before any of that work is done."""
+    n = candidate_layouts(model=model, cluster=cluster, space=space)
+    if n > limit:
+        raise SpecError(
+            f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} = "
+            f"{cluster.devices:,} devices gives up to {n:,} candidate layouts to plan, above the limit of "
+            f"{limit:,} per {where} (the count grows with the divisors of the device count): {remedy}"
+        )
+    return n

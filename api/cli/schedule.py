@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--timezone", default="UTC", help="IANA time zone of the cron expression (default UTC)")
     what = a.add_mutually_exclusive_group(required=True)
     what.add_argument("--template", metavar="SPEC", help="sweep spec file (.yaml/.toml/.json) to run at each fire")
-    what.add_argument("--remeasure", metavar="SWEEP_ID", type=int, help="re-measure the top-k layouts of this sweep")
+    what.add_argument("--remeasure", metavar="SWEEP_ID", type=_id, help="re-measure the top-k layouts of this sweep")
     a.add_argument("--top-k", type=int, default=3, help="layouts to re-measure (with --remeasure; default 3)")
     a.add_argument("--repeats", type=int, default=3, help="measurements per layout (with --remeasure; default 3)")
     a.add_argument("--webhook", help="http(s) URL that receives alerts as a JSON POST")
@@ -43,17 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=list_cmd)
 
     rm = cmds.add_parser("rm", help="delete a schedule", description="Delete a schedule, its fires and alerts.")
-    rm.add_argument("id", type=int)
+    rm.add_argument("id", type=_id)
     rm.set_defaults(func=rm_cmd)
 
     rn = cmds.add_parser("run-now", help="fire a schedule now", description="Queue the schedule's sweeps now; "
                          "a running coordinator runs them and checks the result for regressions.")
-    rn.add_argument("id", type=int)
+    rn.add_argument("id", type=_id)
     rn.add_argument("--json", action="store_true")
     rn.set_defaults(func=run_now_cmd)
 
     al = cmds.add_parser("alerts", help="list alerts", description="Regression, improvement and failure alerts.")
-    al.add_argument("--schedule", type=int, help="only this schedule's alerts")
+    al.add_argument("--schedule", type=_id, help="only this schedule's alerts")
     al.add_argument("--limit", type=int, default=50)
     al.add_argument("--json", action="store_true")
     al.set_defaults(func=alerts_cmd)
@@ -67,13 +67,29 @@ def _sessions() -> Any:
     return sessions
 
 
-def _validation_error(exc: Any) -> SpecError:
-    err = exc.errors()[0]
-    field = ".".join(str(x) for x in err["loc"])
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    value = err.get("input")
-    shown = "" if err["type"] == "missing" or isinstance(value, dict) or field == "" else f" (got {value!r})"
-    return SpecError(f"{field + ': ' if field else ''}{msg}{shown}")
+def _validation_error(exc: Any, data: dict[str, Any]) -> SpecError:
+    """The API's own one-line 422 detail (api.errors), so the CLI names the field and value the same
+    way and masks what the API masks (a webhook URL's secret)."""
+    from fastapi.exceptions import RequestValidationError
+
+    from api.errors import detail_line, field_errors
+
+    errs = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+    items = field_errors(RequestValidationError(errs, body=data), data)
+    return SpecError(detail_line(items[0]) if items else str(exc))
+
+
+def _id(text: str) -> int:
+    """An id argument: the store's ids are 32-bit (api.deps.MAX_ID); anything else exits 2 naming it."""
+    from api.deps import MAX_ID
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer id") from None
+    if not 1 <= value <= MAX_ID:
+        raise argparse.ArgumentTypeError(f"{value} is not an id between 1 and {MAX_ID}")
+    return value
 
 
 def _dump(obj: Any) -> None:
@@ -99,7 +115,7 @@ def add_cmd(args: argparse.Namespace) -> int:
     try:
         schedule_in = ScheduleIn.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, data) from None
     sessions = _sessions()
     with sessions() as s:
         row = svc.create_schedule(s, data=schedule_in, owner="cli")

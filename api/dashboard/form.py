@@ -58,6 +58,39 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Limits on the free-text "more spec" field, checked on the parser's event stream before anything is
+# built: PyYAML composes nested nodes recursively (a few thousand "[" exhaust the stack), and aliases
+# can expand a few lines into exponentially many nodes. A real spec section is a few hundred bytes.
+MAX_EXTRA_CHARS = 65_536
+MAX_EXTRA_DEPTH = 32
+MAX_EXTRA_NODES = 20_000
+
+
+def load_extra(text: str) -> Any:
+    """The YAML (or JSON) value of the "more spec" field, or ValueError naming ``extra`` in one line."""
+    if len(text) > MAX_EXTRA_CHARS:
+        raise ValueError(f"extra: {len(text):,} characters exceeds the limit of {MAX_EXTRA_CHARS:,}")
+    depth = nodes = 0
+    try:
+        # yaml.parse yields events from a state machine (no recursion); the composer is what recurses.
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise ValueError("extra: YAML aliases (*name) are not accepted; write the value out")
+            if isinstance(event, yaml.NodeEvent):
+                nodes += 1
+                if nodes > MAX_EXTRA_NODES:
+                    raise ValueError(f"extra: more than {MAX_EXTRA_NODES:,} values, the limit")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_EXTRA_DEPTH:
+                    raise ValueError(f"extra: nested deeper than the limit of {MAX_EXTRA_DEPTH} levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+        return yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as exc:
+        raise ValueError(f"extra: not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+
+
 def spec_data(values: dict[str, str]) -> dict[str, Any]:
     """The JSON body the form stands for (what ``POST /api/sweeps`` would receive). Raises
     ValueError naming ``extra`` when the free-text part is not a YAML/JSON mapping."""
@@ -78,10 +111,7 @@ def spec_data(values: dict[str, str]) -> dict[str, Any]:
     }
     extra = values.get("extra", "").strip()
     if extra:
-        try:
-            parsed = yaml.safe_load(extra)  # JSON is YAML
-        except yaml.YAMLError as exc:
-            raise ValueError(f"extra: not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+        parsed = load_extra(extra)
         if not isinstance(parsed, dict):
             raise ValueError(f"extra: must be a mapping of spec fields, got {json.dumps(parsed)[:80]}")
         data = _merge(data, parsed)

@@ -2,18 +2,28 @@
 
 The tuner's plan is a pure function of frozen specs, so answers are memoised per (model, cluster,
 training): the first call for a 64-GPU 70B problem enumerates ~10^4 layouts, repeats are instant.
+
+What one request may cost is bounded before any planning starts: the candidate layouts are counted
+from the divisors of the device count (tuner._plan.candidate_layouts) and a count above
+``MAX_CANDIDATES`` is a 422 saying so. A new answer (a cache miss: any changed parameter, e.g. the
+batch) for an anonymous caller is also charged to that client's budget of candidate layouts, which
+refills at ``ClientBudget.rate`` per second; an empty budget is a 429 with Retry-After. Clients are
+told apart by their address: behind a proxy, they share the proxy's.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
-from functools import lru_cache
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import ReaderDep
-from api.schemas import ERROR_RESPONSES, PlanOut
+from api.schemas import ERROR_RESPONSES, ErrorOut, PlanOut
 from tuner import (
     ClusterSpec,
     ModelSpec,
@@ -24,28 +34,77 @@ from tuner import (
     plan,
     training_spec,
 )
+from tuner._plan import check_planning_work
 
 router = APIRouter(tags=["plan"])
 
 MAX_TOP = 200
 MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
+# ~1-3 s of one core at most (65,536 devices: 3.7 x 10^5 candidates, ~1 s; 24,576: 8.6 x 10^5, ~0.4 s).
+MAX_CANDIDATES = 1_000_000
 
 
-@lru_cache(maxsize=32)
+class ClientBudget:
+    """A token bucket of candidate layouts per client address: ``capacity`` at most, refilled at
+    ``rate`` per second (~6% of a core per client at ~3 us per candidate). ``clock`` is injectable
+    so that a test can move time instead of waiting."""
+
+    def __init__(self, *, capacity: int = 2 * MAX_CANDIDATES, rate: float = 20_000.0,
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
+        assert capacity >= MAX_CANDIDATES, "a single allowed plan must fit in a full budget"
+        self.capacity, self.rate, self.clock, self.max_clients = capacity, rate, clock, max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def charge(self, client: str, cost: int) -> float:
+        """Take ``cost`` from the client's bucket; 0.0 if it had enough, else the seconds to wait
+        (nothing taken)."""
+        now = self.clock()
+        with self._lock:
+            tokens, at = self._buckets.pop(client, (float(self.capacity), now))
+            tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
+            wait = 0.0 if tokens >= cost else (cost - tokens) / self.rate
+            self._buckets[client] = (tokens - cost if not wait else tokens, now)
+            while len(self._buckets) > self.max_clients:  # the least recently seen client goes
+                self._buckets.popitem(last=False)
+        return wait
+
+
+_CACHE: OrderedDict[tuple[ModelSpec, ClusterSpec, TrainingSpec], tuple[Any, float]] = OrderedDict()
+_CACHE_SIZE = 32
+_CACHE_LOCK = threading.Lock()
+
+
+def _cached(key: tuple[ModelSpec, ClusterSpec, TrainingSpec]) -> tuple[Any, float] | None:
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+        return hit
+
+
 def _plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> tuple[Any, float]:
     started = time.perf_counter()
     result = plan(model=model, cluster=cluster, training=training)
-    return result, time.perf_counter() - started
+    answer = (result, time.perf_counter() - started)
+    with _CACHE_LOCK:
+        _CACHE[(model, cluster, training)] = answer
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return answer
 
 
 @router.get(
     "/api/plan",
     response_model=PlanOut,
     summary="Analytical plan (instant, no device time)",
-    responses={k: ERROR_RESPONSES[k] for k in (401, 403, 422)},
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
+        "model": ErrorOut, "description": "An anonymous client's planning budget is spent (new answers only; "
+        "cached ones are free): wait Retry-After seconds, or send a bearer token."}},
 )
 def get_plan(
-    _: ReaderDep,
+    request: Request,
+    caller: ReaderDep,
     model: Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")],
     cluster: Annotated[str, Query(max_length=100, description="Cluster preset name (see /api/presets).")],
     nodes: Annotated[int | None, Query(ge=1, le=100_000, description="Override the preset's node count.")] = None,
@@ -82,5 +141,17 @@ def get_plan(
     if critical_batch_tokens is not None:
         training["critical_batch_tokens"] = critical_batch_tokens
     t = training_spec(training, seq_len=m.seq_len)
-    result, seconds = _plan(m, c, t)
+    answer = _cached((m, c, t))
+    if answer is None:
+        cost = check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
+                                   remedy="plan it with `meshtune plan`, which has no such limit")
+        if not caller.authenticated:
+            client = request.client.host if request.client else "unknown"
+            wait = request.app.state.plan_budget.charge(client, cost)
+            if wait:
+                raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(
+                    f"planning budget of anonymous client {client} is spent: this plan considers up to "
+                    f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
+        answer = _plan(m, c, t)
+    result, seconds = answer
     return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))

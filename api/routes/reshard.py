@@ -4,22 +4,22 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import ReaderDep, SessionDep, WriterDep
-from api.schemas import ERROR_RESPONSES, NOT_FOUND
+from api._http import GuardedRoute
+from api.deps import ReaderDep, SessionDep, SweepId, WriterDep
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND
 from api.services import reshard as service
+from api.spec import RequestModel
 
-router = APIRouter(prefix="/api/sweeps", tags=["reshard"])
-
-SweepId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Sweep id.")]
+router = APIRouter(prefix="/api/sweeps", tags=["reshard"], route_class=GuardedRoute)
 
 
-class ReshardCheckIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+class ReshardCheckIn(RequestModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
         {"from_layout": {"tp": 2, "dp": 2}, "to_layout": {"dp": 4, "zero": 3}, "steps_before": 2, "steps_after": 2}
     ]})
 
@@ -71,7 +71,7 @@ class ReshardCheckOut(BaseModel):
     "/{sweep_id}/reshard-check",
     response_model=ReshardCheckOut,
     summary="Check moving a run between two layouts",
-    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **NOT_FOUND},
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **NOT_FOUND, **BODY_RESPONSES},
 )
 def reshard_check(request: Request, sweep_id: SweepId, body: ReshardCheckIn, session: SessionDep,
                   user: WriterDep) -> ReshardCheckOut:

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, FastAPI, Path, Query, Response, status
+from fastapi import APIRouter, Body, FastAPI, Query, Response, status
 
-from api.deps import ReaderDep, SessionDep, WriterDep
+from api._http import GuardedRoute
+from api.deps import ReaderDep, ScheduleId, SessionDep, WriterDep, query_id
 from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES
 from api.schedules.schemas import (
     AlertPage,
@@ -27,7 +28,7 @@ from api.schedules.schemas import (
     ScheduleUpdate,
     TrendsOut,
 )
-from api.schemas import ERROR_RESPONSES, ErrorOut
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut
 from api.services import schedules as service
 
 log = logging.getLogger("meshtune.schedules")
@@ -53,15 +54,13 @@ async def scheduler_lifespan(app: FastAPI) -> AsyncIterator[None]:
             scheduler.stop()
 
 
-router = APIRouter(tags=["schedules"], lifespan=scheduler_lifespan)
+router = APIRouter(tags=["schedules"], lifespan=scheduler_lifespan, route_class=GuardedRoute)
 
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 NOT_FOUND = {404: {"model": ErrorOut, "description": "No schedule with this id."}}
 READ_ONE = {**READ, **NOT_FOUND}
-WRITE = READ
-WRITE_ONE = READ_ONE
-
-ScheduleId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Schedule id.")]
+WRITE = {**READ, **BODY_RESPONSES}
+WRITE_ONE = {**READ_ONE, **BODY_RESPONSES}
 Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip.")]
 FireStatus = Literal[FIRE_STATUSES]  # type: ignore[valid-type]
@@ -142,7 +141,7 @@ def list_fires(
 def list_alerts(
     session: SessionDep,
     _: ReaderDep,
-    schedule_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Only this schedule's alerts.")] = None,
+    schedule_id: query_id("Only this schedule's alerts.", optional=True) = None,
     kind: Annotated[AlertKind | None, Query(description="regression, improvement or failure.")] = None,
     layout: Annotated[str | None, Query(max_length=200, description="Only this layout key.")] = None,
     delivery_status: Annotated[DeliveryStatus | None, Query(description="Webhook delivery state.")] = None,
@@ -159,7 +158,7 @@ def list_alerts(
 def trends(
     session: SessionDep,
     _: ReaderDep,
-    schedule_id: Annotated[int, Query(ge=1, le=2**31 - 1, description="The schedule.")],
+    schedule_id: query_id("The schedule."),
     layout: Annotated[str | None, Query(max_length=200, description="Only this layout key.")] = None,
     runs: Annotated[int, Query(ge=1, le=1000, description="The last N completed runs.")] = 30,
 ) -> TrendsOut:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Path, Query, Request, Response, status
+from fastapi import APIRouter, Body, Query, Request, Response, status
 
-from api.deps import ReaderDep, SessionDep, WriterDep
+from api._http import GuardedRoute
+from api.deps import ReaderDep, SessionDep, SweepId, TrialId, WriterDep
 from api.routes._cache import VersionedCache, sweep_version
 from api.schemas import (
+    BODY_RESPONSES,
     ERROR_RESPONSES,
     NOT_FOUND,
     ErrorOut,
@@ -24,14 +26,12 @@ from api.services import sweeps as service
 from api.spec import SweepSpec
 from api.store import SWEEP_STATUSES, TRIAL_STATUSES
 
-router = APIRouter(prefix="/api/sweeps", tags=["sweeps"])
+router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
 _cache = VersionedCache()
 
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 READ_ONE = {**READ, **NOT_FOUND}
 
-SweepId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Sweep id.")]
-TrialId = Annotated[int, Path(ge=1, le=2**31 - 1, description="Trial row id (TrialOut.id).")]
 Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip.")]
 SweepStatus = Literal[SWEEP_STATUSES]  # type: ignore[valid-type]
@@ -45,7 +45,7 @@ CSV = "text/csv"
     status_code=status.HTTP_201_CREATED,
     response_model=SweepOut,
     summary="Submit a sweep",
-    responses={k: ERROR_RESPONSES[k] for k in (401, 403, 422)},
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES},
 )
 def create_sweep(
     spec: Annotated[SweepSpec, Body(openapi_examples={

@@ -75,12 +75,21 @@ def check_target(url: str, *, resolve: bool = True, strict: bool = False) -> Non
 
 
 def mask_url(url: str | None) -> str | None:
-    """``scheme://host[:port]/…``: enough to recognise the target, none of its secret path or query."""
+    """``scheme://host[:port]/…``: enough to recognise the target, none of its secret user-info, path
+    or query; ``…`` alone for text that is not a URL with a host (it may be a secret pasted alone)."""
     if not url:
         return url
-    parts = urlsplit(url)
-    host = parts.hostname or ""
+    try:
+        parts = urlsplit(url.strip())
+        host = parts.hostname or ""
+    except ValueError:  # an unbalanced IPv6 bracket
+        return "…"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # a port out of range or not a number: not shown
+        port = ""
+    if not parts.scheme or not host:
+        return "…"
     if ":" in host:
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}/…"

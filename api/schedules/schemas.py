@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from api.schedules._cron import check_cron, check_timezone
 from api.schedules._urls import RefusedTarget, check_target, mask_url
-from api.spec import SweepSpec
+from api.spec import RequestModel, SweepSpec
 from tuner._regression import RegressionPolicy
 
 MAX_GRACE_S = 7 * 86400.0
@@ -24,15 +24,18 @@ def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> st
     """``url`` if it is an absolute http(s) URL with a host; None/"" means no webhook."""
     if url is None or (isinstance(url, str) and not url.strip()):
         return None
+    # Every message shows the URL masked (mask_url): a webhook URL carries its secret in its path,
+    # query or user-info, and a rejected value is echoed to the client and into logs.
     if not isinstance(url, str) or len(url) > 2000:
-        raise ValueError(f"{field_name} must be an http(s) URL of at most 2000 characters, got {str(url)[:100]!r}")
+        shown = mask_url(url) if isinstance(url, str) else type(url).__name__
+        raise ValueError(f"{field_name} must be an http(s) URL of at most 2000 characters, got {shown!r}")
     parts = urlsplit(url.strip())
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise ValueError(f"{field_name}={mask_url(url)!r} has an invalid port") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{field_name}={url!r} is not an http:// or https:// URL with a host")
+        raise ValueError(f"{field_name}={mask_url(url)!r} is not an http:// or https:// URL with a host")
     try:
         check_target(url.strip())
     except RefusedTarget as exc:  # the value is masked: it may hold a secret
@@ -40,9 +43,7 @@ def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> st
     return url.strip()
 
 
-class RegressionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RegressionIn(RequestModel):
     alpha: float = Field(0.05, gt=0, lt=1, description="False-alarm rate per night across all layouts (Bonferroni).")
     min_effect: float = Field(0.05, ge=0, lt=1, description="Smallest relative change of tokens/s that is alerted (0.05 = 5%).")
     min_repeats: int = Field(2, ge=2, le=50, description="Measurements needed tonight and in history before a layout is judged.")
@@ -65,20 +66,17 @@ class RegressionIn(BaseModel):
         return self
 
 
-class RemeasureIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RemeasureIn(RequestModel):
     sweep_id: int = Field(ge=1, le=2**31 - 1, description="The sweep whose top-k layouts (by its ranking) are re-measured.")
     top_k: int = Field(3, ge=1, le=50, description="How many of its best layouts to re-measure.")
     repeats: int = Field(3, ge=2, le=50, description="Measurements of each layout per run (>= 2 to see noise).")
 
 
-class ScheduleIn(BaseModel):
+class ScheduleIn(RequestModel):
     """A scheduled sweep: when (cron + time zone), what (a sweep template, or a re-measurement of the
-    top-k layouts of an earlier sweep), and whom to tell (a webhook)."""
+    top-k layouts of an earlier sweep), and whom to tell (a webhook). Strict types (RequestModel)."""
 
     model_config = ConfigDict(
-        extra="forbid",
         json_schema_extra={"examples": [{
             "name": "nightly-tiny", "cron": "0 2 * * *", "timezone": "Europe/Berlin",
             "remeasure": {"sweep_id": 1, "top_k": 3, "repeats": 3},
@@ -132,10 +130,8 @@ class ScheduleIn(BaseModel):
         return self
 
 
-class ScheduleUpdate(BaseModel):
+class ScheduleUpdate(RequestModel):
     """Fields to change (absent = unchanged). What a schedule runs is fixed: its history is about it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, min_length=1, max_length=200, description="New label.")
     cron: str | None = Field(None, description="New cron expression.")
