@@ -41,7 +41,7 @@ from api import format as fmt
 from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
-from api.deps import SessionDep, SettingsDep
+from api.deps import SessionDep, SettingsDep, SweepId, TrialId
 from api.services import sweeps as service
 from api.settings import Settings
 from api.spec import SAMPLERS
@@ -211,17 +211,17 @@ async def submit(request: Request, session: SessionDep, settings: SettingsDep) -
 
 def _submit(request: Request, session: Any, settings: Settings, raw: dict[str, str]) -> Response:
     values = {k: raw.get(k, form.DEFAULTS[k]) for k in form.FIELDS}
-    spec, state = form.validate(values)
     owner: str | None = ANONYMOUS  # as POST /api/sweeps records a sweep when auth is off
-    code = 422
     if settings.api_tokens:  # the same rule as POST /api/sweeps: a valid token, its name is the owner
         token = raw.get("token", "")
         owner = match_token(token, settings.api_tokens) if token else None
-        if owner is None:
-            state.errors.insert(0, "token: missing — this coordinator needs a token to submit" if not token
-                                else "token: not a valid token")
-            state.fields.add("token")
-            code = 401 if not token else 403
+        if owner is None:  # refused before the spec is parsed or validated: that work is for callers only
+            state = form.FormState(values=values, fields={"token"}, errors=[
+                "token: missing — this coordinator needs a token to submit" if not token else "token: not a valid token"])
+            return _sweeps_page(request, session, settings, status=None, page=1, state=state,
+                                status_code=401 if not token else 403)
+    spec, state = form.validate(values)
+    code = 422
     if spec is not None and not state.errors:
         try:
             sweep = service.create_sweep(session, spec=spec, owner=owner)
@@ -283,7 +283,7 @@ Page = Annotated[int, Query(ge=1, le=1_000_000)]
 
 @router.get("/sweeps/{sweep_id}", name="dashboard_sweep")
 def sweep_page(
-    request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep,
+    request: Request, sweep_id: SweepId, session: SessionDep, settings: SettingsDep,
     rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
     refresh_ms: Annotated[int, Query(ge=500, le=600_000)] = REFRESH_MS,
 ) -> HTMLResponse:
@@ -298,7 +298,7 @@ def sweep_page(
 
 @router.get("/sweeps/{sweep_id}/tables", name="dashboard_sweep_tables")
 def sweep_tables(
-    request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep,
+    request: Request, sweep_id: SweepId, session: SessionDep, settings: SettingsDep,
     rank_page: Page = 1, trial_page: Page = 1, trial_status: str = "",
 ) -> HTMLResponse:
     loaded = _load_sweep_tables(request, session, settings, sweep_id, rank_page, trial_page, trial_status)
@@ -314,7 +314,7 @@ def _json_guard(request: Request, settings: Settings) -> JSONResponse | None:
 
 
 @router.get("/sweeps/{sweep_id}/data.json", name="dashboard_sweep_data")
-def sweep_data(request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep) -> JSONResponse:
+def sweep_data(request: Request, sweep_id: SweepId, session: SessionDep, settings: SettingsDep) -> JSONResponse:
     if (denied := _json_guard(request, settings)) is not None:
         return denied
     try:
@@ -325,7 +325,7 @@ def sweep_data(request: Request, sweep_id: int, session: SessionDep, settings: S
 
 
 @router.get("/sweeps/{sweep_id}/importance.json", name="dashboard_sweep_importance")
-def sweep_importance(request: Request, sweep_id: int, session: SessionDep, settings: SettingsDep) -> JSONResponse:
+def sweep_importance(request: Request, sweep_id: SweepId, session: SessionDep, settings: SettingsDep) -> JSONResponse:
     if (denied := _json_guard(request, settings)) is not None:
         return denied
     try:
@@ -342,7 +342,8 @@ def sweep_importance(request: Request, sweep_id: int, session: SessionDep, setti
 
 
 @router.get("/sweeps/{sweep_id}/trials/{trial_id}", name="dashboard_trial")
-def trial_page(request: Request, sweep_id: int, trial_id: int, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
+def trial_page(request: Request, sweep_id: SweepId, trial_id: TrialId, session: SessionDep,
+               settings: SettingsDep) -> HTMLResponse:
     if not _can_read(request, settings):
         return _login(request)
     try:
