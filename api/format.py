@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from tuner import Layout
-from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED
+from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, versus_best
 
 GiB = 2**30
 DASH = "—"
@@ -81,7 +81,7 @@ def duration(seconds: float | None, *, dash: str = DASH) -> str:
     """``3725`` -> ``1 h 02 min``; ``42.5`` -> ``42.5 s``; ``0.25`` -> ``250 ms``."""
     if seconds is None:
         return dash
-    if 0 < seconds and float(_fixed(seconds * 1000, 3).replace(",", "")) < 1000:
+    if seconds > 0 and float(_fixed(seconds * 1000, 3).replace(",", "")) < 1000:
         return f"{_fixed(seconds * 1000, 3)} ms"
     if seconds < 59.95:
         return f"{_fixed(seconds, 3)} s"
@@ -112,6 +112,36 @@ def layout_text(layout: Layout | Mapping[str, Any] | None, *, dash: str = DASH) 
         except (TypeError, ValueError):  # a row stored by an older version: show what it holds
             return " ".join(f"{k}={v}" for k, v in layout.items())
     return layout.short
+
+
+_KEY = re.compile(
+    r"tp(?P<tp>\d+)-cp(?P<cp>\d+)-ep(?P<ep>\d+)-dp(?P<dp>\d+)-pp(?P<pp>\d+)-z(?P<zero>\d)-mbs(?P<mbs>\d+)"
+    r"-ac_(?P<ac>\w+?)(?P<sp>-sp)?-(?P<sched>.+)$"
+)
+
+
+def layout_from_key(key: str | None) -> dict[str, Any] | None:
+    """Invert ``Layout.key`` (None for anything else), for pages that hold only a key."""
+    m = _KEY.match(key or "")
+    if not m:
+        return None
+    d: dict[str, Any] = {k: int(m[k]) for k in ("tp", "cp", "ep", "dp", "pp", "zero", "mbs")}
+    d.update(ac=m["ac"], sp=bool(m["sp"]), schedule="1f1b", vpp=1)
+    sched = m["sched"]
+    if sched.startswith("interleavedv"):
+        d.update(schedule="interleaved", vpp=int(sched.removeprefix("interleavedv")))
+    elif sched != "nopp":
+        d["schedule"] = sched
+    return d
+
+
+def key_text(key: str | None, *, dash: str = DASH) -> str:
+    """A layout key's display form (``tp1-cp1-ep1-dp4-pp1-z1-mbs2-ac_none-nopp`` -> ``dp4 z1 mbs2``);
+    a string that is not a layout key is shown as it is."""
+    if not key:
+        return dash
+    layout = layout_from_key(key)
+    return key if layout is None else layout_text(layout)
 
 
 def layout_fields(layout: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -191,6 +221,23 @@ VERSUS_LEGEND = (
 )
 
 
+def versus_rows(rows: Sequence[Any]) -> list[str]:
+    """``tuner._stats.versus_best`` of every ranking row (objects with n, median, low, high; the
+    ranking's order, best first): one rule for the dashboard's and the CLI's "vs best" column."""
+    if not rows:
+        return []
+    best = _interval(rows[0])
+    return [versus_best(_interval(r), best, is_best=i == 0) for i, r in enumerate(rows)]
+
+
+def interval_known(row: Any) -> bool:
+    return row.low is not None and row.high is not None
+
+
+def _interval(row: Any) -> Interval:
+    return Interval(row.n, row.median, row.low, row.high)
+
+
 def versus_text(verdict: str, *, best_known: bool = True) -> str:
     """The words for ``tuner._stats.versus_best``'s verdict; when it is the best that has no interval,
     every other row is not comparable for that reason."""
@@ -199,8 +246,10 @@ def versus_text(verdict: str, *, best_known: bool = True) -> str:
     return VERSUS_TEXT[verdict]
 
 
-def tied_sentence(n_tied: int) -> str:
-    """How many layouts (the best itself not counted) are tied with the best."""
+def tied_sentence(n_tied: int, *, best_known: bool = True) -> str:
+    """How many layouts, the best itself not counted, are tied with the best."""
+    if not best_known:
+        return "The best layout was measured once: no other layout can be compared with it yet."
     if n_tied == 0:
         return "No other layout is tied with the best."
     return f"{n_tied} other layout{'' if n_tied == 1 else 's'} {'is' if n_tied == 1 else 'are'} tied with the best."
@@ -223,5 +272,5 @@ def jinja_filters() -> dict[str, Any]:
     return {
         "num": num, "pct": pct, "signed_pct": signed_pct, "sci": sci, "gib": gib_text, "bytes": bytes_text,
         "seconds": duration, "duration": duration, "when": when, "errclass": error_class,
-        "layout_label": layout_text, "cause": cause_text, "layout_fields": layout_fields,
+        "layout_label": layout_text, "key_label": key_text, "cause": cause_text, "layout_fields": layout_fields,
     }

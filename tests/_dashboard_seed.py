@@ -189,15 +189,18 @@ def summary_of(sessions, sweep_id: int) -> dict[str, Any]:
 
 # --- migration (reshard) checks ---------------------------------------------------------------------
 
-MIGRATION_SPEC = {"model": "tiny-moe", "cluster": "cpu-local", "backend": "simulate",
+# backend "ray": a migration check runs real ranks, so it is refused on simulate-backend sweeps
+# (api.services.reshard.refusal); the stored numbers are still the simulate backend's, labelled so.
+MIGRATION_SPEC = {"model": "tiny-moe", "cluster": "cpu-local", "backend": "ray",
                   "training": {"global_batch": 8, "precision": "fp32"}, "search": {"max_trials": 4}}
 # Ranked layouts of that sweep; the expert-parallel one is refused by the reshard check (ep>1: 422).
 MIGRATION_LAYOUTS = (Layout(dp=4), Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(ep=2, dp=2))
 
 
 def seed_migration_sweep(sessions, *, name: str = "tiny-moe on 4 CPU ranks", seed: int = 3) -> int:
-    """A finished sweep of tiny-moe on cpu-local whose ranking holds ``MIGRATION_LAYOUTS``, one
-    simulated measurement each (labelled simulated like every seeded result); returns its id."""
+    """A finished sweep of tiny-moe on cpu-local (backend ray) whose ranking holds
+    ``MIGRATION_LAYOUTS``, one simulated measurement each (labelled simulated like every seeded
+    result); returns its id."""
     spec = SweepSpec.model_validate(MIGRATION_SPEC | {"name": name})
     model, cluster, training = spec.to_problem()
     backend = SimulateBackend(seed=seed)
@@ -210,6 +213,35 @@ def seed_migration_sweep(sessions, *, name: str = "tiny-moe on 4 CPU ranks", see
                                               trial_id=f"{sid}-{number}", seed=seed))
             assert result.ok, result
             store.record_result(session, sweep_id=sid, number=number, attempt=0, result=result)
+        store.refresh_sweep_cache(session, sweep_id=sid)
+        store.set_sweep_status(session, sweep_id=sid, status="running")
+        store.set_sweep_status(session, sweep_id=sid, status="completed")
+    return sid
+
+
+def seed_measured_sweep(sessions, measurements, *, name: str, backend: str = "ray", predicted=None) -> int:
+    """A finished sweep of tiny on cpu-local holding exactly ``measurements`` ((Layout, [tokens/s per
+    device, ...]) pairs, one trial per value, in order). TEST FIXTURE numbers chosen by the test,
+    stored as the engine stores a result; ``simulated`` (and the trials' backend) follow ``backend``.
+    ``predicted``: {layout key: predicted tokens/s per device} for prediction-error displays."""
+    spec = SweepSpec.model_validate({"name": name, "model": "tiny", "cluster": "cpu-local", "backend": backend,
+                                     "training": {"global_batch": 8, "precision": "fp32"}})
+    simulated = backend == "simulate"
+    with store.session_scope(sessions) as session:
+        sid = service.create_sweep(session, spec=spec, owner="alice").id
+        number = 0
+        for lay, values in measurements:
+            for repeat, tokens in enumerate(values):
+                store.insert_trial(session, sweep_id=sid, number=number, layout=lay.__dict__.copy(),
+                                   layout_key=lay.key, world_size=lay.world_size, backend=backend, repeat=repeat,
+                                   phase="search" if repeat == 0 else "remeasure",
+                                   predicted_memory_bytes=3 * 2**30,
+                                   predicted_tokens_per_s_per_device=(predicted or {}).get(lay.key))
+                store.record_result(session, sweep_id=sid, number=number, attempt=0, result=TrialResult(
+                    status="completed", backend=backend, simulated=simulated, step_time_s=1.0, step_times_s=[1.0],
+                    tokens_per_s_per_device=tokens, tokens_per_s=tokens * lay.world_size,
+                    peak_memory_bytes=2 * 2**30, wall_s=2.0, device_seconds=2.0 * lay.world_size))
+                number += 1
         store.refresh_sweep_cache(session, sweep_id=sid)
         store.set_sweep_status(session, sweep_id=sid, status="running")
         store.set_sweep_status(session, sweep_id=sid, status="completed")

@@ -122,5 +122,5 @@ def test_trends_page_in_chromium_marks_the_regression(seeded, artifacts_dir: Pat
     finally:
         server.should_exit = True
         thread.join(10)
-    assert names == [Layout().key, "regression"] and points == 2
+    assert names == [Layout().short, "regression"] and points == 2  # legends show Layout.short
     assert errors == [] and outside == []

@@ -7,6 +7,7 @@ Errors are SpecError naming the file and the field: ``x.yaml: training.global_ba
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,28 @@ from tuner._space import SearchSpace
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, cluster_spec, model_spec, training_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+class SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's float syntax. PyYAML resolves plain scalars by YAML 1.1
+    (https://yaml.org/type/float.html), whose floats need a dot and a signed exponent, so
+    ``25.0e9`` and ``1e9`` load as the *strings* "25.0e9" and "1e9" and a spec field such as
+    ``link_bandwidth: 25.0e9`` fails with a type error. YAML 1.2's core schema
+    (https://yaml.org/spec/1.2.2/#1022-tag-resolution) reads them as floats; this resolver adds
+    exactly that form. It is tried after the int and YAML 1.1 float resolvers, so ``25`` stays an int
+    and everything PyYAML already read as a number is unchanged."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)$"),
+    list("-+.0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` with YAML 1.2 floats (``SpecLoader``): for every YAML spec text."""
+    return yaml.load(text, Loader=SpecLoader)  # noqa: S506 - SpecLoader is a SafeLoader
 
 
 @dataclass(frozen=True)
@@ -54,7 +77,7 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
     except ValueError as exc:  # tomllib.TOMLDecodeError
         if isinstance(exc, SpecError):
             raise

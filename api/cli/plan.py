@@ -15,6 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from api import format as fmt
 from tuner import (
     PRECISIONS,
     LayoutError,
@@ -127,7 +128,7 @@ def _print(result: Plan, top: int) -> None:
     m, c, t = result.model, result.cluster, result.training
     console.print(
         f"[bold]{m.name}[/] ({_count(m.params)} params) on [bold]{c.name}[/] "
-        f"{c.nodes}x{c.devices_per_node} ({c.devices} devices, {c.device_memory / GiB:.0f} GiB each); "
+        f"{c.nodes}x{c.devices_per_node} ({c.devices} devices, {fmt.bytes_text(c.device_memory)} each); "
         f"global batch {t.global_batch} x {m.seq_len} tokens, {t.precision}"
     )
     shown = result.entries[:top]

@@ -115,13 +115,9 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    from api import format as fmt
+
+    return fmt.bytes_text(n, dash="-")
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -137,47 +133,64 @@ METRIC_LABELS = {
 def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     """The ranking as a table. Per-device columns say "/dev"; "useful tok/s/dev" is the API's
     ``useful_tokens_per_s_per_device`` (so it is <= tok/s/dev); the metric's median and interval are
-    labelled with the metric's unit."""
+    labelled with the metric's unit. Layouts are shown in their short form (``Layout.short``; the
+    JSON keeps the full key), never cut: two layouts never read the same."""
     from rich.table import Table
+
+    from api import format as fmt
 
     label = " (SIMULATED: analytical model + noise, not measurements)" if ranking.simulated else ""
     if getattr(ranking, "diagnostic", False):
         label += " (DIAGNOSTIC: trial.options inject failures/sleeps/memory caps; not real measurements)"
     unit = METRIC_LABELS.get(ranking.metric, ranking.metric)
     table = Table(title=f"sweep {ranking.sweep_id}: ranked by {ranking.metric}{label}")
-    columns = ["#", "layout", "n", f"median {unit}", "95% interval", "tie"]
+    columns = ["#", "layout", "n", f"median {unit}", "95% interval", "vs best"]
     if ranking.metric != "tokens_per_s_per_device":
         columns.append("tok/s/dev")
     columns += ["useful tok/s/dev", "peak mem", "pred err", "mem err"]
     for col in columns:
-        table.add_column(col, justify="left" if col == "layout" else "right")
-    for row in ranking.rows[:top]:
-        spread = "n=1" if row.low is None or row.high is None else f"{_fmt(row.low)} - {_fmt(row.high)}"
-        cells = [str(row.rank), row.layout_key, str(row.n), _fmt(row.median), spread,
-                 f"={row.tie_group}" + ("*" if row.tied_with_best else "")]
+        if col == "layout":
+            table.add_column(col, justify="left", overflow="fold", min_width=12)
+        elif col == "vs best":
+            table.add_column(col, justify="left", max_width=16)
+        else:
+            table.add_column(col, justify="right")
+    best_known = bool(ranking.rows) and fmt.interval_known(ranking.rows[0])
+    verdicts = fmt.versus_rows(ranking.rows)
+    for row, versus in list(zip(ranking.rows, verdicts, strict=True))[:top]:
+        spread = "none (n=1)" if not fmt.interval_known(row) else f"{_fmt(row.low)} - {_fmt(row.high)}"
+        cells = [str(row.rank), fmt.layout_text(row.layout, dash=row.layout_key) if row.layout else row.layout_key,
+                 str(row.n), _fmt(row.median), spread, fmt.versus_text(versus, best_known=best_known)]
         if ranking.metric != "tokens_per_s_per_device":
             cells.append(_fmt(row.tokens_per_s_per_device))
         cells += [
             _fmt(row.useful_tokens_per_s_per_device), _fmt_bytes(row.peak_memory_bytes),
-            "-" if row.prediction_error is None else f"{row.prediction_error:+.0%}",
-            "-" if row.memory_prediction_error is None else f"{row.memory_prediction_error:+.0%}",
+            fmt.error_markup(row.prediction_error), fmt.error_markup(row.memory_prediction_error),
         ]
         table.add_row(*cells)
     console.print(table)
     if ranking.rows:
-        tied = [r.layout_key for r in ranking.rows if r.tied_with_best]
-        if len(tied) > 1:
-            console.print(f"{len(tied)} layouts are tied with the best (95% intervals overlap, or one run "
-                          "only ('n=1': no interval); marked *).")
+        tied = sum(v == fmt.TIED for v in verdicts)
+        console.print(fmt.tied_sentence(tied, best_known=best_known))
+        console.print(f"vs best — {fmt.VERSUS_LEGEND}. pred err / mem err: (model - measured) / measured, "
+                      "coloured by size (green within 15%, yellow within 50%, red beyond).", style="dim")
     else:
         console.print("no layout was measured successfully")
+
+
+def _device_seconds_text(sweep: Any) -> str:
+    """The sweep's device-seconds, said to be simulated on the simulate backend: there they are the
+    time the modelled runs would take, and no device spent them."""
+    if sweep.backend == "simulate":
+        return f"simulated device-seconds={sweep.device_seconds:,.1f} (no real device time)"
+    return f"device-seconds={sweep.device_seconds:,.1f}"
 
 
 def _print_sweep(console: Any, sweep: Any) -> None:
     console.print(
         f"sweep {sweep.id} [bold]{sweep.name}[/bold]: {sweep.status}  sampler={sweep.sampler} backend={sweep.backend} "
         f"trials={sweep.n_trials} (completed {sweep.n_completed}, pruned {sweep.n_pruned}, failed {sweep.n_failed}) "
-        f"device-seconds={sweep.device_seconds:.1f}"
+        f"{_device_seconds_text(sweep)}"
     )
     if sweep.diagnostic:
         console.print("[yellow]diagnostic sweep: trial.options inject failures, sleeps or memory caps; its numbers "
@@ -215,6 +228,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from api import format as fmt
     from api import store
     from api.engine import SweepRunner
     from api.services import sweeps as svc
@@ -247,7 +261,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         done = 0
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     verb = "resuming" if args.resume is not None else "sweep"
-    console.print(f"{verb} {sweep.id} '{spec.name}': {spec.model} on {spec.cluster}, sampler={spec.sampler_label}, "
+    console.print(f"{verb} {sweep.id} '{spec.name}': {_problem_label(spec)}, sampler={spec.sampler_label}, "
                   f"backend={spec.backend}, up to {_planned_trials(spec)} trials")
     stop = threading.Event()
     previous = _stop_on_ctrl_c(stop, console)
@@ -260,7 +274,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
                 row = event.get("trial")
                 if event["event"] in ("finished", "pruned") and row is not None:
                     what = row.status if row.status != "completed" else f"{_fmt(row.tokens_per_s_per_device)} tok/s/dev"
-                    progress.update(task, advance=1, last=f"#{row.number} {row.layout_key}: {what}")
+                    progress.update(task, advance=1, last=f"#{row.number} {fmt.layout_text(row.layout)}: {what}")
 
             final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
             progress.update(task, total=progress.tasks[0].completed)
@@ -284,6 +298,15 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     return 0 if final.status == "completed" else 1
 
 
+def _problem_label(spec: Any) -> str:
+    """``llama3-70b on h100-sxm (8×8 cuda)``: the resolved model and cluster, whether the spec names a
+    preset or a mapping of overrides (a mapping printed as it is read ``{'preset': ...}``)."""
+    from api import format as fmt
+
+    model, cluster, _ = spec.to_problem()
+    return f"{model.name} on {fmt.cluster_label(cluster)}"
+
+
 def _planned_trials(spec: Any) -> int:
     """Trial numbers the sweep plans (search + re-measurements); the progress bar's total."""
     search = spec.search
@@ -296,6 +319,7 @@ def list_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from api import format as fmt
     from api.services import sweeps as svc
 
     _, sessions = _sessions()
@@ -307,13 +331,16 @@ def list_cmd(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     table = Table(title=f"sweeps ({page.total} in all)")
-    for col in ("id", "name", "status", "owner", "sampler", "backend", "trials", "best layout", "best tok/s/dev",
-                "created"):
-        table.add_column(col)
-    for sw in page.items:
-        table.add_row(str(sw.id), sw.name, sw.status, sw.owner or "-", sw.sampler, sw.backend, str(sw.n_trials),
-                      sw.best_layout_key or "-", _fmt(sw.best_tokens_per_s_per_device),
-                      sw.created_at.strftime("%Y-%m-%d %H:%M"))
+    for col in ("id", "name", "status", "owner", "sampler", "backend", "trials", "best layout",
+                "best tok/s/dev (median)", "created"):
+        table.add_column(col, overflow="fold")
+    with sessions() as s:
+        for sw in page.items:  # the ranking's #1, as `show` and the dashboard name it (not the fastest run)
+            ranked = svc.ranking(s, sweep_id=sw.id).rows if sw.n_completed else []
+            best = ranked[0] if ranked else None
+            table.add_row(str(sw.id), sw.name, sw.status, sw.owner or "-", sw.sampler, sw.backend, str(sw.n_trials),
+                          fmt.layout_text(best.layout) if best else "-", _fmt(best.median if best else None),
+                          sw.created_at.strftime("%Y-%m-%d %H:%M"))
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0
 
@@ -322,6 +349,7 @@ def show_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from api import format as fmt
     from api.services import sweeps as svc
 
     _, sessions = _sessions()
@@ -341,7 +369,8 @@ def show_cmd(args: argparse.Namespace) -> int:
     on_front = [p for p in front if p.on_front]
     if on_front:
         console.print("Pareto front (tokens/s per device vs peak memory): " + ", ".join(
-            f"{p.layout_key} ({_fmt(p.tokens_per_s_per_device)}, {_fmt_bytes(p.peak_memory_bytes)})" for p in on_front))
+            f"{fmt.layout_text(p.layout)} ({_fmt(p.tokens_per_s_per_device)}, {_fmt_bytes(p.peak_memory_bytes)})"
+            for p in on_front))
     if sweep.calibration:
         cal = sweep.calibration
         console.print(f"calibration from {cal.get('n_time_samples')} measurements: rms log error "
@@ -350,11 +379,11 @@ def show_cmd(args: argparse.Namespace) -> int:
     if args.trials:
         table = Table(title="trials")
         for col in ("#", "att", "phase", "layout", "status", "tok/s/dev", "pred", "peak mem", "pred mem", "cause"):
-            table.add_column(col)
+            table.add_column(col, overflow="fold")
         for t in trials:
-            table.add_row(str(t.number), str(t.attempt), t.phase, t.layout_key, t.status, _fmt(t.tokens_per_s_per_device),
-                          _fmt(t.predicted_tokens_per_s_per_device), _fmt_bytes(t.peak_memory_bytes),
-                          _fmt_bytes(t.predicted_memory_bytes), (t.cause or "")[:60])
+            table.add_row(str(t.number), str(t.attempt), t.phase, fmt.layout_text(t.layout), t.status,
+                          _fmt(t.tokens_per_s_per_device), _fmt(t.predicted_tokens_per_s_per_device),
+                          _fmt_bytes(t.peak_memory_bytes), _fmt_bytes(t.predicted_memory_bytes), fmt.cause_text(t.cause))
         console.print(table)
     return 0
 

@@ -8,7 +8,6 @@ few hundred kB of rows.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -16,34 +15,17 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from api import format as fmt
 from api.dashboard import views
 from api.services import reshard as reshard_service
 from api.services import sweeps as service
 from api.spec import SweepSpec
 from tuner import Layout, LayoutError, TrainingSpec, microbatches
-from tuner._stats import pareto_front
+from tuner._stats import TIED, pareto_front
 
 GiB = views.GiB
 LIVE_STATUSES = ("queued", "running")
-_KEY = re.compile(
-    r"tp(?P<tp>\d+)-cp(?P<cp>\d+)-ep(?P<ep>\d+)-dp(?P<dp>\d+)-pp(?P<pp>\d+)-z(?P<zero>\d)-mbs(?P<mbs>\d+)"
-    r"-ac_(?P<ac>\w+?)(?P<sp>-sp)?-(?P<sched>.+)$"
-)
-
-
-def layout_from_key(key: str | None) -> dict[str, Any] | None:
-    """Invert ``Layout.key`` (the sweep list shows the best layout from the sweep's cached key)."""
-    m = _KEY.match(key or "")
-    if not m:
-        return None
-    d: dict[str, Any] = {k: int(m[k]) for k in ("tp", "cp", "ep", "dp", "pp", "zero", "mbs")}
-    d.update(ac=m["ac"], sp=bool(m["sp"]), schedule="1f1b", vpp=1)
-    sched = m["sched"]
-    if sched.startswith("interleavedv"):
-        d.update(schedule="interleaved", vpp=int(sched.removeprefix("interleavedv")))
-    elif sched != "nopp":
-        d["schedule"] = sched
-    return d
+layout_from_key = fmt.layout_from_key  # kept here too: the dashboard's tests and pages read keys back
 
 
 def budget_of(spec: dict[str, Any] | None) -> int | None:
@@ -71,7 +53,7 @@ def problem(sweep: Any) -> dict[str, Any]:
         return out
     out.update(
         model_label=model.name,
-        cluster_label=f"{cluster.name} ({cluster.nodes}×{cluster.devices_per_node} {cluster.device_kind})",
+        cluster_label=fmt.cluster_label(cluster),
         device_memory=cluster.device_memory, training=training, global_batch=training.global_batch,
     )
     return out
@@ -123,20 +105,34 @@ def _nodes(env: dict[str, Any] | None) -> int | None:
     return len(hosts) if isinstance(hosts, list) and hosts else None
 
 
-def sweep_list_row(s: Any) -> dict[str, Any]:
-    best = layout_from_key(s.best_layout_key)
+def ranked_best(session: Session, sweep: Any) -> Any | None:
+    """The ranking's first row (best median over its measurements), or None before any measurement.
+    The sweep row's cached ``best_*`` is the single fastest trial, which a lucky run of a noisy
+    layout can hold while the ranking puts another first: wherever a sweep's "best" is shown it is
+    this row, so that the list, the sweep page and ``meshtune sweeps`` name the same layout. The
+    ranking is cached per sweep until its next recorded trial (api.services.sweeps)."""
+    if not sweep.n_completed:
+        return None
+    rows = service.ranking(session, sweep_id=sweep.id).rows
+    return rows[0] if rows else None
+
+
+def sweep_list_row(s: Any, best: Any | None = None) -> dict[str, Any]:
+    """A row of the sweeps list; ``best``: the sweep's ``ranked_best`` row."""
+    simulated = s.backend == "simulate"
     return {
         "id": s.id, "name": s.name, "status": s.status, "owner": s.owner, "backend": s.backend,
-        "best": s.best_tokens_per_s_per_device, "best_label": views.layout_label(best) if best else None,
+        "best": best.median if best else None, "best_label": views.layout_label(best.layout) if best else None,
+        "best_key": best.layout_key if best else None,
         "done": s.n_completed + s.n_pruned + s.n_failed, "budget": budget_of(s.spec),
-        "device_seconds": s.device_seconds, "started": s.started_at or s.created_at,
+        "device_seconds": s.device_seconds, "simulated": simulated, "started": s.started_at or s.created_at,
     }
 
 
 def sweeps_page(session: Session, *, status: str | None, page: int, per_page: int = 50) -> dict[str, Any]:
     result = service.list_sweeps(session, status=status, limit=per_page, offset=(page - 1) * per_page)
     return {
-        "sweeps": [sweep_list_row(s) for s in result.items],
+        "sweeps": [sweep_list_row(s, ranked_best(session, s)) for s in result.items],
         "total": result.total,
         "pages": max(1, -(-result.total // per_page)),
     }
@@ -164,6 +160,7 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
         "started": sweep.started_at or sweep.created_at, "budget": prob["budget"] or "?",
         "model_label": prob["model_label"], "cluster_label": prob["cluster_label"],
         "global_batch": prob["global_batch"], "simulated": sweep.backend == "simulate",
+        "migration_refusal": reshard_service.refusal(sweep),
     }
 
 
@@ -222,12 +219,18 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
             by_key_mfu.setdefault(t["key"], []).append(t["mfu"])
     ranking = service.ranking(session, sweep_id=sweep_id)
     rows = []
-    for i, r in enumerate(ranking.rows):
+    best_known = bool(ranking.rows) and fmt.interval_known(ranking.rows[0])
+    for i, (r, versus) in enumerate(zip(ranking.rows, fmt.versus_rows(ranking.rows), strict=True)):
         d = dict(vars(r))  # shallow: asdict() deep-copies every layout (0.7 s for 2,000 rows)
         mfus = sorted(by_key_mfu.get(r.layout_key, []))
+        above = ranking.rows[i - 1] if i else None
         d.update(
             id=first_id.get(r.layout_key), tokens=r.median, lo=r.low, hi=r.high, status="completed",
-            tied=i > 0 and ranking.rows[i - 1].tie_group == r.tie_group,
+            versus=versus, versus_text=fmt.versus_text(versus, best_known=best_known),
+            # "≈ the row above": both intervals known and in one tie group (a single run joins any
+            # group, tuner._stats.rank, which says nothing about it being close)
+            tied=bool(above and fmt.interval_known(r) and fmt.interval_known(above)
+                      and above.tie_group == r.tie_group),
             mfu=mfus[len(mfus) // 2] if mfus else None, microbatches=_m(r.layout, prob["training"]),
             peak_gib=r.peak_memory_bytes / GiB if r.peak_memory_bytes else None,
             capacity_gib=cap / GiB if cap else None,
@@ -246,6 +249,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
         for r in measured
     ]
     bundle = views.chart_bundle(trials, points=points, device_memory=cap)
+    tied = sum(r["versus"] == TIED for r in rows)  # the best is not tied with itself
     if ranking.rows:  # the headline is the ranking's winner (median over its measurements)
         top = ranking.rows[0]
         bundle["summary"].update(best_tokens_per_s_per_device=views.sig(top.median),
@@ -253,6 +257,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     bundle["status"] = sweep.status
     bundle["live"] = sweep.status in LIVE_STATUSES
     header = sweep_header(sweep, prob)
+    header["tied_sentence"] = fmt.tied_sentence(tied, best_known=best_known or not rows)
     header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
     results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
     header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)

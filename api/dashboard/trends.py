@@ -17,8 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from api import format as fmt
 from api.dashboard.router import _can_read, _login, _not_found, templates
-from api.deps import SessionDep, SettingsDep
+from api.deps import ScheduleId, SessionDep, SettingsDep
 from api.schedules.schemas import AlertOut, FireOut
 from api.services import schedules as service
 from tuner import NotFoundError
@@ -35,11 +36,11 @@ def chart(trend: dict[str, Any]) -> dict[str, Any]:
     for key in trend["layouts"]:
         pts = [p for p in trend["points"] if p["layout_key"] == key]
         traces.append({
-            "type": "scatter", "mode": "lines+markers", "name": key,
+            "type": "scatter", "mode": "lines+markers", "name": fmt.key_text(key),
             "x": [p["fire_time"].isoformat() for p in pts], "y": [p["best_tokens_per_s"] for p in pts],
             "customdata": [[p["median_tokens_per_s"], p["n"], p["verdict"] or "-"] for p in pts],
             "hovertemplate": "%{x}<br>best %{y:,.4g} tok/s<br>median %{customdata[0]:,.4g} (n=%{customdata[1]})"
-                             "<br>%{customdata[2]}<extra>" + key + "</extra>",
+                             "<br>%{customdata[2]}<extra>" + fmt.key_text(key) + "</extra>",
         })
     for verdict, (symbol, color) in MARKERS.items():
         pts = [p for p in trend["points"] if p["verdict"] == verdict]
@@ -47,7 +48,7 @@ def chart(trend: dict[str, Any]) -> dict[str, Any]:
             traces.append({
                 "type": "scatter", "mode": "markers", "name": verdict,
                 "x": [p["fire_time"].isoformat() for p in pts], "y": [p["best_tokens_per_s"] for p in pts],
-                "text": [p["layout_key"] for p in pts],
+                "text": [fmt.key_text(p["layout_key"]) for p in pts],
                 "marker": {"symbol": symbol, "size": 16, "color": color, "line": {"width": 1, "color": "#000"}},
                 "hovertemplate": verdict + ": %{text}<extra></extra>",
             })
@@ -68,7 +69,7 @@ def schedules_page(request: Request, session: SessionDep, settings: SettingsDep)
 
 
 @router.get("/schedules/{schedule_id}/trends", name="dashboard_trends")
-def trends_page(request: Request, schedule_id: int, session: SessionDep, settings: SettingsDep,
+def trends_page(request: Request, schedule_id: ScheduleId, session: SessionDep, settings: SettingsDep,
                 runs: int = 30) -> HTMLResponse:
     if not _can_read(request, settings):
         return _login(request)
@@ -90,7 +91,7 @@ def trends_page(request: Request, schedule_id: int, session: SessionDep, setting
 
 
 @router.get("/schedules/{schedule_id}/trends.json", name="dashboard_trends_data")
-def trends_data(request: Request, schedule_id: int, session: SessionDep, settings: SettingsDep,
+def trends_data(request: Request, schedule_id: ScheduleId, session: SessionDep, settings: SettingsDep,
                 runs: int = 30) -> JSONResponse:
     if not _can_read(request, settings):
         return JSONResponse({"detail": "this coordinator needs a token to read"}, status_code=401)

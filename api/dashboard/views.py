@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+from api import format as fmt
+
 GiB = 2**30
 
 # Outcomes in the order the legend lists them; "pruned" = rejected by the memory model, no device time.
@@ -55,42 +57,25 @@ def completed(trials: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def layout_label(layout: dict[str, Any]) -> str:
-    """Short human label: only the axes above 1, then the knobs (e.g. ``TP2·PP2·DP1 z1 mbs2 ac=full``)."""
-    deg = [f"{a.upper()}{layout.get(a, 1)}" for a in ("tp", "cp", "ep", "pp") if layout.get(a, 1) > 1]
-    deg.append(f"DP{layout.get('dp', 1)}")
-    parts = ["·".join(deg), f"z{layout.get('zero', 0)}", f"mbs{layout.get('mbs', 1)}"]
-    if layout.get("ac", "none") != "none":
-        parts.append(f"ac={layout['ac']}")
-    if layout.get("sp"):
-        parts.append("sp")
-    if layout.get("pp", 1) > 1:
-        sched = layout.get("schedule", "1f1b")
-        parts.append(f"{sched}v{layout.get('vpp', 1)}" if sched == "interleaved" else sched)
-    return " ".join(parts)
+    """Short human label of a layout (``api.format.layout_text``: ``tp2 dp2 pp2 z1 1f1b``)."""
+    return fmt.layout_text(layout)
 
 
-def duration(seconds: float | None) -> str:
-    """``3725`` -> ``1 h 02 min``; ``42.5`` -> ``42.5 s``."""
-    if seconds is None:
-        return "—"
-    if seconds < 60:
-        return f"{seconds:.3g} s"
-    minutes, sec = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes} min {sec:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"
+duration = fmt.duration  # the templates' and the CLI's one formula
 
 
 def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Counts by outcome, best tokens/s per device, device time spent (interrupted attempts are not
-    results: they are re-run, so they are counted apart)."""
+    results: they are re-run, so they are counted apart). Simulated trials' device-seconds are what
+    the simulate backend says a real run would take: they are summed apart and never shown as real."""
     counts = dict.fromkeys(OUTCOMES, 0)
     for t in trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1
     done = completed(trials)
     best = max(done, key=lambda t: t["tokens_per_s_per_device"], default=None)
-    spent = sum(t.get("device_seconds") or 0.0 for t in trials)
+    real = sum(t.get("device_seconds") or 0.0 for t in trials if not t.get("simulated"))
+    simulated = sum(t.get("device_seconds") or 0.0 for t in trials if t.get("simulated"))
+    shown = fmt.device_time(real, simulated)
     return {
         "counts": counts,
         "finished": sum(counts[o] for o in FINISHED),
@@ -98,8 +83,11 @@ def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "best_tokens_per_s_per_device": sig(best["tokens_per_s_per_device"]) if best else None,
         "best_trial_id": best["id"] if best else None,
         "best_label": layout_label(best["layout"]) if best else None,
-        "device_seconds": spent,
-        "device_time": duration(spent),
+        "device_seconds": real,
+        "simulated_device_seconds": simulated,
+        "device_time": shown["value"],
+        "device_time_label": shown["label"],
+        "device_time_simulated": shown["simulated"],
     }
 
 
@@ -222,9 +210,23 @@ def timeline(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"traces": mark_traces + bar_traces}  # bars drawn over the markers
 
 
+def _missing_note(done: Sequence[dict[str, Any]], *, what: str, of: str, none_yet: str) -> str:
+    """Why a chart is empty, said truthfully: no ``of`` completed yet, or some did but recorded no
+    ``what`` — always the case on the simulate backend, which answers from the analytical model and
+    trains nothing (no per-stage times, no losses)."""
+    if not done:
+        return none_yet
+    n = f"{len(done)} completed {of}"
+    if all(t.get("simulated") for t in done):
+        return f"no {what}: the simulate backend records none ({n}, all simulated)"
+    return f"no {what} recorded by the {n}"
+
+
 def stage_bars(trials: Sequence[dict[str, Any]], *, limit: int = 6) -> dict[str, Any]:
-    """Measured per-stage step time of the fastest pipeline layouts (grouped bars show imbalance)."""
-    piped = [t for t in completed(trials) if t["layout"].get("pp", 1) > 1 and t.get("stage_times_s")]
+    """Measured per-stage step time of the fastest pipeline layouts (grouped bars show imbalance);
+    ``note`` says why there are none when there are none."""
+    done = [t for t in completed(trials) if t["layout"].get("pp", 1) > 1]
+    piped = [t for t in done if t.get("stage_times_s")]
     piped.sort(key=lambda t: -t["tokens_per_s_per_device"])
     traces = []
     seen: set[str] = set()
@@ -243,7 +245,9 @@ def stage_bars(trials: Sequence[dict[str, Any]], *, limit: int = 6) -> dict[str,
         })
         if len(traces) >= limit:
             break
-    return {"traces": traces}
+    note = None if traces else _missing_note(done, what="per-stage times", of="pipeline trials (pp > 1)",
+                                             none_yet="no completed pipeline layout (pp > 1) yet")
+    return {"traces": traces, "note": note}
 
 
 def reference_trial(trials: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -266,7 +270,8 @@ def loss_curves(trials: Sequence[dict[str, Any]], *, limit: int = 8) -> dict[str
     """Loss per step of the fastest layouts overlaid on the reference layout's (dashed black)."""
     ref = reference_trial(trials)
     if ref is None:
-        return {"traces": [], "reference_id": None}
+        note = _missing_note(completed(trials), what="losses", of="trials", none_yet="no completed trial yet")
+        return {"traces": [], "reference_id": None, "note": note}
     others = [t for t in completed(trials) if t.get("losses") and t["id"] != ref["id"]]
     others.sort(key=lambda t: -t["tokens_per_s_per_device"])
     traces = [{
@@ -289,7 +294,7 @@ def loss_curves(trials: Sequence[dict[str, Any]], *, limit: int = 8) -> dict[str
         })
         if len(traces) > limit:
             break
-    return {"traces": traces, "reference_id": ref["id"]}
+    return {"traces": traces, "reference_id": ref["id"], "note": None}
 
 
 def rel_error(predicted: float | None, measured: float | None) -> float | None:

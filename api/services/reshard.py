@@ -62,6 +62,39 @@ def build_job(sweep_spec: dict[str, Any], *, from_layout: Any, to_layout: Any, s
     return job
 
 
+def refusal(sweep: Any) -> str | None:
+    """Why a migration check of ``sweep`` must not start, or None; decided without starting anything.
+
+    A check trains the sweep's model for real, one rank per device of its cluster. On a sweep of the
+    simulate backend nothing ever ran there (a simulated 70B sweep on 64 H100 would start a real
+    64-rank job from one click); and a world size beyond the Ray cluster's devices cannot run. Ray's
+    size is known only once Ray is up in this process (it is never started to answer this): before
+    that the Ray backend's own check refuses such a job, naming the numbers, before any rank starts."""
+    try:
+        model, cluster, _ = SweepSpec.model_validate(sweep.spec).to_problem()
+    except ValueError:
+        return None  # build_job reports the spec's own error
+    where = f"{model.name} on {cluster.devices} ranks of {cluster.name}"
+    if sweep.backend == "simulate":
+        return (f"sweep_id={sweep.id}: the sweep is simulated (backend=simulate), so none of its layouts ran; "
+                f"a migration check would train {where} for real. Check a sweep measured on a real backend")
+    resource, capacity = _ray_capacity(cluster)
+    if capacity is not None and cluster.devices > capacity:
+        return (f"sweep_id={sweep.id}: a migration check runs {where}, but the Ray cluster has "
+                f"{capacity:g} {resource}")
+    return None
+
+
+def _ray_capacity(cluster: Any) -> tuple[str, float | None]:
+    import sys
+
+    resource = "GPU" if cluster.device_kind == "cuda" else "CPU"
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return resource, None
+    return resource, float(ray.cluster_resources().get(resource, 0))
+
+
 def default_runner(job: ReshardJob) -> ReshardReport:
     """Ray (the trials' backend: ``RAY_ADDRESS`` or a local Ray), checkpoint in a temporary directory."""
     from workers.ray_backend import RayBackend
@@ -112,6 +145,9 @@ def run_check(
         raise NotFoundError(f"sweep {sweep_id} does not exist")
     job = build_job(sweep.spec, from_layout=from_layout, to_layout=to_layout, steps_before=steps_before,
                     steps_after=steps_after, corrupt=corrupt)
+    refused = refusal(sweep)
+    if refused:
+        raise SpecError(refused)
     session.rollback()  # hold no transaction (nor an SQLite lock) during the run
     report = (runner or default_runner)(job)
     return record_check(session, sweep_id=sweep_id, report=report, owner=owner)

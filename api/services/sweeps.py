@@ -20,7 +20,7 @@ from api import store
 from api.engine._model import check_runnable
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
-from tuner import ConflictError, NotFoundError, SpecError
+from tuner import ConflictError, Layout, NotFoundError, SpecError
 from tuner._stats import pareto_front, rank, relative_error
 
 RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
@@ -237,16 +237,22 @@ CSV_COLUMNS = (
     "useful_tokens_per_s", "useful_tokens_per_s_per_device", "peak_memory_bytes", "predicted_tokens_per_s_per_device", "prediction_error",
     "predicted_memory_bytes", "memory_prediction_error", "simulated",
 )
+# One column per layout field after layout_key (the key stays: it is the layout's identity), so a
+# spreadsheet can filter and pivot on tp, pp, ... without parsing the key.
+CSV_LAYOUT_COLUMNS = tuple(Layout.__dataclass_fields__)
 
 
 def ranking_csv(result: Ranking) -> str:
     """The ranking as CSV (one row per layout; ``median/low/high`` are of ``result.metric``)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    writer.writerow((*CSV_COLUMNS[:2], *CSV_LAYOUT_COLUMNS, *CSV_COLUMNS[2:]))
+    defaults = Layout().__dict__
     for row in result.rows:
         d = asdict(row)
-        writer.writerow(["" if d[c] is None else d[c] for c in CSV_COLUMNS])
+        layout = [row.layout.get(f, defaults[f]) for f in CSV_LAYOUT_COLUMNS]
+        cells = ["" if d[c] is None else d[c] for c in CSV_COLUMNS]
+        writer.writerow([*cells[:2], *layout, *cells[2:]])
     return buf.getvalue()
 
 

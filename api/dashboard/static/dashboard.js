@@ -35,9 +35,13 @@
       if (p && p.customdata !== undefined && p.customdata !== null) window.location.href = urls.trial + p.customdata;
     });
   }
+  // Each chart's box holds a "loading" line (templates/sweep.html) until its first draw: the charts
+  // wait for plotly.js, and the importance for a server-side Optuna fit, so they appear late.
+  function unload(el) { el.querySelectorAll(":scope > .loading").forEach(function (e) { e.remove(); }); }
   function draw(id, traces, layout) {
     const div = document.getElementById(id);
     if (!div) return Promise.resolve();
+    unload(div);
     return Plotly.react(div, traces, layout, config).then(function () { clickToTrial(div); });
   }
   // Yield to the browser between charts so the page stays responsive while a big sweep draws.
@@ -60,6 +64,7 @@
   function drawHeatmaps(maps) {
     const box = document.getElementById("plot-heatmaps");
     if (!box) return Promise.resolve();
+    unload(box);
     if (box.children.length !== Math.max(maps.length, 1)) {
       box.innerHTML = "";
       for (let i = 0; i < Math.max(maps.length, 1); i++) {
@@ -88,13 +93,13 @@
   function drawStages(s) {
     const layout = base({ barmode: "group", yaxis: { title: { text: "ms per step" } },
       legend: { orientation: "h", x: 0, y: -0.12, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
-    return draw("plot-stages", s.traces, note(layout, s.traces, "no completed pipeline layout (pp > 1) yet"));
+    return draw("plot-stages", s.traces, note(layout, s.traces, s.note || "no per-stage times"));
   }
 
   function drawLosses(l) {
     const layout = base({ xaxis: { title: { text: "step" } }, yaxis: { title: { text: "training loss" } },
       legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top", font: { size: 11 } }, margin: { l: 60, r: 20, t: 10, b: 10 } });
-    return draw("plot-losses", l.traces, note(layout, l.traces, "no loss curves yet"));
+    return draw("plot-losses", l.traces, note(layout, l.traces, l.note || "no loss curves"));
   }
 
   function drawImportance(imp) {
@@ -111,6 +116,8 @@
       const v = el.dataset.fact.split(".").reduce(function (o, k) { return o == null ? o : o[k]; }, s);
       if (v !== undefined && v !== null) el.textContent = v;
     });
+    const sim = document.getElementById("fact-simulated-time");
+    if (sim) sim.hidden = !s.summary.device_time_simulated;
   }
 
   async function drawAll(b) {
