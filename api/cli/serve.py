@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--port={args.port} is not a TCP port (0-65535)")
     settings = Settings()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Alembic >= 1.16 logs every built-in plugin it sets up at INFO (alembic/runtime/plugins.py), seven
+    # lines on each start that say nothing about this database; its migration lines still show.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     url = settings.resolved_database_url
     if not args.no_migrate or args.migrate_only:
         store.upgrade(url)  # raises StoreUnavailableError naming the URL (password hidden)
