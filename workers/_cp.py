@@ -4,7 +4,8 @@ Llama 3's scheme (Dubey et al. 2024, Sec. 3.3.2): the sequence is cut into 2*cp 
 keeps chunks r and 2*cp-1-r, so that under a causal mask every rank has the same attention work;
 each attention layer all-gathers K and V over the cp group and computes its local queries against
 the keys up to their own positions. torch's ``context_parallel`` (ring attention) has sharding rules
-only for the CUDA SDPA kernels and raises on CPU (see shared/FIELD-NOTES.md), so this path is ours and
+only for the CUDA SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py
+handles aten._scaled_dot_product_{flash,efficient,cudnn}_attention only) and raises on CPU, so this path is ours and
 runs on gloo and NCCL alike; on CUDA the chunk attention uses a lower-right causal bias so SDPA can
 pick its flash/efficient kernels instead of a materialised mask.
 

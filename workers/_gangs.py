@@ -72,7 +72,9 @@ class RankWorker:
 
     def set_visible_devices(self, gpu_ids: list[str]) -> None:
         # Before any CUDA call in this process: every rank on a node sees the node's trial GPUs, so
-        # NCCL can use peer-to-peer links (FIELD-NOTES, Ray launch pattern). CUDA reads the variable
+        # NCCL can use peer-to-peer links (Ray sets CUDA_VISIBLE_DEVICES to an actor's own GPUs only;
+        # Ray Train shares the node's union for the same reason: ray/train/_internal/
+        # backend_executor.py ``_share_cuda_visible_devices``). CUDA reads the variable
         # once, at initialisation: a change after it would be ignored and the rank would pick a
         # device index that does not exist or is another rank's, so refuse it loudly.
         import torch

@@ -5,8 +5,9 @@ Peak memory is measured, never estimated:
   ``reset_peak_memory_stats`` (the CUDA context and NCCL buffers are not included);
 - CPU: ``VmHWM`` from ``/proc/self/status``, the *whole process's* resident-set high-water mark
   (Python, torch's libraries and gloo buffers included), reset at trial start by writing "5" to
-  ``/proc/self/clear_refs``. tracemalloc would miss torch's C++ allocations and an RSS snapshot
-  misses transient peaks (shared/FIELD-NOTES.md).
+  ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5) "clear_refs": 5 resets the peak RSS).
+  tracemalloc would miss torch's C++ allocations (it traces only blocks allocated by Python's
+  allocators, Python docs "tracemalloc") and an RSS snapshot misses transient peaks.
 
 A reset sets the high-water mark to what the process holds *now*, so in a reused rank process it
 first releases what earlier trials left (``release_memory``): objects kept alive by reference

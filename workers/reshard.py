@@ -8,7 +8,8 @@ rank of one world size running both layouts one after the other):
    tensor gathered with ``full_tensor()``, keyed by the single-model FQN) next to it, then keep
    training A for ``steps_after`` steps: the uninterrupted reference.
 2. Phase B: build layout B, ``get_state_dict`` for B's shards, ``dcp.load``, ``set_state_dict``
-   (FIELD-NOTES "Checkpoints (DCP)"), gather B's full state and compare it bit for bit with A's,
+   (torch.distributed.checkpoint.state_dict, the resharding load of torch's "Getting Started with
+   Distributed Checkpoint (DCP)" recipe), gather B's full state and compare it bit for bit with A's,
    then train ``steps_after`` steps on the same batches A saw.
 
 The full-state gather reads the live parameters and ``optimizer.state`` directly, not through

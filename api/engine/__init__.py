@@ -4,8 +4,9 @@ warm start, budgets, concurrent trials and restart recovery.
 Where Optuna's state lives, and why: **in memory, rebuilt from our trials table.** Each sweep gets an
 in-memory ``optuna.Study``; on (re)start the engine replays every finished search trial into it with
 ``study.add_trial`` (values, and the memory constraint for infeasible ones). Our ``trials`` table is
-the one source of truth. Reasons (see shared/FIELD-NOTES.md):
-- Optuna's ``RDBStorage`` runs its own Alembic migrations and stamps ``alembic_version``; sharing the
+the one source of truth. Reasons:
+- Optuna's ``RDBStorage`` runs its own Alembic migrations and stamps ``alembic_version``
+  (optuna/storages/_rdb/storage.py and its bundled alembic/ directory); sharing the
   app's schema breaks one of the two, and a separate file/schema doubles what must be backed up,
   migrated and kept consistent (a trial recorded in one store but not the other after a crash).
 - SQLite with several writer processes gives "database is locked" (optuna #820, #4994); the
@@ -38,7 +39,16 @@ valid layout or whose backend does not resolve (SpecError naming ``space.<field>
 
 A sweep that FAILS (e.g. its backend cannot be imported) is never resumed: its rows still "running"
 are marked "interrupted" with the cause ``sweep failed: <reason>``, so no row of a finished sweep is
-left "running" (nor counted as running by /metrics).
+left "running" (nor counted as running by /metrics). When a trial meets a backend error, the trials
+beside it still finish and keep their own results; the one that met it is "interrupted" with it.
+
+Infrastructure is not the sweep's fault: a backend that raises ``workers.BackendUnavailable`` (Ray
+did not start in time, the cluster does not answer, no room, rank processes did not start) has the
+call retried after a back-off (``_loop.RETRY_DELAYS_S``). If it stays unavailable the sweep is left
+unfinished, never failed: its rows in flight become "interrupted" (cause ``backend unavailable:
+...``; re-run as attempt + 1 on resume), it is released, ``run_sweep`` raises the error with the
+resume command, and ``run_pending`` does not claim it again for a growing back-off, so the sweeps
+behind it still run.
 
 Listed layouts (``search.layouts``): no sampler, warm start or patience; each listed layout is run
 once in the listed order (search phase, source "listed"; still subject to the memory model's pruning)

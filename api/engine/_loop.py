@@ -20,6 +20,8 @@ sweep at once and writes nothing more to it; the new owner re-runs what was in f
 from __future__ import annotations
 
 import dataclasses
+import logging
+import statistics
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -31,13 +33,17 @@ from api.engine._model import Problem
 from api.engine._space import ListProposer, OptunaProposer
 from api.spec import SweepSpec
 from tuner import BackendError, Layout
-from workers import TrialError, TrialRequest, TrialResult
+from workers import BackendUnavailable, TrialError, TrialRequest, TrialResult
 
 if TYPE_CHECKING:
     from api.engine._runner import SweepRunner
 
 MAX_THREADS = 32
 HEARTBEAT_S = 2.0
+# Back-off between attempts when the backend is unavailable (BackendUnavailable: Ray not started,
+# no room, ...); after the last, the sweep is left resumable (see SweepRunner._run_claimed).
+RETRY_DELAYS_S: tuple[float, ...] = (5.0, 20.0, 60.0)
+log = logging.getLogger("meshtune.engine")
 
 
 class LostClaim(Exception):  # noqa: N818 - a control-flow signal, not an error of the sweep
@@ -108,6 +114,7 @@ class SweepLoop:
                                            max_trials=self.search.max_trials)
         self.in_flight: dict[Future, Ticket] = {}
         self.last_beat = 0.0
+        self.backend_error: BackendError | None = None  # the first one; the loop drains, then raises it
 
     # --- state from the store ---------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class SweepLoop:
             warm = [] if self.problem.listed else self.problem.warm_start(self.search)
             self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
             self.next_number = max((t.number for t in rows), default=-1) + 1
-            self.backend = self.r.backend_factory(self.spec)
+            self.backend = self._retrying("start the backend", lambda: self.r.backend_factory(self.spec))
         try:
             if keep.lost:
                 raise LostClaim(f"sweep {self.sweep_id} was taken over during set-up")
@@ -197,6 +204,8 @@ class SweepLoop:
             self.pool.shutdown(wait=True)
         finally:
             self.backend.close()
+        if self.backend_error is not None:  # every other trial in flight has its own result recorded
+            raise self.backend_error
         if finished:
             with store.session_scope(self.r.sessions) as s:
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
@@ -206,7 +215,7 @@ class SweepLoop:
 
     def _slots(self) -> int:
         world = self.problem.cluster.devices
-        capacity = int(self.backend.capacity())
+        capacity = int(self._retrying("ask the backend its capacity", self.backend.capacity))
         slots = capacity // world if capacity >= 2 * world else 1
         if self.r.settings.max_concurrent_trials > 0:
             slots = min(slots, self.r.settings.max_concurrent_trials)
@@ -219,6 +228,8 @@ class SweepLoop:
         while True:
             halted = self._beat() != "running" or self.stop.is_set()
             self._collect([f for f in list(self.in_flight) if f.done()])
+            # A backend error: start nothing more, let the trials in flight end and be recorded.
+            halted = halted or self.backend_error is not None
             while not halted and len(self.in_flight) < self.slots:
                 if phase == "search":
                     if not self._search_done():
@@ -345,9 +356,24 @@ class SweepLoop:
         self.in_flight[ticket.future] = ticket
         self._progress("started")
 
+    def _retrying(self, what: str, call: Any) -> Any:
+        """``call()``, retried after each ``RETRY_DELAYS_S`` back-off while it raises
+        ``BackendUnavailable`` (and the loop is not being stopped); then that error propagates."""
+        for attempt, delay in enumerate((*RETRY_DELAYS_S, None), start=1):
+            try:
+                return call()
+            except BackendUnavailable as exc:
+                if delay is None or self.stop.is_set():
+                    raise
+                log.warning("sweep %s: could not %s (attempt %d: %s); retrying in %.0f s",
+                            self.sweep_id, what, attempt, exc, delay)
+                if self.stop.wait(delay):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover - the last attempt returns or raises
+
     def _run_one(self, request: TrialRequest) -> TrialResult:
         try:
-            return self.backend.run(request)
+            return self._retrying(f"run trial {request.trial_id}", lambda: self.backend.run(request))
         except BackendError:
             raise
         except Exception as exc:  # a backend bug is recorded as this trial's crash, not the sweep's end
@@ -362,12 +388,13 @@ class SweepLoop:
             ticket = self.in_flight.pop(fut)
             try:
                 result = fut.result()
-            except BackendError as exc:  # the backend cannot run anything: record, then fail the sweep
-                result = TrialResult(status="crash", backend=getattr(self.backend, "name", "?"),
-                                     error=TrialError(kind="crash", message=f"backend error: {exc}",
-                                                      exception_type="BackendError"))
-                self._record_failure(ticket, result)
-                raise
+            except BackendError as exc:
+                # The backend could not run this trial (it did not crash: it never ran). Its row stays
+                # "running" until the loop ends, then becomes "interrupted" with the cause (sweep
+                # failed, or backend unavailable: re-run on resume); the trials beside it finish and
+                # keep their own results.
+                self.backend_error = self.backend_error or exc
+                continue
             with store.session_scope(self.r.sessions) as s:
                 row = self.rows.get(ticket.number)
                 recorded = store.record_result(
@@ -385,14 +412,6 @@ class SweepLoop:
                 if row.status == "completed":
                     self._maybe_calibrate()
             self._progress("finished", row)
-
-    def _record_failure(self, ticket: Ticket, result: TrialResult) -> None:
-        """Record ``result`` for the failed trial and every other one in flight (the sweep ends)."""
-        with store.session_scope(self.r.sessions) as s:
-            for t in [ticket, *self.in_flight.values()]:
-                store.record_result(s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt, result=result,
-                                    layout_key=t.layout.key, runner_id=self.r.runner_id)
-            store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
 
     def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:
         device_memory = self.problem.cluster.device_memory
@@ -415,20 +434,24 @@ class SweepLoop:
                 store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
 
     def _remeasure_plan(self) -> list[tuple[Layout, int]]:
-        """Top-k layouts by median measured tokens/s per device, each topped up to ``repeats``
-        measurements (counting earlier re-measurement attempts, so a resume never repeats one)."""
+        """Top-k layouts by the median of their completed search measurements of tokens/s per device
+        (one lucky measurement does not make a contender; ties go to the layout key, so the plan is
+        the same on every resume), each topped up to ``repeats`` measurements (counting earlier
+        re-measurement attempts, so a resume never repeats one). Re-measurements do not re-rank:
+        a resume mid-way tops up the same layouts it started on."""
         k, repeats = self.search.remeasure_top_k, self.search.repeats
         if self.problem.listed:  # search.layouts: every listed layout that ran gets its repeats
             k = len(self.problem.space)
         if k <= 0 or repeats <= 1:
             return []
         rows = self._rows()
-        best: dict[str, float] = {}
+        measured: dict[str, list[float]] = {}
         for t in rows:
             if t.phase == "search" and t.status == "completed" and t.tokens_per_s_per_device is not None:
-                best[t.layout_key] = max(best.get(t.layout_key, 0.0), t.tokens_per_s_per_device)
+                measured.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
+        median = {key: statistics.median(values) for key, values in measured.items()}
         plan = []
-        for key in sorted(best, key=lambda key: -best[key])[:k]:
+        for key in sorted(median, key=lambda key: (-median[key], key))[:k]:
             done = [t.repeat for t in rows if t.layout_key == key and t.phase == "remeasure"]
             layout = self.problem.space.layouts[self.problem.space.index[key]]
             plan += [(layout, rep) for rep in range(1, repeats) if rep not in done]

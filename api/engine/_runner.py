@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +16,11 @@ from api import store
 from api.engine._loop import KeepAlive, LostClaim, SweepLoop
 from api.settings import Settings
 from api.spec import SweepSpec
+from workers import BackendUnavailable
 
 log = logging.getLogger("meshtune.engine")
 MAX_BACKOFF_S = 60.0
+UNAVAILABLE_CAUSE = "backend unavailable: {exc}; re-run as attempt+1 when the sweep resumes"
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -69,23 +72,49 @@ class SweepRunner:
     def run_pending(self, stop_event: threading.Event) -> None:
         """Run queued sweeps and resume unfinished ones (oldest first) until ``stop_event`` is set.
         No error ends this loop: one (e.g. the database unreachable) is logged and retried after an
-        exponential back-off (poll_s doubling up to MAX_BACKOFF_S)."""
+        exponential back-off (poll_s doubling up to MAX_BACKOFF_S). A sweep whose backend is
+        unavailable is left unfinished and is not claimed again for the same kind of back-off (its
+        own), so the sweeps behind it still run."""
         failures = 0
+        cooling: dict[int, tuple[int, float]] = {}  # sweep id -> (times unavailable, not before)
         while not stop_event.is_set():
+            sweep_id = None
             try:
                 with store.session_scope(self.sessions) as s:
-                    sweep = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s)
+                    sweep = self._claim_next(s, cooling)
                 if sweep is None:
                     failures = 0
                     stop_event.wait(self.poll_s)
                     continue
+                sweep_id = sweep.id
                 self._run_claimed(sweep.id, stop_event, None)
                 failures = 0
+                cooling.pop(sweep_id, None)
+            except BackendUnavailable as exc:  # already logged and released by _run_claimed
+                times = cooling.get(sweep_id, (0, 0.0))[0] + 1
+                delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(times, 16))
+                cooling[sweep_id] = (times, time.monotonic() + delay)
+                log.warning("sweep %s: not claimed again for %.1f s (%s)", sweep_id, delay, exc)
             except Exception:
                 failures += 1
                 delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(failures, 16))
                 log.exception("sweep engine: error in the coordinator loop; retrying in %.1f s", delay)
                 stop_event.wait(delay)
+
+    def _claim_next(self, s: Any, cooling: dict[int, tuple[int, float]]) -> store.Sweep | None:
+        """The oldest takeable sweep, skipping those whose backend was unavailable a moment ago."""
+        now = time.monotonic()
+        skip = {sweep_id for sweep_id, (_, until) in cooling.items() if until > now}
+        if not skip:
+            return store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s)
+        candidates = [sw for status in ("queued", "running")
+                      for sw in store.list_sweeps(s, status=status, limit=10_000)[0] if sw.id not in skip]
+        for sw in sorted(candidates, key=lambda sw: (sw.created_at, sw.id)):
+            claimed = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s,
+                                        sweep_id=sw.id)
+            if claimed is not None:
+                return claimed
+        return None
 
     def run_sweep(
         self,
@@ -94,7 +123,9 @@ class SweepRunner:
         stop_event: threading.Event | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> store.Sweep:
-        """Claim and run one sweep until it ends (or ``stop_event``); returns the final row."""
+        """Claim and run one sweep until it ends (or ``stop_event``); returns the final row. Raises
+        ``BackendUnavailable`` when its backend stayed unavailable through every retry: the sweep is
+        then left unfinished (released, resumable), never failed."""
         with store.session_scope(self.sessions) as s:
             sweep = store.get_sweep(s, sweep_id=sweep_id)
             if sweep is None:
@@ -120,6 +151,15 @@ class SweepRunner:
             loop.run()
         except LostClaim as exc:  # another coordinator runs it now: leave the sweep and its rows alone
             log.warning("sweep %s: %s; this coordinator stops running it", sweep_id, exc)
+        except BackendUnavailable as exc:
+            # Infrastructure, not the sweep: retried already (SweepLoop._retrying); never fail the
+            # sweep for it. Its trials in flight say why they stopped, and it is released for a resume.
+            log.warning("sweep %s: backend unavailable (%s); leaving it unfinished for a resume", sweep_id, exc)
+            self._interrupt_and_release(sweep_id, UNAVAILABLE_CAUSE.format(exc=exc)[:2000])
+            raise BackendUnavailable(
+                f"sweep {sweep_id} is left unfinished (resume it with `meshtune sweep --resume {sweep_id}`;"
+                f" a coordinator on the same database retries it): {exc}"
+            ) from exc
         except Exception as exc:
             if is_transient(exc):  # not the sweep's fault: let this or another coordinator resume it
                 log.warning("sweep %s: database error (%s: %s); releasing it for a later resume",
@@ -133,6 +173,18 @@ class SweepRunner:
             else:
                 log.exception("sweep %s failed", sweep_id)
             self._fail(sweep_id, f"{type(exc).__name__}: {exc}")
+
+    def _interrupt_and_release(self, sweep_id: int, cause: str) -> None:
+        """While this runner still owns the sweep: its running rows become "interrupted" with
+        ``cause`` (a resume re-runs each as attempt + 1), then the sweep is released."""
+        try:
+            with store.session_scope(self.sessions) as s:
+                if store.hold_sweep(s, sweep_id=sweep_id, runner_id=self.runner_id):
+                    store.mark_interrupted(s, sweep_id=sweep_id, cause=cause)
+                    store.refresh_sweep_cache(s, sweep_id=sweep_id)
+        except Exception as exc:  # the rows stay "running"; a resume interrupts them with the restart cause
+            log.warning("sweep %s: could not mark its trials interrupted (%s)", sweep_id, exc)
+        self._release_quietly(sweep_id)
 
     def _release_quietly(self, sweep_id: int) -> None:
         try:
