@@ -132,7 +132,7 @@ class SearchSettings(RequestModel):
         return value
 
 
-DIAGNOSTIC_OPTIONS = ("fail", "sleep_per_step_s", "memory_cap_bytes")
+DIAGNOSTIC_OPTIONS = ("fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes")
 
 
 class TrialOptions(RequestModel):
@@ -149,6 +149,7 @@ class TrialOptions(RequestModel):
     fail_rank: int | None = Field(None, ge=0, description="Rank that fails (default 0).")
     fail_step: int | None = Field(None, ge=0, description="Step at which it fails (default 1).")
     sleep_per_step_s: float | None = Field(None, ge=0, description="DIAGNOSTIC: sleep this long in every step.")
+    min_step_s: float | None = Field(None, ge=0, description="DIAGNOSTIC: every step lasts at least this long.")
     memory_cap_bytes: int | None = Field(None, gt=0, description="DIAGNOSTIC: cap each rank's device memory.")
     grad_norm: bool | None = Field(None, description="Record the gradient norm of every step.")
     cpu_bf16: bool | None = Field(None, description="Run bf16 on CPU ranks too (default: fp32 on CPU).")

@@ -49,6 +49,9 @@ class TrialRequest:
       before step ``fail_step`` (default 1) — a real raised error, sleep, 1 PiB allocation or
       infinite embedding output;
     - ``sleep_per_step_s``: seconds slept inside every timed step (an injected slowdown);
+    - ``min_step_s``: every step lasts at least this long (the rank sleeps the rest of it): a step
+      time that machine load cannot move as long as the compute fits in it (a deterministic
+      baseline for tests of slowdowns on a shared machine);
     - ``memory_cap_bytes``: a real per-rank memory cap for the trial (CUDA: the caching
       allocator's per-process fraction; CPU: ``RLIMIT_DATA`` above what the process already
       holds; see ``workers._launch.memory_cap``);

@@ -321,6 +321,7 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
             if chunk.tok_embeddings is not None:
                 chunk.tok_embeddings.register_forward_hook(_nan_hook(options, step_state))
     sleep_s = float(options.get("sleep_per_step_s", 0.0))
+    min_step_s = float(options.get("min_step_s", 0.0))
 
     # options.grad_norm: record the global gradient norm of every step (a diagnostic for the numerics
     # tests: Adam is invariant to the scale of the gradient, so losses alone would not show a wrong
@@ -337,6 +338,8 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
             time.sleep(sleep_s)
         local_loss = train_step(rm, *batch, grad_norms=grad_norms)
         measure.synchronize(device)
+        if min_step_s:  # pad the step to its floor: the step time is then fixed while compute fits in it
+            time.sleep(max(0.0, min_step_s - (time.perf_counter() - t0)))
         elapsed = measure.agreed_max(time.perf_counter() - t0, device)
         compute = rm.timer.take()
         value = global_loss(rm, local_loss)
