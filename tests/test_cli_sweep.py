@@ -228,3 +228,59 @@ def test_show_flags_diagnostic_sweeps_and_one_run_intervals(home, capsys):
     assert main(["sweep", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "badopt.yaml" in err and "trial.options.fail" in err and "Traceback" not in err
+
+
+# --- what `sweeps` and `show` say (issue 11, items 15, 16, 18, 21) ---------------------------------
+
+@pytest.fixture
+def measured(home, monkeypatch):
+    """A store holding a real-backend sweep whose single fastest run (628.2, pp2 dp2) is not the
+    ranking's best median (606.2, dp4 z1 mbs2), with a layout measured once far below; and a
+    simulate-backend one. The CLI reads the same store."""
+    from _dashboard_seed import seed_measured_sweep
+
+    from api import store
+    from tuner import Layout
+
+    url = f"sqlite:///{home / 'measured.db'}"
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
+    engine, sessions = store.open_store(url)
+    rows = [(Layout(pp=2, dp=2), [628.2, 500.0, 505.0]), (Layout(dp=4, zero=1, mbs=2), [606.2, 607.0, 605.5]),
+            (Layout(tp=2, dp=2), [603.0, 606.0, 609.0]), (Layout(dp=4), [300.0, 301.0, 299.0]), (Layout(tp=4), [68.5])]
+    ids = {"real": seed_measured_sweep(sessions, rows, name="real-one"),
+           "sim": seed_measured_sweep(sessions, rows[:2], name="sim-one", backend="simulate")}
+    yield ids
+    engine.dispose()
+
+
+def test_sweeps_lists_the_rankings_best_not_the_fastest_run(measured, capsys):
+    assert main(["sweeps"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "real-one" in x)
+    assert "dp4 z1 mbs2" in line and "606.2" in line and "628" not in line
+
+
+def test_show_explains_the_comparison_and_never_ties_a_single_run(measured, capsys):
+    assert main(["show", str(measured["real"])]) == 0
+    out = capsys.readouterr().out
+    assert "2 other layouts are tied with the best." in out  # the best itself is not counted
+    flat = " ".join(out.split())  # the legend is wrapped to the console's width
+    assert "vs best — tied with best: its 95% interval overlaps" in flat and "not comparable: a single run" in flat
+    rows = {x.split("│")[2].strip(): x for x in out.splitlines() if x.startswith("│") and x.split("│")[1].strip().isdigit()}
+    assert set(rows) == {"dp2 pp2 1f1b", "dp4 z1 mbs2", "tp2 dp2", "dp4", "tp4 dp1"}  # short forms, whole
+    assert "measured once" in rows["tp4 dp1"] and "tied" not in rows["tp4 dp1"]
+    assert "tied with best" in rows["tp2 dp2"] and "slower than" in rows["dp4"] and "best" in rows["dp4 z1 mbs2"]
+    assert "…" not in out and "=1*" not in out  # nothing cut short; the old unexplained notation is gone
+    assert "device-seconds=104.0" in out and "simulated" not in out.split("\n")[0]
+
+
+def test_show_says_simulated_device_time_is_not_real(measured, capsys):
+    assert main(["show", str(measured["sim"])]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "simulated device-seconds=48.0 (no real device time)" in first
+
+
+def test_sweep_header_names_the_resolved_cluster_not_a_mapping(home, capsys):
+    spec = _spec(home, cluster={"preset": "cpu-local"}, search={"max_trials": 2, "repeats": 1})
+    assert main(["sweep", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny on cpu-local (1×4 cpu)" in out and "{'preset'" not in out

@@ -40,6 +40,23 @@ def test_one_measurement_has_an_unknown_interval_and_is_never_separated():
     assert all(r.tied_with_best for r in lucky)
 
 
+def test_versus_best_never_calls_a_single_run_tied_and_follows_the_intervals_not_n():
+    from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, versus_best
+
+    ranked = rank({"best": [606.2, 607.0, 605.5], "close": [603.0, 606.0, 609.0], "far": [300.0, 301.0, 299.0],
+                   "once": [68.5]})
+    best = ranked[0].interval
+    verdicts = {r.key: versus_best(r.interval, best, is_best=r.rank == 1) for r in ranked}
+    assert verdicts == {"best": BEST, "close": TIED, "far": SLOWER, "once": NOT_COMPARABLE}
+    assert ranked[3].tied_with_best  # the ranking still never *separates* a single run (README)
+    # A best measured once makes every other layout not comparable, however often it was measured.
+    alone = rank({"lucky": [700.0], "steady": [600.0, 601.0, 599.0]})
+    assert versus_best(alone[1].interval, alone[0].interval, is_best=False) == NOT_COMPARABLE
+    # Once a single run has an interval (e.g. from a pooled noise estimate), it is compared like any other.
+    pooled = Interval(1, 68.5, 60.0, 78.0)
+    assert versus_best(pooled, best, is_best=False) == SLOWER
+
+
 def test_rank_marks_overlapping_intervals_as_ties():
     ranked = rank({"a": [100, 101, 99], "b": [99.5, 100.5, 98.5], "c": [80, 81, 79], "d": [79.5, 80.2, 79.9]})
     assert [r.key for r in ranked] == ["a", "b", "c", "d"]

@@ -81,3 +81,17 @@ def test_file_level_errors(tmp_path: Path) -> None:
         load_problem(write(tmp_path, "x.toml", "model = \n"))
     with pytest.raises(UnknownPresetError, match=r"x.yaml: model.preset='gpt5' is not a known preset \(known: "):
         load_problem(write(tmp_path, "x.yaml", YAML.replace("llama3-8b", "gpt5")))
+
+
+def test_yaml_numbers_with_an_exponent_are_floats(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML's resolver) reads ``25.0e9`` and ``1e9`` as strings; specs read them as YAML 1.2
+    does, as floats, and leave ints, other floats and strings as they were."""
+    path = tmp_path / "spec.yaml"
+    path.write_text("model: tiny\ncluster:\n  preset: cpu-local\n  inter_node_bandwidth: 25.0e9\n  peak_flops: 1e11\n"
+                    "training: {global_batch: 8, lr: 3e-4}\nsearch: {max_trials: 10, note: v1e9, other: 1.5}\n")
+    data = read_spec_file(path)
+    assert data["cluster"]["inter_node_bandwidth"] == 25.0e9 and isinstance(data["cluster"]["inter_node_bandwidth"], float)
+    assert data["cluster"]["peak_flops"] == 1e11 and data["training"]["lr"] == 3e-4
+    assert data["search"] == {"max_trials": 10, "note": "v1e9", "other": 1.5}
+    problem = load_problem(path)
+    assert (problem.cluster.peak_flops, problem.cluster.inter_node_bandwidth) == (1e11, 25.0e9)

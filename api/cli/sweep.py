@@ -120,9 +120,17 @@ def _fmt_bytes(n: float | None) -> str:
     return fmt.bytes_text(n, dash="-")
 
 
-def _fmt(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
+def _fmt(v: float | None) -> str:
+    """Throughput as the dashboard shows it (api.format.num: 4 significant digits, whole numbers from
+    10,000 up), so that a table fits a terminal and both read the same."""
+    from api import format as fmt
 
+    return fmt.num(v, dash="-")
+
+
+# Piped or captured output is not squeezed into 80 columns (as `meshtune plan`): a ranking's widest
+# rows (long layouts, ten numeric columns) fit in 200 without wrapping.
+PIPED_WIDTH = 200
 
 METRIC_LABELS = {
     "tokens_per_s_per_device": "tok/s/dev",
@@ -259,7 +267,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             except SpecError as exc:
                 raise SpecError(f"{args.spec}: {exc}") from None
         done = 0
-    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else PIPED_WIDTH)
     verb = "resuming" if args.resume is not None else "sweep"
     console.print(f"{verb} {sweep.id} '{spec.name}': {_problem_label(spec)}, sampler={spec.sampler_label}, "
                   f"backend={spec.backend}, up to {_planned_trials(spec)} trials")
@@ -341,7 +349,7 @@ def list_cmd(args: argparse.Namespace) -> int:
             table.add_row(str(sw.id), sw.name, sw.status, sw.owner or "-", sw.sampler, sw.backend, str(sw.n_trials),
                           fmt.layout_text(best.layout) if best else "-", _fmt(best.median if best else None),
                           sw.created_at.strftime("%Y-%m-%d %H:%M"))
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    Console(width=None if sys.stdout.isatty() else PIPED_WIDTH).print(table)
     return 0
 
 
@@ -363,7 +371,7 @@ def show_cmd(args: argparse.Namespace) -> int:
                    "trials": _jsonable(trials)}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
     _print_sweep(console, sweep)
     print_ranking(console, ranking)
     on_front = [p for p in front if p.on_front]
