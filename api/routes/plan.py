@@ -124,7 +124,7 @@ def get_plan(
     """Enumerate every valid layout of the model on the cluster, drop those predicted not to fit,
     and return the fastest predicted ones with their memory and time breakdowns."""
     if (global_batch is None) == (global_batch_tokens is None):
-        raise SpecError("give exactly one of global_batch and global_batch_tokens")
+        raise SpecError("global_batch: give exactly one of global_batch and global_batch_tokens")
     m = model_spec(model)
     overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node)) if v is not None}
     c = cluster_spec({"preset": cluster, **overrides})
