@@ -610,10 +610,11 @@ def test_bodies_are_bounded_and_the_caller_is_checked_before_the_body_is_read(cl
 
 
 @pytest.mark.parametrize(("content", "needle"), [
-    (b'{"name": "caf\xe9"}', "not UTF-8"),  # Latin-1, not UTF-8
-    (b"\xff\xfe{}", "not UTF-8"),
-    (b"[" * 100_000, "deeper than the limit of 32 levels"),  # within the size limit; json.loads would recurse
-    (b'{"model": {"a": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}}", "deeper than the limit"),  # 42 levels
+    pytest.param(b'{"name": "caf\xe9"}', "not UTF-8", id="latin-1"),
+    pytest.param(b"\xff\xfe{}", "not UTF-8", id="utf-16-bom"),
+    # Within the size limit; json.loads would recurse 100,000 deep.
+    pytest.param(b"[" * 100_000, "deeper than the limit of 32 levels", id="100k-deep"),
+    pytest.param(b'{"model": {"a": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}}", "deeper than the limit", id="42-deep"),
 ])
 def test_undecodable_bodies_are_a_documented_422_naming_body(client: TestClient, content: bytes, needle: str) -> None:
     r = client.post("/api/sweeps", content=content, headers={**ALICE, "content-type": "application/json"})
