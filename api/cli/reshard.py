@@ -6,7 +6,8 @@
 Trains ``--steps-before`` real steps under ``--from`` (Ray ranks, like trials), saves model and
 optimizer with torch.distributed.checkpoint, loads under ``--to``, checks every tensor bit for bit and
 the next ``--steps-after`` losses against an uninterrupted run. Exit 0: ok; 1: corrupted, diverged
-or failed; 2: bad input (one line naming the field and value, before any process starts).
+or failed; 2: bad input (one line naming the field and value, before any process starts), or Ray
+could not be started or reached after the backend's retries (one line, no traceback).
 """
 
 from __future__ import annotations

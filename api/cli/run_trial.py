@@ -4,8 +4,11 @@
 
 ``--layout`` is ``key=value`` pairs of ``tuner.Layout`` (tp, pp, dp, cp, ep, zero, mbs, ac, sp,
 schedule, vpp); a bad key or value, a layout that does not fit the cluster, or an unknown backend
-exits 2 with one line naming the field and value, before any process starts. A trial that fails
-(oom, timeout, crash, nan) is a result: it is printed like any other and the exit status is 1.
+exits 2 with one line naming the field and value, before any process starts. So does a backend
+that cannot run anything now (``BackendUnavailable``: e.g. a local Ray that did not start in time,
+after the backend's own retries with back-off): one line saying what and why, never a traceback. A
+trial that fails (oom, timeout, crash, nan) is a result: it is printed like any other and the exit
+status is 1.
 """
 
 from __future__ import annotations
