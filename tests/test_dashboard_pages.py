@@ -350,3 +350,44 @@ def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stor
         assert sorted(int(i) for i, _ in listed) == sorted(accepted) and {v for _, v in listed} == {"ok"}
         assert [c_["id"] for c_ in c.get(f"/api/sweeps/{sid}/reshard-checks").json()] == sorted(accepted)
         assert "tp2 dp2" in html.unescape(tables.split('id="migrations-table"')[1])  # Layout.short
+
+
+# --- issue 11: ids, and the form's free-text spec ---------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["99999999999999999999", "2147483648", "0"])
+def test_ids_out_of_range_are_422_not_500(client, stored, bad):
+    sid = stored["sid"]
+    for url in (f"/sweeps/{bad}", f"/sweeps/{bad}/data.json", f"/sweeps/{bad}/importance.json", f"/sweeps/{bad}/tables",
+                f"/sweeps/{bad}/trials/1", f"/sweeps/{sid}/trials/{bad}", f"/schedules/{bad}/trends"):
+        r = client.get(url)
+        assert r.status_code == 422, (url, r.status_code)
+        assert r.json()["errors"][0]["field"] in ("sweep_id", "trial_id", "schedule_id"), url
+
+
+def _form_errors(page: str) -> list[str]:
+    return [html.unescape(s) for s in re.findall(r'<ul class="form-errors" id="form-errors">\s*<li>(.*?)</li>', page, re.S)]
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    pytest.param("[" * 5000 + "]" * 5000, "extra: nested deeper than the limit of 32 levels", id="flow-5000-deep"),
+    pytest.param("space:\n" + "".join("  " * i + "-\n" for i in range(1, 60)),
+                 "extra: nested deeper than the limit of 32 levels", id="block-60-deep"),
+    pytest.param("a: &x [1, 2]\nspace: {tp: *x}", "extra: YAML aliases (*name) are not accepted; write the value out",
+                 id="alias"),
+    pytest.param("space: {tp: [" + ", ".join(["1"] * 30_000) + "]}",
+                 "extra: 90,013 characters exceeds the limit of 65,536", id="90k-chars"),
+])
+def test_form_spec_text_is_parsed_with_limits_and_only_after_the_token(client, extra, needle):
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": extra})
+    assert r.status_code == 422 and _form_errors(r.text) == [needle], _form_errors(r.text)
+    r = client.post("/sweeps", data=FORM | {"extra": extra})  # no token: refused before anything is parsed
+    assert r.status_code == 401 and _form_errors(r.text) == ["token: missing — this coordinator needs a token to submit"]
+    r = client.post("/sweeps", data=FORM | {"token": "nope", "extra": extra})
+    assert r.status_code == 403 and _form_errors(r.text) == ["token: not a valid token"]
+
+
+def test_form_text_the_store_cannot_hold_names_the_field(client):
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "a\x00b"})
+    assert r.status_code == 422 and _form_errors(r.text)[0].startswith("name contains a NUL character")
+    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": 'trial: {options: {"x\\0": 1}}'})
+    assert r.status_code == 422 and _form_errors(r.text)[0].startswith("trial.options has a key that contains a NUL")
