@@ -526,3 +526,28 @@ def test_webhook_url_is_masked_and_response_bodies_are_not_stored(db, client, al
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("hook", [
+    "https://alice:pw-7781@169.254.169.254/services/T0/B0/XXXXSECRETXXXX?token=tk-9931",  # refused target
+    "ftp://alice:pw-7781@hooks.example.com/services/XXXXSECRETXXXX?token=tk-9931",  # not http(s)
+    "https://alice:pw-7781@hooks.example.com:99999/XXXXSECRETXXXX?token=tk-9931",  # bad port
+])
+def test_rejected_webhook_urls_are_masked_wherever_they_are_echoed(db, client, monkeypatch, capsys, hook) -> None:
+    """A webhook URL carries its secret in its user-info, path or query: a 422 (detail and every
+    errors[] value) and the CLI's exit-2 line show it only as scheme://host/…"""
+    from api.cli import main
+
+    secrets = ("pw-7781", "SECRETXXXX", "tk-9931")
+    body = {"name": "leak", "cron": "0 2 * * *", "template": SIM_TEMPLATE, "webhook_url": hook}
+    r = client.post("/api/schedules", json=body)
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "webhook_url", r.text
+    assert not any(s in r.text for s in secrets), r.text
+    sid = client.post("/api/schedules", json={**body, "webhook_url": None}).json()["id"]
+    r = client.patch(f"/api/schedules/{sid}", json={"webhook_url": hook})
+    assert r.status_code == 422 and not any(s in r.text for s in secrets), r.text
+    url, _ = db
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
+    assert main(["schedule", "add", "--name", "n", "--cron", "0 2 * * *", "--remeasure", "1", "--webhook", hook]) == 2
+    err = capsys.readouterr().err
+    assert "webhook_url" in err and not any(s in err for s in secrets), err
