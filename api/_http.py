@@ -168,7 +168,7 @@ def storable_params(request: Request) -> None:
     for section, items in (("path", request.path_params.items()), ("query", request.query_params.multi_items())):
         for name, value in items:
             if isinstance(value, str) and (why := text_problem(value)) is not None:
-                raise RequestValidationError([{"type": "string_unstorable", "loc": (section, name),
+                raise RequestValidationError([{"type": "value_unstorable", "loc": (section, name),
                                                "msg": f"{name} {why}", "input": value}])
 
 
@@ -198,11 +198,17 @@ class AllowedMethods:
         await self.app(scope, receive, send_allow)
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
 def _methods_of_path(scope: Scope) -> bytes:
-    """Every method the routes matching this path serve, and OPTIONS (answered here); b"" if none."""
-    methods: set[str] = set()
-    for route in scope["app"].routes:
-        route_methods = getattr(route, "methods", None)
-        if route_methods and route.matches(scope)[0] is not Match.NONE:
-            methods |= route_methods
-    return ", ".join(sorted(methods | {"OPTIONS"})).encode() if methods else b""
+    """Every method some route serves on this path, and OPTIONS (answered here); b"" when no route
+    has the path, or when it is a mount that takes every method (static files answer for themselves).
+    Found by asking each route whether it would take the request under each method (the routing
+    protocol, BaseRoute.matches), so nested routers are asked exactly as the router asks them."""
+    routes = scope["app"].routes
+    methods = {m for m in _METHODS
+               if any(route.matches({**scope, "method": m})[0] is Match.FULL for route in routes)}
+    if not methods or methods == set(_METHODS):
+        return b""
+    return ", ".join(sorted(methods | {"OPTIONS"})).encode()

@@ -8,6 +8,7 @@ pydantic error located at the body root; its message starts with the dotted fiel
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -47,6 +48,10 @@ def _clip(value: Any, limit: int = 200) -> Any:
     the same mask the validators' messages use."""
     if isinstance(value, str) and _URL.match(value):
         return mask_url(value.strip())
+    if isinstance(value, str):  # a lone surrogate cannot be encoded into the response: shown escaped
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):  # nor can Infinity or NaN (RFC 8259 section 6)
+        return str(value)
     if isinstance(value, (str, bytes)) and len(value) > limit:
         return f"{value[:limit]!s}... ({len(value)} characters)"
     if isinstance(value, (dict, list)) and len(repr(value)) > 4 * limit:
@@ -76,7 +81,7 @@ def field_errors(exc: RequestValidationError, body: Any) -> list[dict[str, Any]]
                 path = [*path, *(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", named) if p)]
                 value = _lookup(body, path)
                 kind = "spec"
-        if kind == "string_unstorable" and "path" in (err.get("ctx") or {}):  # api.spec.RequestModel
+        if kind == "value_unstorable" and "path" in (err.get("ctx") or {}):  # api.spec.RequestModel
             inner = list(err["ctx"]["path"])
             path = [*path, *inner]
             field = ".".join(str(p) for p in path) or "body"

@@ -6,6 +6,7 @@ tuner's frozen specs, re-raising their ``SpecError`` as a validation error that 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -52,15 +53,20 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def find_bad_text(data: Any) -> tuple[list[str | int], str, str] | None:
-    """(path, value, reason) of the first string (a mapping key or a value, at any depth) that
-    ``text_problem`` refuses, or None. Iterative: the depth of the data cannot exhaust the stack."""
+def find_unstorable(data: Any) -> tuple[list[str | int], Any, str] | None:
+    """(path, value, reason) of the first value at any depth that a store cannot hold, or None: a
+    string (a mapping key or a value) that ``text_problem`` refuses, or a float that is not finite
+    (Python's JSON reader takes ``Infinity``, ``NaN`` and ``1e999``, which RFC 8259 section 6 does
+    not allow; PostgreSQL's json type refuses them). Iterative: deep data cannot exhaust the stack."""
     stack: list[tuple[list[str | int], Any]] = [([], data)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
             if (why := text_problem(item)) is not None:
                 return path, item, why
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return path, item, f"is {item}, not a finite number (JSON has no Infinity or NaN)"
         elif isinstance(item, dict):
             for key, sub in reversed(list(item.items())):
                 if isinstance(key, str) and (why := text_problem(key)) is not None:
@@ -77,20 +83,21 @@ class RequestModel(BaseModel):
     * strict types: a boolean must be a JSON boolean and a number must not be one (lax mode would
       take ``"min_effect": false`` as 0.0 and ``"cpu_bf16": 0`` as False); ints stay valid floats;
     * no unknown fields;
-    * no string the stores cannot hold, anywhere in the body, free-form mappings included: a 422
-      naming the field (``type`` ``string_unstorable``, ``ctx.path`` the location inside the body),
-      instead of a database error (a 500) at the INSERT."""
+    * no value the stores cannot hold (``find_unstorable``: NUL, lone surrogates, Infinity/NaN),
+      anywhere in the body, free-form mappings included: a 422 naming the field (``type``
+      ``value_unstorable``, ``ctx.path`` its location in the body) instead of a database error (a
+      500) at the INSERT."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _storable_text(cls, data: Any) -> Any:
-        bad = find_bad_text(data)
+        bad = find_unstorable(data)
         if bad is not None:
             path, _, why = bad
             field = ".".join(str(p) for p in path) or "body"
-            raise PydanticCustomError("string_unstorable", "{field} {why}", {"field": field, "why": why, "path": path})
+            raise PydanticCustomError("value_unstorable", "{field} {why}", {"field": field, "why": why, "path": path})
         return data
 
 
@@ -113,7 +120,7 @@ class SearchSettings(RequestModel):
     )
     repeats: int = Field(3, ge=1, le=50, description="Measurements of each top-k layout for the ranking interval.")
     remeasure_top_k: int = Field(3, ge=0, description="How many leading layouts are re-measured `repeats` times.")
-    seed: int = Field(0, ge=0, description="Sampler seed.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Sampler seed (numpy's seed range: 0 .. 2^32 - 1).")
     layouts: list[dict[str, Any]] | None = Field(
         None,
         max_length=1000,

@@ -546,6 +546,14 @@ def test_text_the_store_cannot_hold_is_422_naming_the_field(any_store: TestClien
     surrogate = json.dumps({**SIMULATED, "name": "\ud800"}).encode()  # JSON's escape of a lone surrogate
     r = c.post("/api/sweeps", content=surrogate, headers={**ALICE, "content-type": "application/json"})
     assert _first_error(r)["field"] == "name" and "surrogate" in r.json()["detail"]
+    for raw, field in ((b'"search": {"max_device_seconds": Infinity}', "search.max_device_seconds"),
+                       (b'"trial": {"step_timeout_s": 1e999}', "trial.step_timeout_s"),  # json.loads: inf
+                       (b'"trial": {"options": {"sleep_per_step_s": NaN}}', "trial.options.sleep_per_step_s")):
+        body = json.dumps(SIMULATED).encode()[:-1] + b", " + raw + b"}"
+        r = c.post("/api/sweeps", content=body, headers={**ALICE, "content-type": "application/json"})
+        assert _first_error(r)["field"] == field and "not a finite number" in r.json()["detail"], r.text
+    seed = {**SIMULATED, "search": {**SIMULATED["search"], "seed": 2**64}}  # numpy seeds are 32-bit
+    assert _first_error(c.post("/api/sweeps", json=seed, headers=ALICE))["field"] == "search.seed"
     schedule = {"name": "n\x00", "cron": "0 2 * * *", "remeasure": {"sweep_id": 1}}
     assert _first_error(c.post("/api/schedules", json=schedule, headers=ALICE))["field"] == "name"
     for url, field in (("/api/sweeps?owner=a%00b", "owner"), ("/api/alerts?layout=a%00b", "layout"),
