@@ -48,7 +48,9 @@ def pct(v: float | None, *, dash: str = DASH) -> str:
 
 
 def signed_pct(v: float | None, *, dash: str = DASH) -> str:
-    return dash if v is None else f"{100 * v:+.0f}%"
+    if v is None:
+        return dash
+    return "0%" if round(100 * v) == 0 else f"{100 * v:+.0f}%"  # not "-0%" for -0.3%
 
 
 def sci(v: float | None, *, dash: str = DASH) -> str:
@@ -238,10 +240,10 @@ def _interval(row: Any) -> Interval:
     return Interval(row.n, row.median, row.low, row.high)
 
 
-def versus_text(verdict: str, *, best_known: bool = True) -> str:
-    """The words for ``tuner._stats.versus_best``'s verdict; when it is the best that has no interval,
-    every other row is not comparable for that reason."""
-    if verdict == NOT_COMPARABLE and not best_known:
+def versus_text(verdict: str, *, row_known: bool = False, best_known: bool = True) -> str:
+    """The words for ``tuner._stats.versus_best``'s verdict. Not comparable because the row has no
+    interval: "measured once"; because only the best has none: said so."""
+    if verdict == NOT_COMPARABLE and row_known and not best_known:
         return "not comparable — the best was measured once"
     return VERSUS_TEXT[verdict]
 

@@ -168,7 +168,8 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     for row, versus in list(zip(ranking.rows, verdicts, strict=True))[:top]:
         spread = "none (n=1)" if not fmt.interval_known(row) else f"{_fmt(row.low)} - {_fmt(row.high)}"
         cells = [str(row.rank), fmt.layout_text(row.layout, dash=row.layout_key) if row.layout else row.layout_key,
-                 str(row.n), _fmt(row.median), spread, fmt.versus_text(versus, best_known=best_known)]
+                 str(row.n), _fmt(row.median), spread,
+                 fmt.versus_text(versus, row_known=fmt.interval_known(row), best_known=best_known)]
         if ranking.metric != "tokens_per_s_per_device":
             cells.append(_fmt(row.tokens_per_s_per_device))
         cells += [

@@ -226,7 +226,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
         above = ranking.rows[i - 1] if i else None
         d.update(
             id=first_id.get(r.layout_key), tokens=r.median, lo=r.low, hi=r.high, status="completed",
-            versus=versus, versus_text=fmt.versus_text(versus, best_known=best_known),
+            versus=versus, versus_text=fmt.versus_text(versus, row_known=fmt.interval_known(r), best_known=best_known),
             # "≈ the row above": both intervals known and in one tie group (a single run joins any
             # group, tuner._stats.rank, which says nothing about it being close)
             tied=bool(above and fmt.interval_known(r) and fmt.interval_known(above)

@@ -76,12 +76,11 @@ def refusal(sweep: Any) -> str | None:
         return None  # build_job reports the spec's own error
     where = f"{model.name} on {cluster.devices} ranks of {cluster.name}"
     if sweep.backend == "simulate":
-        return (f"sweep_id={sweep.id}: the sweep is simulated (backend=simulate), so none of its layouts ran; "
-                f"a migration check would train {where} for real. Check a sweep measured on a real backend")
+        return (f"the sweep is simulated (backend=simulate), so none of its layouts ran; a migration check "
+                f"would train {where} for real. Check a sweep measured on a real backend")
     resource, capacity = _ray_capacity(cluster)
     if capacity is not None and cluster.devices > capacity:
-        return (f"sweep_id={sweep.id}: a migration check runs {where}, but the Ray cluster has "
-                f"{capacity:g} {resource}")
+        return f"a migration check runs {where}, but the Ray cluster has {capacity:g} {resource}"
     return None
 
 
@@ -147,7 +146,7 @@ def run_check(
                     steps_after=steps_after, corrupt=corrupt)
     refused = refusal(sweep)
     if refused:
-        raise SpecError(refused)
+        raise SpecError(f"sweep_id={sweep_id}: {refused}")
     session.rollback()  # hold no transaction (nor an SQLite lock) during the run
     report = (runner or default_runner)(job)
     return record_check(session, sweep_id=sweep_id, report=report, owner=owner)
