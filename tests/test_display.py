@@ -242,3 +242,10 @@ def test_the_ranking_csv_has_one_column_per_layout_field_and_keeps_the_key(site)
         "tp": "1", "pp": "1", "dp": "4", "cp": "1", "ep": "1", "zero": "1", "mbs": "2", "ac": "none", "sp": "False",
         "schedule": "1f1b", "vpp": "1"}
     assert len(c.get(f"/api/sweeps/{real}/ranking?format=csv&limit=2&offset=1").text.splitlines()) == 3
+
+
+def test_the_submit_forms_yaml_reads_exponent_numbers_as_floats_like_spec_files():
+    from api.dashboard.form import load_extra
+
+    assert load_extra("cluster: {inter_node_bandwidth: 25.0e9, peak_flops: 1e11}") == {
+        "cluster": {"inter_node_bandwidth": 25.0e9, "peak_flops": 1e11}}

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 # The API's own formatter of a 422 "detail" line, so the form can never drift from the API's wording.
 from api.errors import detail_line, field_errors
 from api.spec import SweepSpec
+from tuner._specfile import load_yaml
 
 FIELDS = (
     "name", "model", "cluster", "nodes", "global_batch", "precision", "sampler", "max_trials",
@@ -86,7 +87,7 @@ def load_extra(text: str) -> Any:
                     raise ValueError(f"extra: nested deeper than the limit of {MAX_EXTRA_DEPTH} levels")
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
-        return yaml.safe_load(text)  # JSON is YAML
+        return load_yaml(text)  # JSON is YAML; YAML 1.2 floats (25.0e9) as spec files read them
     except yaml.YAMLError as exc:
         raise ValueError(f"extra: not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
 
