@@ -21,7 +21,7 @@ from api.services import reshard as reshard_service
 from api.services import sweeps as service
 from api.spec import SweepSpec
 from tuner import Layout, LayoutError, TrainingSpec, microbatches
-from tuner._stats import TIED, pareto_front
+from tuner._stats import TIED, pareto_front, relative_error
 
 GiB = views.GiB
 LIVE_STATUSES = ("queued", "running")
@@ -86,8 +86,8 @@ def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: in
         "predicted_memory_bytes": t.predicted_memory_bytes,
         "predicted_gib": t.predicted_memory_bytes / GiB if t.predicted_memory_bytes else None,
         "predicted_step_time_s": t.predicted_step_time_s,
-        "memory_error": views.rel_error(t.predicted_memory_bytes, peak),
-        "time_error": views.rel_error(t.predicted_step_time_s, t.step_time_s),
+        "memory_error": relative_error(t.predicted_memory_bytes, peak),
+        "time_error": relative_error(t.predicted_step_time_s, t.step_time_s),
         "step_time_s": t.step_time_s, "step_times_s": t.step_times_s or [], "losses": t.losses or [],
         "stage_times_s": t.stage_times_s or [], "stage_imbalance": t.stage_imbalance,
         "env": t.env or {}, "env_fingerprint": t.env_fingerprint, "backend": t.backend,

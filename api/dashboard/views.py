@@ -61,9 +61,6 @@ def layout_label(layout: dict[str, Any]) -> str:
     return fmt.layout_text(layout)
 
 
-duration = fmt.duration  # the templates' and the CLI's one formula
-
-
 def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Counts by outcome, best tokens/s per device, device time spent (interrupted attempts are not
     results: they are re-run, so they are counted apart). Simulated trials' device-seconds are what
@@ -295,37 +292,6 @@ def loss_curves(trials: Sequence[dict[str, Any]], *, limit: int = 8) -> dict[str
         if len(traces) > limit:
             break
     return {"traces": traces, "reference_id": ref["id"], "note": None}
-
-
-def rel_error(predicted: float | None, measured: float | None) -> float | None:
-    """(predicted - measured) / measured, or None when either is missing."""
-    if not predicted or not measured:
-        return None
-    return (predicted - measured) / measured
-
-
-def table_row(trial: dict[str, Any], *, device_memory: int | None) -> dict[str, Any]:
-    """One row of the layouts table (ranking or trial list) as display-ready values."""
-    lay = trial["layout"]
-    peak = trial.get("peak_memory_bytes")
-    return {
-        "id": trial["id"],
-        "number": trial["number"],
-        "label": layout_label(lay),
-        "layout": lay,
-        "microbatches": trial.get("microbatches"),
-        "status": trial["status"],
-        "simulated": bool(trial.get("simulated")),
-        "tokens": trial.get("tokens_per_s_per_device"),
-        "mfu": trial.get("mfu"),
-        "peak_gib": peak / GiB if peak else None,
-        "capacity_gib": device_memory / GiB if device_memory else None,
-        "memory_fraction": min(peak / device_memory, 1.0) if peak and device_memory else None,
-        "predicted_gib": trial["predicted_memory_bytes"] / GiB if trial.get("predicted_memory_bytes") else None,
-        "memory_error": rel_error(trial.get("predicted_memory_bytes"), peak),
-        "time_error": rel_error(trial.get("predicted_step_time_s"), trial.get("step_time_s")),
-        "error": trial.get("error"),
-    }
 
 
 def chart_bundle(
