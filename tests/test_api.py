@@ -317,8 +317,12 @@ def test_metrics_match_the_store(client: TestClient, finished_sweep: dict) -> No
     trials = {s.labels["outcome"]: s.value for s in families["meshtune_trials"].samples}
     items = client.get(f"/api/sweeps/{finished_sweep['id']}/trials?limit=1000").json()["items"]
     assert trials["completed"] == sum(t["status"] == "completed" for t in items)  # the only sweep with trials
-    spent = families["meshtune_device_seconds"].samples[0].value
-    assert spent == pytest.approx(sum(t["device_seconds"] for t in items)) and spent > 0
+    # simulated device-seconds (what the simulate backend models) are exported apart from real ones
+    spent = {s.labels["simulated"]: s.value for s in families["meshtune_device_seconds"].samples}
+    for simulated in (False, True):
+        mine = sum(t["device_seconds"] for t in items if bool(t["simulated"]) is simulated)
+        assert spent[str(simulated).lower()] == pytest.approx(mine), simulated
+    assert sum(spent.values()) > 0
 
 
 # --- OpenAPI -------------------------------------------------------------------------------------
