@@ -601,6 +601,21 @@ def test_ids_beyond_32_bits_are_422_on_every_route(pg_api: TestClient) -> None:
     assert pg_api.get("/api/sweeps/2147483647").status_code == 404  # the largest id is a plain miss
 
 
+@pytest.mark.postgres
+def test_cli_schedule_ids_beyond_32_bits_exit_2(pg_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+
+    store.upgrade(pg_url)
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", pg_url)
+    for argv in (["schedule", "rm", "2147483648"], ["schedule", "run-now", "99999999999999999999"],
+                 ["schedule", "alerts", "--schedule", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "is not an id between 1 and 2147483647" in err and "Traceback" not in err
+
+
 def test_bodies_are_bounded_and_the_caller_is_checked_before_the_body_is_read(client: TestClient) -> None:
     big = json.dumps({**TINY, "name": "x" * (2 << 20)}).encode()
     r = client.post("/api/sweeps", content=big, headers={"content-type": "application/json"})  # no token
