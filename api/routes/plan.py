@@ -45,13 +45,12 @@ MAX_CANDIDATES = 1_000_000
 
 
 class ClientBudget:
-    """A token bucket of candidate layouts per client address: ``capacity`` at most, refilled at
-    ``rate`` per second (~6% of a core per client at ~3 us per candidate). ``clock`` is injectable
-    so that a test can move time instead of waiting."""
+    """A token bucket of candidate layouts per client address: ``capacity`` at most (by default room
+    for two of the largest plans allowed), refilled at ``rate`` per second (~6% of a core per client
+    at ~3 us per candidate). ``clock`` is injectable so that a test can move time instead of waiting."""
 
     def __init__(self, *, capacity: int = 2 * MAX_CANDIDATES, rate: float = 20_000.0,
                  clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
-        assert capacity >= MAX_CANDIDATES, "a single allowed plan must fit in a full budget"
         self.capacity, self.rate, self.clock, self.max_clients = capacity, rate, clock, max_clients
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
         self._lock = threading.Lock()
@@ -60,6 +59,7 @@ class ClientBudget:
         """Take ``cost`` from the client's bucket; 0.0 if it had enough, else the seconds to wait
         (nothing taken)."""
         now = self.clock()
+        cost = min(cost, self.capacity)  # a plan dearer than a full bucket waits for a full bucket
         with self._lock:
             tokens, at = self._buckets.pop(client, (float(self.capacity), now))
             tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
