@@ -159,6 +159,20 @@ def layout_fields(layout: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def value_text(value: Any, *, dash: str = DASH) -> str:
+    """A stored value (environment entries, error fields) for a detail list: never a Python repr —
+    lists joined by commas, mappings as ``key=value``, booleans yes/no, None as a dash."""
+    if value is None:
+        return dash
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(value_text(v, dash=dash) for v in value) or dash
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={value_text(v, dash=dash)}" for k, v in value.items()) or dash
+    return str(value)
+
+
 def cluster_label(cluster: Any) -> str:
     """``h100-sxm (8×8 cuda)`` from a ClusterSpec."""
     return f"{cluster.name} ({cluster.nodes}×{cluster.devices_per_node} {cluster.device_kind})"
@@ -275,4 +289,5 @@ def jinja_filters() -> dict[str, Any]:
         "num": num, "pct": pct, "signed_pct": signed_pct, "sci": sci, "gib": gib_text, "bytes": bytes_text,
         "seconds": duration, "duration": duration, "when": when, "errclass": error_class,
         "layout_label": layout_text, "key_label": key_text, "cause": cause_text, "layout_fields": layout_fields,
+        "value": value_text,
     }

@@ -240,7 +240,8 @@ def seed_measured_sweep(sessions, measurements, *, name: str, backend: str = "ra
                 store.record_result(session, sweep_id=sid, number=number, attempt=0, result=TrialResult(
                     status="completed", backend=backend, simulated=simulated, step_time_s=1.0, step_times_s=[1.0],
                     tokens_per_s_per_device=tokens, tokens_per_s=tokens * lay.world_size,
-                    peak_memory_bytes=2 * 2**30, wall_s=2.0, device_seconds=2.0 * lay.world_size))
+                    peak_memory_bytes=2 * 2**30, wall_s=2.0, device_seconds=2.0 * lay.world_size,
+                    env={"hosts": ["node-a", "node-b"], "world_size": lay.world_size}))
                 number += 1
         store.refresh_sweep_cache(session, sweep_id=sid)
         store.set_sweep_status(session, sweep_id=sid, status="running")

@@ -218,6 +218,7 @@ def test_pages_show_short_layouts_yes_no_flags_and_no_schedule_without_a_pipelin
     page = c.get(f"/sweeps/{real}/trials/{trial.id}").text
     assert "Trial 3: dp4 z1 mbs2" in page and f"<code>{BEST.key}</code>" in page  # the full key is kept too
     assert "<dt>sp</dt><dd>no</dd>" in page and "<dt>schedule</dt>" not in page and "<dt>vpp</dt>" not in page
+    assert "<dt>hosts</dt><dd>node-a, node-b</dd>" in page and "[&#39;node-a" not in page  # no Python list repr
     assert "e+0" not in page
     with site["sessions"]() as s:
         pruned = next(t for t in store.all_trials(s, sweep_id=site["ids"]["sim"]) if t.status == "pruned")
