@@ -184,12 +184,14 @@ def test_planning_work_is_bounded_before_it_starts(client: TestClient) -> None:
 
 
 def test_anonymous_plans_are_charged_to_a_budget_that_refills(db_url: str) -> None:
+    from api.routes import plan as plan_route
     from api.routes.plan import ClientBudget
     from tuner import cluster_spec, model_spec
     from tuner._plan import candidate_layouts
 
     cost = candidate_layouts(model=model_spec("tiny"), cluster=cluster_spec({"preset": "h100-sxm", "nodes": 2}))
     now = [0.0]
+    plan_route._CACHE.clear()  # answers cached by earlier tests of this process would be free
     with client_for(db_url) as c:
         c.app.state.plan_budget = ClientBudget(capacity=2 * cost, rate=cost / 10, clock=lambda: now[0])
 
