@@ -69,13 +69,17 @@ class SweepOut(_Out):
     n_completed: int = Field(0, description="Trials that ran and were measured.")
     n_pruned: int = Field(0, description="Trials rejected by the memory model before running (no device time).")
     n_failed: int = Field(0, description="Trials that ran and failed (oom, timeout, crash, nan).")
-    device_seconds: float = Field(0.0, description="Device time spent: sum over trials of wall time x devices held.")
-    best_layout_key: str | None = Field(None, description="Layout with the highest measured tokens/s per device so far.")
-    best_tokens_per_s_per_device: float | None = Field(None, description="Its measured tokens/s per device.")
+    simulated: bool = Field(False, description="True for a sweep on the simulate backend: its trials are the analytical "
+                            "model with noise, and its device_seconds and best_* figures are simulated, not measured.")
+    device_seconds: float = Field(0.0, description="Device time spent: sum over trials of wall time x devices held "
+                                  "(simulated device time when `simulated` is true).")
+    best_layout_key: str | None = Field(None, description="The ranking's #1: the layout with the best median tokens/s "
+                                        "per device over its measurements so far (the same row as /ranking's first).")
+    best_tokens_per_s_per_device: float | None = Field(None, description="Its median tokens/s per device.")
     best_useful_tokens_per_s: float | None = Field(
-        None, description="Highest measured useful tokens/s (throughput discounted beyond the critical batch)."
+        None, description="Its median useful tokens/s (throughput discounted beyond the critical batch)."
     )
-    best_peak_memory_bytes: int | None = Field(None, description="Peak memory of the best layout, bytes (max over ranks).")
+    best_peak_memory_bytes: int | None = Field(None, description="Median peak memory of that layout, bytes (max over ranks).")
     diagnostic: bool = Field(False, description="True when trial.options inject failures, slowness or a memory cap "
                              "(fail, sleep_per_step_s, memory_cap_bytes): its numbers are not real measurements.")
 

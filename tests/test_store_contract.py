@@ -151,6 +151,27 @@ class TestStoreContract:
             with pytest.raises(SpecError, match="metric"):
                 svc.ranking(s, sweep_id=sw.id, metric="nope")
 
+    def test_the_sweeps_best_is_the_rankings_first_row_not_the_fastest_run(self, sessions):
+        """Issue 11 item 15: one lucky run of a noisy layout (130 among 20s) is the fastest trial, but
+        the steady layout has the best median and is the ranking's #1: the sweep says the same."""
+        from api.schemas import SweepOut
+
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            n = 0
+            for key, values in (("lucky", [130, 20, 20]), ("steady", [100, 101, 99])):
+                for rep, v in enumerate(values):
+                    store.insert_trial(s, sweep_id=sw.id, number=n, layout=LAYOUT, layout_key=key, world_size=4,
+                                       repeat=rep, phase="search" if rep == 0 else "remeasure")
+                    store.record_result(s, sweep_id=sw.id, number=n, attempt=0, result=_result(float(v)))
+                    n += 1
+            store.refresh_sweep_cache(s, sweep_id=sw.id)
+            s.commit()
+            out = SweepOut.model_validate(svc.get_sweep(s, sweep_id=sw.id))
+            assert out.best_layout_key == svc.ranking(s, sweep_id=sw.id).rows[0].layout_key == "steady"
+            assert out.best_tokens_per_s_per_device == 100.0
+            assert out.simulated and out.device_seconds == 12.0  # simulate backend: labelled simulated
+
     def test_metrics_counts(self, sessions):
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)

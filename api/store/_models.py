@@ -96,6 +96,12 @@ class Sweep(Base):
         options = ((self.spec or {}).get("trial") or {}).get("options") or {}
         return any(options.get(k) is not None for k in ("fail", "sleep_per_step_s", "memory_cap_bytes"))
 
+    @property
+    def simulated(self) -> bool:
+        """Every trial of a sweep on the ``simulate`` backend is the analytical model with noise: its
+        device time and throughput are simulated, never counted as measured."""
+        return self.backend == "simulate"
+
     __table_args__ = (
         Index(None, "status", "created_at"),
         Index(None, "owner", "created_at"),

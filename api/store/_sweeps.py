@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from api.store._models import FINISHED_SWEEP_STATUSES, Sweep, Trial, utcnow
+from tuner._stats import rank
 
 
 def insert_sweep(
@@ -199,12 +201,6 @@ def refresh_sweep_cache(session: Session, *, sweep_id: int) -> None:
     )
     spent = session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0)).where(
         Trial.sweep_id == sweep_id)) or 0.0
-    best = session.execute(
-        sa.select(Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s, Trial.peak_memory_bytes)
-        .where(live, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None))
-        .order_by(Trial.tokens_per_s_per_device.desc())
-        .limit(1)
-    ).first()
     values: dict[str, Any] = {
         "n_trials": sum(counts.values()),
         "n_completed": counts.get("completed", 0),
@@ -212,16 +208,35 @@ def refresh_sweep_cache(session: Session, *, sweep_id: int) -> None:
         "n_failed": sum(counts.get(s, 0) for s in ("oom", "timeout", "crash", "nan")),
         "device_seconds": float(spent),
     }
-    if best is not None:
-        values.update(
-            best_layout_key=best.layout_key,
-            best_tokens_per_s_per_device=best.tokens_per_s_per_device,
-            best_useful_tokens_per_s=best.useful_tokens_per_s,
-            best_peak_memory_bytes=best.peak_memory_bytes,
-        )
+    values.update(_ranked_best(session, sweep_id=sweep_id))
     session.execute(
         sa.update(Sweep).where(Sweep.id == sweep_id).values(**values).execution_options(synchronize_session=False)
     )
+
+
+def _ranked_best(session: Session, *, sweep_id: int) -> dict[str, Any]:
+    """The ``best_*`` columns from the ranking's first row (best median tokens/s per device over a
+    layout's measurements, ``tuner.rank``'s order), not the single fastest trial: a lucky run of a
+    noisy layout must not make the sweeps list name another layout than the ranking does."""
+    by_key: dict[str, list[Any]] = {}
+    for t in session.execute(
+        sa.select(Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s, Trial.peak_memory_bytes)
+        .where(Trial.sweep_id == sweep_id, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None))
+    ):
+        by_key.setdefault(t.layout_key, []).append(t)
+    if not by_key:
+        return {}
+    first = rank({k: [t.tokens_per_s_per_device for t in ts] for k, ts in by_key.items()})[0]
+    ts = by_key[first.key]
+
+    def median_of(column: str) -> float | None:
+        known = [getattr(t, column) for t in ts if getattr(t, column) is not None]
+        return float(statistics.median(known)) if known else None
+
+    peak = median_of("peak_memory_bytes")
+    return {"best_layout_key": first.key, "best_tokens_per_s_per_device": first.interval.median,
+            "best_useful_tokens_per_s": median_of("useful_tokens_per_s"),
+            "best_peak_memory_bytes": None if peak is None else int(peak)}
 
 
 def count_sweeps_by_status(session: Session) -> dict[str, int]:
