@@ -49,7 +49,7 @@ class TrialRequest:
       before step ``fail_step`` (default 1) — a real raised error, sleep, 1 PiB allocation or
       infinite embedding output;
     - ``sleep_per_step_s``: seconds slept inside every timed step (an injected slowdown);
-    - ``min_step_s``: every step lasts at least this long (the rank sleeps the rest of it): a step
+    - ``min_step_s``: every timed step lasts at least this long (the rank sleeps the rest): a step
       time that machine load cannot move as long as the compute fits in it (a deterministic
       baseline for tests of slowdowns on a shared machine);
     - ``memory_cap_bytes``: a real per-rank memory cap for the trial (CUDA: the caching

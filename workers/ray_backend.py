@@ -310,6 +310,7 @@ class RayBackend:
         errors: list[TrialError] = []
         secondary: set[int] = set()  # errors raised inside a collective: consequences of a peer's failure
         start = time.monotonic()
+        answered = [start]  # when the ranks last answered the watchdog (see _stalled)
         first_error_at: float | None = None
         poll = min(1.0, max(0.05, request.step_timeout_s / 10))
         while pending:
@@ -336,7 +337,7 @@ class RayBackend:
                 if time.monotonic() - first_error_at > ERROR_GRACE_S:
                     break  # peers are stuck in collectives with a dead partner: kill them
                 continue
-            verdict = self._stalled(pending, ranks, request, init_timeout, start)
+            verdict = self._stalled(pending, ranks, request, init_timeout, start, answered)
             if verdict is not None:
                 error, culprits = verdict
                 if culprits and len(culprits) < len(pending):
@@ -347,9 +348,15 @@ class RayBackend:
         return reports, None, True
 
     def _stalled(
-        self, pending: dict[Any, int], ranks: list[Slot], request: TrialRequest, init_timeout: float, start: float
+        self, pending: dict[Any, int], ranks: list[Slot], request: TrialRequest, init_timeout: float, start: float,
+        answered: list[float] | None = None,
     ) -> tuple[TrialError, list[int]] | None:
         """(timeout error, culprit ranks) if a pending rank made no progress for too long, else None.
+
+        A rank that does not even answer its snapshot (a process starved or stuck below Python) is
+        not waited for forever: when no round has been answered for as long as a rank may take to
+        start and make its first step (``answered[0]``: the last answered round), every pending rank
+        is a culprit and the trial ends as ``timeout``.
 
         Culprits are the stalled ranks *not* waiting inside a torch.distributed call (by their
         stack): the hung ones, as opposed to their peers blocked in a collective with them.
@@ -359,10 +366,17 @@ class RayBackend:
         N ranks"; the stacks and step counts in it still show which one hung). Killing only a culprit would not
         free NCCL peers anyway."""
         waiting = sorted(pending.values())
+        answered = answered if answered is not None else [start]
         try:
             snaps = ray.get([ranks[r].actor.snapshot.remote() for r in waiting], timeout=5.0)
-        except (GetTimeoutError, RayError):
-            return None  # no answer this round; a dead actor surfaces through its run() ref
+        except (GetTimeoutError, RayError):  # no answer this round; a dead actor surfaces through its run()
+            silent = time.monotonic() - answered[0]
+            if silent <= init_timeout + request.step_timeout_s:
+                return None
+            error = timeout_error(ranks=waiting, world_size=len(ranks), seconds=silent,
+                                  what="not answering the watchdog")
+            return error, waiting
+        answered[0] = time.monotonic()
         since_start = time.monotonic() - start
         stalled = []
         for rank, snap in zip(waiting, snaps, strict=True):

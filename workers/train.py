@@ -338,7 +338,8 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
             time.sleep(sleep_s)
         local_loss = train_step(rm, *batch, grad_norms=grad_norms)
         measure.synchronize(device)
-        if min_step_s:  # pad the step to its floor: the step time is then fixed while compute fits in it
+        if min_step_s and step >= request.warmup_steps:  # pad a timed step to its floor: its time is
+            # then the floor, whatever the machine's load, as long as the compute fits in it
             time.sleep(max(0.0, min_step_s - (time.perf_counter() - t0)))
         elapsed = measure.agreed_max(time.perf_counter() - t0, device)
         compute = rm.timer.take()
