@@ -272,8 +272,11 @@ class PlanOut(_Out):
     model: dict[str, Any] = Field(description="The resolved model spec.")
     cluster: dict[str, Any] = Field(description="The resolved cluster spec.")
     training: dict[str, Any] = Field(description="The resolved training spec (batch in sequences).")
-    feasible: int = Field(description="Valid layouts predicted to fit in device memory.")
+    feasible: int = Field(description="Valid layouts predicted to fit in device memory: the distinct runs, each a "
+                          "different program (layouts that run the same program are one canonical layout).")
     infeasible: int = Field(description="Valid layouts predicted not to fit (pruned with no device time).")
     rejected: dict[str, int] = Field(description="Candidates rejected before estimation, counted by reason.")
+    twins: int = Field(0, description="Space combinations that run the same program as a counted layout, "
+                       "folded into it (e.g. zero 1-3 with dp*cp*ep = 1 is the zero=0 program).")
     entries: list[PlannedLayoutOut] = Field(description="The fastest predicted feasible layouts, best first (top N).")
     seconds: float = Field(description="Time the analytical planner took, seconds.")

@@ -12,6 +12,7 @@ from tuner import (
     LayoutError,
     SearchSpace,
     SpecError,
+    canonical_layout,
     check_layout,
     cluster_spec,
     divisors,
@@ -43,10 +44,12 @@ def test_hand_counted_six_devices() -> None:
     assert enum.microbatches == [12 // x.dp for x in enum.valid]
 
 
-def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layout], Counter]:
-    """Every combination of the space built as a Layout and judged by check_layout's rules."""
+def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layout], Counter, int]:
+    """Every combination of the space built as a Layout, put in canonical form and judged by
+    check_layout's rules: (valid canonical layouts, distinct canonical layouts rejected per reason,
+    combinations that are a twin of another one). Twins share their verdict: same program."""
     world = cluster.devices
-    valid, reasons = set(), Counter()
+    valid, rejected, raw = set(), {}, 0
     for tp in space.tp or divisors(world):
         for cp in space.cp or divisors(world // tp):
             rest = world // (tp * cp)
@@ -61,16 +64,21 @@ def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layou
                     ):
                         if sp and tp == 1:
                             continue
+                        raw += 1
                         layout = Layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, zero=zero, mbs=mbs, ac=ac, sp=sp,
                                         schedule=sched, vpp=vpp)
-                        bad = layout_violation(layout, model=model, cluster=cluster, training=training)
+                        canon = canonical_layout(layout, training=training)
+                        assert canonical_layout(canon, training=training) == canon
+                        bad = layout_violation(canon, model=model, cluster=cluster, training=training)
+                        assert bad == layout_violation(layout, model=model, cluster=cluster, training=training)
                         if bad:
-                            reasons[bad[0]] += 1
+                            rejected.setdefault(bad[0], set()).add(canon)
                             with pytest.raises(LayoutError):
                                 check_layout(layout, model=model, cluster=cluster, training=training)
                         else:
-                            valid.add(layout)
-    return valid, reasons
+                            valid.add(canon)
+    reasons = Counter({r: len(v) for r, v in rejected.items()})
+    return valid, reasons, raw - len(valid) - sum(reasons.values())
 
 
 @pytest.mark.parametrize(
@@ -84,10 +92,11 @@ def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layou
 def test_enumeration_agrees_with_check_layout(preset: str, devices: int, batch: int, space: SearchSpace) -> None:
     model, cluster, training = model_spec(preset), cpu(devices), training_spec({"global_batch": batch})
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
-    valid, reasons = brute_force(model, cluster, training, space)
+    valid, reasons, twins = brute_force(model, cluster, training, space)
     assert len(enum.valid) == len(set(enum.valid)) == len(valid) > 0
     assert set(enum.valid) == valid
     assert Counter(enum.rejected) == reasons
+    assert enum.twins == twins
     for layout, m in zip(enum.valid, enum.microbatches, strict=True):
         assert m == check_layout(layout, model=model, cluster=cluster, training=training)
         assert Layout(**layout.__dict__) == layout  # the fast-built Layout passes its own validation

@@ -13,24 +13,32 @@ from tuner._errors import (
     SpecError,
     UnknownPresetError,
 )
+from tuner._formulas import (
+    korthikanti_layer_activation_bytes,
+    microbatches_in_flight,
+    model_flops_per_token,
+    pipeline_bubble_fraction,
+    useful_fraction,
+    zero_model_state_bytes,
+)
 from tuner._layout import (
     AXES,
     CHECKPOINTING,
     SCHEDULES,
     Layout,
+    canonical_layout,
+    canonical_zero,
     check_layout,
     degree_violation,
     layout_violation,
     microbatches,
+    twin_note,
 )
 from tuner._memory import (
     OVERHEAD_BYTES,
     MemoryEstimate,
     estimate_memory,
-    korthikanti_layer_activation_bytes,
     layer_activation_bytes,
-    microbatches_in_flight,
-    zero_model_state_bytes,
 )
 from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, partition_stages
 from tuner._placement import AxisPlacement, Placement, place
@@ -54,9 +62,6 @@ from tuner._timing import (
     CalibrationFactors,
     TimeEstimate,
     estimate_time,
-    model_flops_per_token,
-    pipeline_bubble_fraction,
-    useful_fraction,
 )
 
 __all__ = [
@@ -94,6 +99,8 @@ __all__ = [
     "TimeEstimate",
     "TrainingSpec",
     "UnknownPresetError",
+    "canonical_layout",
+    "canonical_zero",
     "check_layout",
     "cluster_spec",
     "degree_violation",
@@ -119,6 +126,7 @@ __all__ = [
     "read_spec_file",
     "to_dict",
     "training_spec",
+    "twin_note",
     "useful_fraction",
     "zero_model_state_bytes",
 ]

@@ -117,6 +117,68 @@ def microbatches(layout: Layout, training: TrainingSpec) -> int:
     return training.global_batch // per_rank
 
 
+# --- twins: layouts that run the identical program ------------------------------------------------
+# One key per distinct program: enumeration, rejection counts, the search space, rankings and the
+# plan all use the canonical form, so no device time is spent twice on one program and no program is
+# ranked against itself. What the workers build for each knob is in workers/parallelize.py; the
+# canonical ZeRO level is the one whose textbook description (Rajbhandari et al. 2020, Sec. 5)
+# matches what that program holds.
+
+
+def canonical_zero(zero: int, *, data: int, pp: int, microbatches: int | None) -> int:
+    """The ZeRO level that names the program ``zero`` runs with ``data`` = dp*cp*ep data ranks,
+    ``pp`` pipeline ranks and ``microbatches`` per step (None where the batch does not divide):
+
+    - no data axis (``data == 1``): the workers apply neither FSDP nor a gradient all-reduce, so
+      ZeRO 1-3 shard nothing and run the ZeRO-0 program (``zero=0``);
+    - ZeRO-1 and ZeRO-2 both keep parameters gathered from forward to backward (FSDP2
+      ``reshard_after_forward=False``) and differ only in when gradients are reduce-scattered: every
+      micro-batch (ZeRO-2) or once on the step's last (ZeRO-1). With pp > 1 torch.distributed
+      .pipelining drives FSDP's gradient sync itself, once per step for either, so both accumulate
+      unsharded gradients: the ZeRO-1 program (``zero=1``). With pp == 1 and one micro-batch
+      the single reduce-scatter follows the only backward, gradients are never held whole: the
+      ZeRO-2 program (``zero=2``).
+    """
+    if data == 1:
+        return 0
+    if zero in (1, 2):
+        if pp > 1:
+            return 1
+        if microbatches == 1:
+            return 2
+    return zero
+
+
+def canonical_layout(layout: Layout, *, training: TrainingSpec) -> Layout:
+    """The one layout that names ``layout``'s program (see ``canonical_zero``); without pipelining
+    the schedule is moot (``1f1b``, vpp 1, as ``Layout.key`` already writes ``nopp``)."""
+    per_rank = layout.data_ranks * layout.mbs
+    m = training.global_batch // per_rank if training.global_batch % per_rank == 0 else None
+    zero = canonical_zero(layout.zero, data=layout.dp * layout.cp * layout.ep, pp=layout.pp, microbatches=m)
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    if zero == layout.zero and schedule == layout.schedule:
+        return layout
+    return replace(layout, zero=zero, schedule=schedule)
+
+
+def twin_note(given: Layout, canonical: Layout) -> str | None:
+    """One line saying why a user's ``given`` layout is reported as ``canonical`` (None if equal)."""
+    if given == canonical:
+        return None
+    why = []
+    if given.zero != canonical.zero:
+        if canonical.zero == 0:
+            cause = f"no data axis: dp*cp*ep={given.dp}*{given.cp}*{given.ep}=1"
+        elif given.pp > 1:
+            cause = f"pp={given.pp}: the pipeline syncs gradients once per step"
+        else:
+            cause = "one micro-batch: gradients are reduce-scattered after its backward"
+        why.append(f"zero={given.zero} runs the zero={canonical.zero} program ({cause})")
+    if given.schedule != canonical.schedule:
+        why.append(f"schedule={given.schedule!r} is moot with pp=1")
+    return f"{'; '.join(why)}: reported as {canonical.key}"
+
+
 # Short stable reasons for rejected layouts (enumeration counts them; plan adds its own two).
 R_WORLD = "world size mismatch"
 R_HEADS = "tp does not divide heads"

@@ -76,6 +76,9 @@ class Plan:
     entries: list[PlannedLayout] = field(default_factory=list)  # feasible, best first
     infeasible: list[PlannedLayout] = field(default_factory=list)  # memory does not fit
     rejected: dict[str, int] = field(default_factory=dict)
+    # Space combinations that run the same program as a counted layout (see tuner._space): every
+    # entry is a distinct program, so ``len(entries)`` is the number of distinct runs.
+    twins: int = 0
 
     @property
     def best(self) -> PlannedLayout | None:
@@ -90,6 +93,7 @@ class Plan:
             "feasible": len(self.entries),
             "infeasible": len(self.infeasible),
             "rejected": dict(sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "twins": self.twins,
             "entries": [e.to_dict() for e in entries],
         }
 
@@ -110,7 +114,7 @@ def plan(
     f = factors or CalibrationFactors()
     enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
                                             allow_tp_across_nodes=allow_tp_across_nodes, order=order)
-    result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected))
+    result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected), twins=enum.twins)
     rejected = result.rejected
     per_node = cluster.devices_per_node
     meshes: dict[tuple[int, ...], tuple[Placement, MeshMemory, MeshTime] | None] = {}
@@ -169,7 +173,8 @@ def plan_one(
     factors: CalibrationFactors | None = None,
     allow_tp_across_nodes: bool = False,
 ) -> PlannedLayout:
-    """Check, place and estimate a single layout (raises LayoutError if it is invalid)."""
+    """Check, place and estimate a single layout as given (raises LayoutError if it is invalid); the
+    caller canonicalises (``canonical_layout``) where twins must be one entry."""
     m = check_layout(layout, model=model, cluster=cluster, training=training)
     placement = place(layout, cluster, allow_tp_across_nodes=allow_tp_across_nodes)
     mem = estimate_memory(layout, model=model, cluster=cluster, training=training)

@@ -4,6 +4,12 @@ Enumeration applies the rules of ``check_layout`` (same reasons, same order: mes
 stages, batch, schedule) but checks each rule once at the level it depends on, so a rejected mesh
 counts all of its knob combinations without building them. Every divisor of the device count is a
 candidate degree, not only powers of two.
+
+Layouts are enumerated and counted in canonical form (``tuner._layout.canonical_layout``): ZeRO
+levels that run the same program on a mesh (twins) are one layout, listed and counted once under
+the canonical level, valid or rejected alike; ``Enumeration.twins`` says how many space
+combinations were folded so. A world-size mismatch has no dp, so its combinations are counted as
+given.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from tuner._layout import (
     R_WORLD,
     SCHEDULES,
     Layout,
+    canonical_zero,
     degree_violation,
 )
 from tuner._placement import _place, check_order
@@ -129,6 +136,8 @@ class Enumeration:
     valid: list[Layout] = field(default_factory=list)
     microbatches: list[int] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
+    # Space combinations (valid or rejected) that are a twin of a counted layout and not counted again.
+    twins: int = 0
     # [start, stop) ranges of ``valid`` that share mesh, schedule, vpp and mbs (plan shares work).
     groups: list[tuple[int, int]] = field(default_factory=list)
 
@@ -147,16 +156,48 @@ def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
     return out
 
 
+def _zeros(space: SearchSpace, data: int, pp: int, m: int | None) -> list[int]:
+    """The distinct canonical ZeRO levels that ``space.zero`` gives on a mesh with ``data`` = dp*cp*ep
+    data ranks, ``pp`` pipeline ranks and ``m`` micro-batches (None: the batch does not divide)."""
+    out: list[int] = []
+    for z in space.zero:
+        c = canonical_zero(z, data=data, pp=pp, microbatches=m)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _microbatches(gb: int, dp: int, ep: int, mbs: int) -> int | None:
+    return gb // (dp * ep * mbs) if gb % (dp * ep * mbs) == 0 else None
+
+
+def mesh_knobs(tp: int, cp: int, ep: int, dp: int, pp: int, *, space: SearchSpace, training: TrainingSpec,
+               twins: list[int] | None = None) -> int:
+    """Canonical layouts of one mesh over every knob of ``space`` (what a rejected mesh counts);
+    ``twins[0]`` is increased by the space combinations folded into them."""
+    n_sp = sum(1 for s in space.sp if not s or tp > 1)
+    n_sched = len(_schedules(pp, space))
+    n = 0
+    for mbs in space.mbs:
+        n += len(_zeros(space, dp * cp * ep, pp, _microbatches(training.global_batch, dp, ep, mbs)))
+    n *= len(space.ac) * n_sp * n_sched
+    if twins is not None:
+        twins[0] += len(space.zero) * len(space.mbs) * len(space.ac) * n_sp * n_sched - n
+    return n
+
+
 def iter_meshes(
     *,
     model: ModelSpec,
     cluster: ClusterSpec,
     space: SearchSpace,
     rejected: dict[str, int],
+    training: TrainingSpec,
     allow_tp_across_nodes: bool = False,
     order: tuple[str, ...] = AXES,
+    twins: list[int] | None = None,
 ) -> Iterator[tuple[int, int, int, int, int]]:
-    """Yield valid (tp, cp, ep, dp, pp); count every knob combination of a rejected mesh.
+    """Yield valid (tp, cp, ep, dp, pp); count every canonical knob combination of a rejected mesh.
     Unless allowed, a mesh whose TP groups would leave a node (placed in ``order``) is rejected.
 
     A degree left open (None) ranges over the divisors of what the degrees before it leave (ep only
@@ -200,12 +241,12 @@ def iter_meshes(
                         continue
                     dp = rest // (ep * pp)
                     bad = degree_violation(tp, cp, ep, dp, pp, model=model, cluster=cluster)
+                    if not bad and (tp > 1 and not allow_tp_across_nodes
+                                    and not _place((tp, cp, ep, dp, pp), order, per_node).axes["tp"].intra_node):
+                        bad = (R_TP_NODES, "")
                     if bad:
-                        rejected[bad[0]] = rejected.get(bad[0], 0) + knobs(tp, pp)
-                        continue
-                    if (tp > 1 and not allow_tp_across_nodes
-                            and not _place((tp, cp, ep, dp, pp), order, per_node).axes["tp"].intra_node):
-                        rejected[R_TP_NODES] = rejected.get(R_TP_NODES, 0) + knobs(tp, pp)
+                        n = mesh_knobs(tp, cp, ep, dp, pp, space=space, training=training, twins=twins)
+                        rejected[bad[0]] = rejected.get(bad[0], 0) + n
                         continue
                     yield tp, cp, ep, dp, pp
 
@@ -228,8 +269,9 @@ def enumerate_layouts(
     valid, ms, groups = out.valid, out.microbatches, out.groups
     limit = space.max_layouts if space.max_layouts is not None else float("inf")
     gb = training.global_batch
-    n_zero_ac = len(space.zero) * len(space.ac)
-    knobs = [(z, a) for z in space.zero for a in space.ac]
+    n_ac = len(space.ac)
+    n_raw_zero = len(space.zero)
+    twins = [0]
     new = object.__new__
 
     def count(reason: str, n: int) -> None:
@@ -237,23 +279,26 @@ def enumerate_layouts(
             rejected[reason] = rejected.get(reason, 0) + n
 
     for tp, cp, ep, dp, pp in iter_meshes(model=model, cluster=cluster, space=space, rejected=rejected,
-                                          allow_tp_across_nodes=allow_tp_across_nodes, order=order):
+                                          training=training, allow_tp_across_nodes=allow_tp_across_nodes,
+                                          order=order, twins=twins):
         scheds = _schedules(pp, space)
+        # Per mbs: micro-batches and the distinct canonical ZeRO levels (twins folded).
+        per_mbs = [(mbs, m := _microbatches(gb, dp, ep, mbs), _zeros(space, dp * cp * ep, pp, m)) for mbs in space.mbs]
+        twins[0] += sum(n_raw_zero - len(z) for _, _, z in per_mbs) * n_ac * len(scheds) * sum(
+            1 for s in space.sp if not s or tp > 1)
         sp_ok = [s for s in space.sp if not s or tp > 1]
         if True in sp_ok and model.seq_len % (tp * cp):
             sp_ok.remove(True)
-            count(R_SP_SEQ, n_zero_ac * len(space.mbs) * len(scheds))
-        n_per = n_zero_ac * len(sp_ok)
+            count(R_SP_SEQ, sum(len(z) for _, _, z in per_mbs) * n_ac * len(scheds))
         for schedule, vpp in scheds:
             if pp * vpp > model.layers:
-                count(R_STAGES, n_per * len(space.mbs))
+                count(R_STAGES, sum(len(z) for _, _, z in per_mbs) * n_ac * len(sp_ok))
                 continue
-            for mbs in space.mbs:
-                per_rank = dp * ep * mbs
-                if gb % per_rank:
+            for mbs, m, zeros in per_mbs:
+                n_per = len(zeros) * n_ac * len(sp_ok)
+                if m is None:
                     count(R_BATCH, n_per)
                     continue
-                m = gb // per_rank
                 if pp > 1 and schedule != "gpipe" and m < pp:
                     count(R_FEW_MICROBATCHES, n_per)
                     continue
@@ -271,16 +316,18 @@ def enumerate_layouts(
                 # (a 16k-device cluster has ~10^5 of them).
                 base = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "mbs": mbs, "schedule": schedule, "vpp": vpp}
                 start = len(valid)
-                for zero, ac in knobs:
-                    for sp in sp_ok:
-                        layout = new(Layout)
-                        d = layout.__dict__
-                        d.update(base)
-                        d["zero"] = zero
-                        d["ac"] = ac
-                        d["sp"] = sp
-                        valid.append(layout)
+                for zero in zeros:
+                    for ac in space.ac:
+                        for sp in sp_ok:
+                            layout = new(Layout)
+                            d = layout.__dict__
+                            d.update(base)
+                            d["zero"] = zero
+                            d["ac"] = ac
+                            d["sp"] = sp
+                            valid.append(layout)
                 del valid[start + keep:]
                 ms.extend([m] * keep)
                 groups.append((start, start + keep))
+    out.twins = twins[0]
     return out

@@ -134,7 +134,10 @@ def _print(result: Plan, top: int) -> None:
     shown = result.entries[:top]
     # One memory unit per table: GiB for real devices, MiB when everything is small (CPU models).
     unit, size = ("GiB", GiB) if any(e.memory.total >= GiB for e in shown) else ("MiB", 2**20)
-    table = Table(box=box.SIMPLE_HEAD, title=f"Top {len(shown)} of {len(result.entries)} feasible layouts")
+    # Every entry is a distinct program (twins folded into one canonical layout, tuner._space).
+    twins = f"; {result.twins:,} twin combinations folded" if result.twins else ""
+    table = Table(box=box.SIMPLE_HEAD, title=f"Top {len(shown)} of {len(result.entries):,} feasible layouts "
+                  f"({len(result.entries):,} distinct runs{twins})")
     for col, justify in (
         ("#", "right"), ("tp·cp·ep·dp·pp", "left"), ("zero", "right"), ("mbs", "right"), ("m", "right"),
         ("ac", "left"), ("sp", "left"), ("schedule", "left"), ("placement", "left"),
