@@ -15,8 +15,8 @@ from tuner import (
     estimate_memory,
     estimate_time,
     model_spec,
+    place,
     plan,
-    plan_one,
     training_spec,
 )
 
@@ -73,21 +73,36 @@ def test_to_dict_is_json_with_memory_in_bytes(tiny_plan) -> None:
 
 
 # Analytical step-time models land within 3-15% of measured runs (Isaev et al. 2023, Calculon, SC'23,
-# Sec. 5; Bang et al. 2024, vTrain, MICRO'24, Sec. 6):
-# the reference layouts' reported utilisation must be reproduced within that 15%.
-MFU_TOLERANCE = 0.15
+# Sec. 5; Bang et al. 2024, vTrain, MICRO'24, Sec. 6): the reference layouts' reported utilisation
+# must be reproduced within 10%, with no constant fitted to them (tuner/_timing.py's factors cite
+# their sources; tuner/_references.py says what each row states and what it assumes).
+MFU_TOLERANCE = 0.10
+
+
+def reference_estimates(ref):
+    placement = place(ref.layout, ref.cluster)
+    kw = dict(model=ref.model, cluster=ref.cluster, training=ref.training)
+    return (estimate_memory(ref.layout, flash_attention=ref.flash_attention, **kw),
+            estimate_time(ref.layout, placement=placement, flash_attention=ref.flash_attention, **kw))
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_LAYOUTS))
 def test_reference_layouts_are_feasible_and_near_reported_mfu(name: str) -> None:
     ref = REFERENCE_LAYOUTS[name]
-    planned = plan_one(ref.layout, model=ref.model, cluster=ref.cluster, training=ref.training)
-    assert planned.memory.fits, f"{name}: {planned.memory.total / 2**30:.1f} GiB"
-    predicted = planned.time.hfu if ref.mfu_kind == "hardware" else planned.time.mfu
+    memory, time = reference_estimates(ref)
+    assert memory.fits, f"{name}: {memory.total / 2**30:.1f} GiB"
+    predicted = time.hfu if ref.mfu_kind == "hardware" else time.mfu
     assert abs(predicted / ref.reported_mfu - 1) <= MFU_TOLERANCE, (name, predicted, ref.reported_mfu)
-    tps = planned.time.tokens_per_s_per_device
+    tps = time.tokens_per_s_per_device
     assert abs(tps / ref.reported_tokens_per_s_per_device - 1) <= MFU_TOLERANCE
     assert ref.source and ref.layout.world_size == ref.cluster.devices
+
+
+def test_llama3_mfu_falls_at_128k_context() -> None:
+    # Dubey et al. 2024, Table 4: 41% at 8K on 16,384 GPUs, 38% at 128K (cp 16) on the same GPUs.
+    short = reference_estimates(REFERENCE_LAYOUTS["llama3-405b-16k-h100"])[1]
+    long = reference_estimates(REFERENCE_LAYOUTS["llama3-405b-128k-h100"])[1]
+    assert long.mfu < short.mfu
 
 
 def test_reference_layouts_are_in_the_enumerated_space() -> None:

@@ -17,8 +17,8 @@ from tuner import (
     training_spec,
     useful_fraction,
 )
+from tuner._formulas import allgather_time, allreduce_time, recompute_flops_per_token_per_layer
 from tuner._memory import rank_params
-from tuner._timing import allgather_time, allreduce_time, recompute_flops_per_token_per_layer
 
 
 def test_collective_formulas() -> None:
@@ -54,25 +54,30 @@ def test_palm_flops_per_token() -> None:
 # "small" (tuner/_specs.py): L=8, h=256, 8 heads, 4 kv heads of 32, SwiGLU ffn=768, V=1024, T=256, untied.
 #   P_attn = 2·256·256 + 2·256·4·32 = 196,608    P_mlp = 3·256·768 = 589,824    norms 2·256 per layer
 #   N = 1024·256 (embedding) + 8·(196,608 + 589,824 + 512) + 256 + 1024·256 (head) = 6,820,096
-# Model FLOPs per token (PaLM App. B), the embedding lookup excluded:
+# Model FLOPs per token (PaLM App. B, the MFU convention), the embedding lookup excluded:
 #   6·(6,820,096 - 262,144) + 12·8·256·256 = 39,347,712 + 6,291,456 = 45,639,168
-# Hardware FLOPs per token the time model runs: per layer 6·(P_attn + P_mlp) + 12·h·T = 5,505,024, the
-# head 6·h·V = 1,572,864 and the embedding at 1/4 of it: 8·5,505,024 + 1.25·1,572,864 = 46,006,272.
-# Recompute per token: selective 8·(2·196,608 + 4·256·256) = 5,242,880 (attention sub-layer forward);
-# full 8·(2·786,432 + 4·256·256) = 14,680,064 (the whole forward).
+# Step time (5e10 FLOP/s peak; matmuls at 0.5, the flash attention core at min(0.35, 0.5)):
+#   matmuls per layer 6·(P_attn + P_mlp) = 4,718,592; causal attention core 6·h·T = 393,216 (half
+#   PaLM's 12·h·T); the head 6·h·V = 1,572,864 and the embedding at 1/4 of it.
+#   Recompute per layer: selective 2·196,608 = 393,216 matmul + 2·h·T = 131,072 core; full
+#   2·786,432 = 1,572,864 matmul + 131,072 core.
 SMALL_MODEL_FLOPS = 45_639_168
+TOKENS = 8 * 256
+
+
+def small_step_s(matmul_layer: int, core_layer: int) -> float:
+    return TOKENS * ((8 * matmul_layer + 1.25 * 1_572_864) / 2.5e10 + 8 * core_layer / 1.75e10)
 
 
 @pytest.mark.parametrize(
-    ("ac", "step_s", "mfu", "hfu"),
+    ("ac", "step_s", "recompute"),
     [
-        # step = hardware FLOPs/token · 8·256 tokens / (5e10 FLOP/s · 0.5);  MFU = 0.5 · 45,639,168 / it.
-        ("none", 46_006_272 * 2048 / 2.5e10, 0.49601028, 0.5 * 45_639_168 / 46_006_272),
-        ("selective", 51_249_152 * 2048 / 2.5e10, 0.44526754, 0.5 * (45_639_168 + 5_242_880) / 51_249_152),
-        ("full", 60_686_336 * 2048 / 2.5e10, 0.37602507, 0.5 * (45_639_168 + 14_680_064) / 60_686_336),
+        ("none", small_step_s(4_718_592, 393_216), 0),
+        ("selective", small_step_s(4_718_592 + 393_216, 393_216 + 131_072), 8 * (2 * 196_608 + 4 * 256 * 256)),
+        ("full", small_step_s(4_718_592 + 1_572_864, 393_216 + 131_072), 8 * (2 * 786_432 + 4 * 256 * 256)),
     ],
 )
-def test_single_device_step_hand_computed(ac: str, step_s: float, mfu: float, hfu: float) -> None:
+def test_single_device_step_hand_computed(ac: str, step_s: float, recompute: int) -> None:
     model = model_spec("small")
     cluster = cluster_spec({"preset": "cpu-local", "devices_per_node": 1})  # 5e10 FLOP/s peak
     training = training_spec({"global_batch": 8, "critical_batch": 8})
@@ -82,10 +87,26 @@ def test_single_device_step_hand_computed(ac: str, step_s: float, mfu: float, hf
     assert t.step_time_s == pytest.approx(step_s, rel=1e-12)
     assert t.breakdown["compute"] == pytest.approx(step_s, rel=1e-12)
     assert sum(v for k, v in t.breakdown.items() if k != "compute") == 0
-    assert t.tokens_per_s == pytest.approx(2048 / step_s, rel=1e-12)
-    assert t.mfu == pytest.approx(mfu, abs=1e-8)
-    assert t.hfu == pytest.approx(hfu, rel=1e-12)
+    assert t.tokens_per_s == pytest.approx(TOKENS / step_s, rel=1e-12)
+    # MFU by PaLM's convention (labelled), HFU by Megatron's (+ the recomputed forward, full attention).
+    assert t.mfu == pytest.approx(SMALL_MODEL_FLOPS * TOKENS / step_s / 5e10, rel=1e-12)
+    assert t.hfu == pytest.approx((SMALL_MODEL_FLOPS + recompute) * TOKENS / step_s / 5e10, rel=1e-12)
+    assert "PaLM" in t.to_dict()["mfu_convention"]
     assert t.useful_tokens_per_s == pytest.approx(t.tokens_per_s / 2)  # B = B_crit: half is useful
+
+
+def test_causal_attention_halves_the_core_in_step_time_not_in_mfu() -> None:
+    # Long sequences: the attention core dominates. A flash (causal) kernel does half of PaLM's
+    # 12·L·h·s; a materialised-scores kernel (flash_attention=False) does all of it at the matmul rate.
+    model = model_spec({"preset": "small", "seq_len": 8192})
+    cluster = cluster_spec({"preset": "cpu-local", "devices_per_node": 1})
+    training = training_spec({"global_batch": 1})
+    f = CalibrationFactors(compute_efficiency=0.5, attention_efficiency=0.5)
+    flash = estimate_time(Layout(), model=model, cluster=cluster, training=training, factors=f)
+    full = estimate_time(Layout(), model=model, cluster=cluster, training=training, factors=f, flash_attention=False)
+    core = 8 * 12 * 256 * 8192 * 8192 / 2.5e10  # L·12·h·s per token x s tokens at 0.5 of 5e10
+    assert full.step_time_s - flash.step_time_s == pytest.approx(core / 2, rel=1e-9)
+    assert full.mfu * full.step_time_s == pytest.approx(flash.mfu * flash.step_time_s, rel=1e-12)  # one count
 
 
 def test_recompute_flops_hand_computed() -> None:
@@ -98,13 +119,19 @@ def test_recompute_flops_hand_computed() -> None:
 def test_selective_repeats_the_attention_tp_collective() -> None:
     # TP/SP: 4 all-reduce-sized collectives per layer (2 forward, 2 backward); attention-block recompute
     # repeats the attention's forward one (5 per layer), full recompute both forward ones (6 per layer).
+    # At the ends: the embedding's output and the head's input-gradient reductions (one all-reduce
+    # each) and, with the logits vocab-sharded (loss parallel), 3 all-reduces of one fp32 per token.
     model = model_spec("llama3-8b")
     cluster = cluster_spec({"preset": "h100-sxm", "nodes": 1})
     training = training_spec({"global_batch": 8})
-    tp = {ac: estimate_time(Layout(tp=8, ac=ac, sp=True), model=model, cluster=cluster, training=training)
+    f = CalibrationFactors(latency_scale=0.0)
+    tp = {ac: estimate_time(Layout(tp=8, ac=ac, sp=True), model=model, cluster=cluster, training=training, factors=f)
           .breakdown["tp_comm"] for ac in ("none", "selective", "full")}
-    assert tp["selective"] == pytest.approx(tp["none"] * 5 / 4, rel=1e-12)
-    assert tp["full"] == pytest.approx(tp["none"] * 6 / 4, rel=1e-12)
+    one = allreduce_time(2 * 8192 * 4096, 8, 450e9 * 0.8, 0.0)
+    ends = 2 * one + 3 * allreduce_time(4 * 8192, 8, 450e9 * 0.8, 0.0)
+    assert tp["none"] == pytest.approx(8 * (32 * 4 * one + ends), rel=1e-12)  # 8 micro-batches
+    assert tp["selective"] == pytest.approx(8 * (32 * 5 * one + ends), rel=1e-12)
+    assert tp["full"] == pytest.approx(8 * (32 * 6 * one + ends), rel=1e-12)
 
 
 # Data parallel on "small" over 4 CPU ranks (5e9 B/s links at 0.8: 4e9 B/s), no latency, no overlap.
@@ -185,7 +212,7 @@ def test_calibration_factors_validate() -> None:
     with pytest.raises(SpecError, match="factors.latency_scale must be a number"):
         CalibrationFactors(latency_scale="x")
     slow = estimate_time(Layout(tp=4), model=model_spec("small"), cluster=cluster_spec("cpu-local"),
-                         training=training_spec({"global_batch": 4}), factors=CalibrationFactors(compute_efficiency=0.25))
+                         training=training_spec({"global_batch": 4}), factors=CalibrationFactors(compute_efficiency=0.25, attention_efficiency=0.25))
     fast = estimate_time(Layout(tp=4), model=model_spec("small"), cluster=cluster_spec("cpu-local"),
-                         training=training_spec({"global_batch": 4}), factors=CalibrationFactors(compute_efficiency=0.5))
+                         training=training_spec({"global_batch": 4}), factors=CalibrationFactors(compute_efficiency=0.5, attention_efficiency=0.5))
     assert slow.breakdown["compute"] == pytest.approx(2 * fast.breakdown["compute"])

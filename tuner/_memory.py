@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tuner._errors import LayoutError, SpecError
+from tuner._formulas import (
+    STATE_BYTES,
+    cross_entropy_logits_bytes,
+    microbatches_in_flight,
+    zero_model_state_bytes,
+)
 from tuner._layout import Layout, microbatches
 from tuner._partition import partition_stages
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
@@ -22,37 +28,6 @@ MiB = 2**20
 # Python interpreter plus torch libraries, which the CPU peak (VmHWM) includes (~360 MB measured per
 # idle Ray rank actor with torch imported, on torch 2.13.0+cpu / Ray 2.60).
 OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
-
-# Bytes per parameter for (weights, gradients, optimizer states) of AdamW.
-# bf16 mixed precision: 2 + 2 + 12 (fp32 master, momentum, variance), Rajbhandari et al. 2020 Sec. 3.1.
-# fp32: 4 + 4 + 8 (momentum, variance).
-STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
-
-
-def zero_model_state_bytes(
-    psi: float, nd: int, stage: int, precision: str = "bf16"
-) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of Ψ params under ZeRO ``stage`` over Nd ranks (Rajbhandari
-    et al. 2020, Fig. 1: 16Ψ, 4Ψ+12Ψ/Nd, 2Ψ+14Ψ/Nd, 16Ψ/Nd for bf16 Adam)."""
-    p, g, k = STATE_BYTES[precision]
-    return (
-        p * psi / (nd if stage >= 3 else 1),
-        g * psi / (nd if stage >= 2 else 1),
-        k * psi / (nd if stage >= 1 else 1),
-    )
-
-
-def korthikanti_layer_activation_bytes(
-    s: int, b: int, h: int, a: int, t: int = 1, *, sp: bool = False, recompute: str = "none"
-) -> float:
-    """Activation bytes of one GPT layer, 16-bit, with dropout (Korthikanti et al. 2022, Table 2)."""
-    if recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    score = 0.0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h / t * (34 + score)
-    return s * b * h * (10 + 24 / t + score / t)
-
 
 def layer_activation_bytes(
     *,
@@ -106,26 +81,10 @@ def layer_activation_bytes(
     return (outside + inside) / t if sp else outside + inside / t
 
 
-def microbatches_in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> float:
-    """Micro-batches whose activations pp ``rank`` holds at its peak, in units of its whole layer set.
-
-    gpipe: all m; 1F1B: min(p - rank, m) (Narayanan et al. 2021 Sec. 2.2.1); interleaved: Megatron's
-    2(p-rank-1) + (v-1)p + 1 warm-up chunks of 1/v of the layers, p + (p-1)/v on rank 0 (Korthikanti
-    et al. 2022 Sec. 4.2.3).
-    """
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "interleaved":
-        return min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, m * vpp) / vpp
-    return float(min(pp - rank, m))
-
-
 def logits_bytes(s: int, b: int, h: int, vocab: int, t: int, sp: bool, elt: int) -> float:
     """Last stage per micro-batch: fp32 cross-entropy logits 4sbv/t (Korthikanti et al. 2022 Sec. 4.3),
     the low-precision logits when training in bf16, and the final norm's and the head's inputs."""
-    return s * b * vocab / t * (4 + (elt if elt < 4 else 0)) + elt * 2 * s * b * h / (t if sp else 1)
+    return cross_entropy_logits_bytes(s * b, vocab // t, elt) + elt * 2 * s * b * h / (t if sp else 1)
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tuner._errors import LayoutError, require_positive_int
+from tuner._formulas import head_flops_per_token, layer_flops_per_token
 from tuner._specs import ModelSpec
 
 # Embedding lookup + gradient scatter, relative to the output head's FLOPs (same vocab x hidden table,
 # memory-bound instead of compute-bound). Llama 3 (Sec. 3.3.2) moved one layer off the first stage.
 EMBEDDING_COST = 0.25
-
-
-def layer_flops_per_token(model: ModelSpec) -> float:
-    """Training FLOPs of one layer per token: 6 x active weights + 12·h·T attention (PaLM App. B)."""
-    active = model.attention_params_per_layer + model.active_mlp_params_per_layer
-    return 6.0 * active + 12.0 * model.hidden * model.seq_len
-
-
-def head_flops_per_token(model: ModelSpec) -> float:
-    """Output projection fwd+bwd, 6·h·V per token (2hV forward, 4hV backward); the loss is O(V)."""
-    return 6.0 * model.hidden * model.vocab
 
 
 def embedding_cost_per_token(model: ModelSpec, embedding_cost: float = EMBEDDING_COST) -> float:

@@ -27,11 +27,14 @@ class ReferenceLayout:
     reported_tflops_per_device: float
     source: str
     notes: str = ""
+    # The run's attention kernel skips the causal mask's masked half (flash attention); Megatron 2021
+    # and Megatron-DeepSpeed's BLOOM materialised the scores (Narayanan 2021, BigScience 2022).
+    flash_attention: bool = True
 
     @property
     def reported_tokens_per_s_per_device(self) -> float:
         """Derived from the reported FLOP rate and the paper's own FLOPs-per-token convention."""
-        from tuner._timing import model_flops_per_token, recompute_flops_per_token_per_layer
+        from tuner._formulas import model_flops_per_token, recompute_flops_per_token_per_layer
 
         per_token = model_flops_per_token(self.model)
         if self.mfu_kind == "hardware":
@@ -51,7 +54,31 @@ def _selene(nodes: int) -> ClusterSpec:
 
 
 _NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Clusters (SC'21), Table 1"
-_MEGATRON_NOTES = "assumed: 1F1B, mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer)"
+# Sec. 5.1: "we use the interleaved pipeline schedule with the scatter/gather optimization enabled".
+# The scatter/gather optimisation sends 1/t of each stage boundary's activation (Sec. 4.1), which is
+# what sequence parallelism's p2p costs here (sp=True stands for it; SP's TP traffic is the same volume).
+_MEGATRON_NOTES = ("stated (Sec. 5.1): interleaved schedule, scatter/gather (as sp); assumed: vpp 2 (the "
+                   "smallest interleaving), mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer)")
+
+def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tflops: float, row: int,
+            ac: str = "none") -> ReferenceLayout:
+    """A row of Dubey et al. 2024, Table 4: tp8 pp16, a 16M-token batch (16,384 sequences of 8K or
+    128 of 128K), BF16 MFU after Chowdhery et al. (PaLM's convention, Sec. 3.3.2)."""
+    return ReferenceLayout(
+        name=name,
+        model=model_spec({"preset": "llama3-405b", "seq_len": seq}),
+        # 8 H100 (80 GB, 700 W) per node, 400 Gb/s RoCE per GPU (Dubey et al. 2024, Sec. 3.3.1).
+        cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": nodes}),
+        training=TrainingSpec(global_batch=16 * 2**20 // seq),
+        layout=Layout(tp=8, cp=cp, pp=16, dp=dp, mbs=1, zero=2, sp=True, ac=ac, schedule="interleaved", vpp=7),
+        reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops,
+        source=f"Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row {row}: {nodes * 8:,} GPUs, seq {seq:,})",
+        notes=("stated: tp8 pp16, the cp and dp of the row, 16M-token batch, no activation checkpointing at 8K "
+               "(Sec. 3.3.2), the CP all-gather exposed; assumed: interleaved with vpp 7 (the paper's ~8 chunks "
+               "per rank count the embedding and the head as chunks of their own), FSDP without resharding after "
+               "forward as ZeRO-2, sequence parallel"),
+    )
+
 
 _REFS = (
     ReferenceLayout(
@@ -61,41 +88,29 @@ _REFS = (
         training=TrainingSpec(global_batch=1024),
         layout=Layout(tp=8, pp=1, dp=32, mbs=1, ac="full"),
         reported_mfu=0.43, mfu_kind="hardware", reported_tflops_per_device=135.0,
-        source=_NARAYANAN + ", 18.4B row", notes=_MEGATRON_NOTES,
+        source=_NARAYANAN + ", 18.4B row", notes=_MEGATRON_NOTES, flash_attention=False,
     ),
     ReferenceLayout(
         name="megatron-145b-1536-a100",
         model=_gpt("gpt-145.6b", 80, 12288, 96),
         cluster=_selene(192),
         training=TrainingSpec(global_batch=2304),
-        layout=Layout(tp=8, pp=8, dp=24, mbs=1, ac="full"),
+        layout=Layout(tp=8, pp=8, dp=24, mbs=1, ac="full", sp=True, schedule="interleaved", vpp=2),
         reported_mfu=0.47, mfu_kind="hardware", reported_tflops_per_device=148.0,
-        source=_NARAYANAN + ", 145.6B row", notes=_MEGATRON_NOTES,
+        source=_NARAYANAN + ", 145.6B row", notes=_MEGATRON_NOTES, flash_attention=False,
     ),
     ReferenceLayout(
         name="megatron-1t-3072-a100",
         model=_gpt("gpt-1t", 128, 25600, 160),
         cluster=_selene(384),
         training=TrainingSpec(global_batch=3072),
-        layout=Layout(tp=8, pp=64, dp=6, mbs=1, ac="full"),
+        layout=Layout(tp=8, pp=64, dp=6, mbs=1, ac="full", sp=True, schedule="interleaved", vpp=2),
         reported_mfu=0.52, mfu_kind="hardware", reported_tflops_per_device=163.0,
-        source=_NARAYANAN + ", 1T row", notes=_MEGATRON_NOTES,
+        source=_NARAYANAN + ", 1T row", notes=_MEGATRON_NOTES, flash_attention=False,
     ),
-    ReferenceLayout(
-        name="llama3-405b-16k-h100",
-        model=model_spec("llama3-405b"),
-        # 2,048 nodes of 8 H100 (80 GB, 700 W), 400 Gb/s RoCE per GPU (Dubey et al. 2024, Sec. 3.3.1).
-        cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": 2048}),
-        training=TrainingSpec(global_batch=2048),  # 16M tokens of 8,192
-        layout=Layout(tp=8, cp=1, pp=16, dp=128, mbs=1, zero=2, sp=True, ac="none",
-                      schedule="interleaved", vpp=7),
-        reported_mfu=0.41, mfu_kind="model", reported_tflops_per_device=400.0,
-        source="Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row 2: 16,384 GPUs, seq 8,192)",
-        notes=("stated: tp8 cp1 pp16 dp128, 16M-token batch, no activation checkpointing at 8K (Sec. 3.3.2); "
-               "assumed: interleaved with vpp 7 (the paper's ~8 chunks per rank count the embedding and the "
-               "head as chunks of their own), FSDP without resharding after forward as ZeRO-2, "
-               "sequence parallel"),
-    ),
+    _llama3("llama3-405b-8k-h100", nodes=1024, dp=128 // 2, cp=1, seq=8192, mfu=0.43, tflops=430.0, row=1),
+    _llama3("llama3-405b-16k-h100", nodes=2048, dp=128, cp=1, seq=8192, mfu=0.41, tflops=400.0, row=2),
+    _llama3("llama3-405b-128k-h100", nodes=2048, dp=8, cp=16, seq=131072, mfu=0.38, tflops=380.0, row=3),
     ReferenceLayout(
         name="bloom-176b-384-a100",
         model=model_spec("bloom-176b"),
@@ -107,6 +122,7 @@ _REFS = (
         reported_mfu=0.50, mfu_kind="hardware", reported_tflops_per_device=156.0,
         source="BigScience 2022, BLOOM (arXiv:2211.05100), Sec. 3.4: tp4 pp12 dp8, ZeRO-1, 156 TFLOP/s of 312",
         notes="assumed: 1F1B, mbs 2, full recompute (Megatron-DeepSpeed's FLOP count includes it)",
+        flash_attention=False,
     ),
 )
 

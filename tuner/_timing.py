@@ -9,11 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from tuner._errors import LayoutError, SpecError
+from tuner._formulas import (
+    allgather_time,
+    allreduce_time,
+    alltoall_time,
+    attention_core_flops_per_token,
+    head_flops_per_token,
+    matmul_flops_per_token,
+    model_flops_per_token,
+    recompute_flops_per_token_per_layer,
+    recompute_flops_split,
+    useful_fraction,
+)
 from tuner._layout import AXES, Layout, microbatches
 from tuner._memory import rank_params
-from tuner._partition import EMBEDDING_COST, head_flops_per_token, layer_flops_per_token
+from tuner._partition import EMBEDDING_COST
 from tuner._placement import Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
@@ -22,11 +35,17 @@ from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 class CalibrationFactors:
     """Fractions that turn peak hardware numbers into achieved ones (fit them to measurements)."""
 
-    compute_efficiency: float = 0.6  # achieved / peak FLOP/s of the layers' kernels
+    compute_efficiency: float = 0.6  # achieved / peak FLOP/s of the layers' matmuls
+    # Achieved / peak FLOP/s of the attention core (scores, softmax, ·V; forward and backward):
+    # FlashAttention-2 reaches 35% of an H100's peak (Shah et al. 2024, FlashAttention-3, Sec. 1).
+    # Never above compute_efficiency (a calibrated, slower device slows both).
+    attention_efficiency: float = 0.35
     intra_bw_efficiency: float = 0.8  # achieved / nominal intra-node bandwidth (NVLink)
     inter_bw_efficiency: float = 0.8  # achieved / nominal inter-node bandwidth (IB/RoCE)
     dp_overlap: float = 0.8  # fraction of DP/FSDP traffic hidden behind compute
-    cp_overlap: float = 0.5  # fraction of CP K/V exchange hidden behind attention
+    # The workers' CP K/V all-gather (workers/_cp.py) blocks the attention that needs it, as Llama 3's
+    # does ("exposed in the critical path", Dubey et al. 2024 Sec. 3.3.2): nothing hidden by default.
+    cp_overlap: float = 0.0
     ep_overlap: float = 0.0  # fraction of EP all-to-all hidden
     tp_overlap: float = 0.0  # fraction of TP/SP collectives hidden
     latency_scale: float = 1.0  # multiplies the cluster's per-message latencies
@@ -51,8 +70,8 @@ class TimeEstimate:
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_device: float
-    mfu: float  # model FLOPs (PaLM App. B, no recompute) / peak
-    hfu: float  # hardware FLOPs incl. recompute / peak (what Megatron/BLOOM report)
+    mfu: float  # MFU_CONVENTION: model FLOPs / peak
+    hfu: float  # model FLOPs + recompute / peak (what Megatron/BLOOM report, causal counted in full)
     useful_tokens_per_s: float
     breakdown: dict[str, float] = field(default_factory=dict)
 
@@ -64,40 +83,13 @@ class TimeEstimate:
             "mfu": self.mfu,
             "hfu": self.hfu,
             "useful_tokens_per_s": self.useful_tokens_per_s,
+            "mfu_convention": MFU_CONVENTION,
             "breakdown": dict(self.breakdown),
         }
 
 
-# --- formulas ------------------------------------------------------------------------------------
-
-
-def model_flops_per_token(model: ModelSpec) -> float:
-    """Training FLOPs per token, 6N + 12·L·h·T (PaLM, Chowdhery et al. 2022, App. B); N counts the
-    weights a token multiplies (active experts, head; not the embedding lookup)."""
-    n = model.active_params - model.embedding_params + (model.embedding_params if model.tied_embeddings else 0)
-    return 6.0 * n + 12.0 * model.layers * model.hidden * model.seq_len
-
-
-def attention_forward_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs per token of one attention sub-layer: its projections 2·P_attn plus the scores
-    and their softmax·V, 4·h·T (PaLM, Chowdhery et al. 2022, App. B counts 12·h·T for fwd + bwd)."""
-    return 2.0 * model.attention_params_per_layer + 4.0 * model.hidden * model.seq_len
-
-
-def recompute_flops_per_token_per_layer(model: ModelSpec, ac: str) -> float:
-    """Extra forward FLOPs per token per layer that activation checkpointing re-runs in the backward.
-
-    full: the whole layer's forward again, 2·(P_attn + P_mlp) + 4·h·T (Korthikanti et al. 2022 Sec. 5).
-    selective: meshtune's "selective" is attention-block recompute, not Korthikanti's: the workers
-    (workers/parallelize.py ``apply_ac``) checkpoint the whole attention sub-layer (Q, K, V, RoPE,
-    SDPA, out-projection), so its forward, 2·P_attn + 4·h·T, runs again.
-    """
-    if ac == "full":
-        active = model.attention_params_per_layer + model.active_mlp_params_per_layer
-        return 2.0 * active + 4.0 * model.hidden * model.seq_len
-    if ac == "selective":
-        return attention_forward_flops_per_token(model)
-    return 0.0
+# The one FLOP count of MFU, predicted here and measured in workers/aggregate.py (model_flops_per_token).
+MFU_CONVENTION = "PaLM (Chowdhery et al. 2022, App. B): 6N + 12·L·h·s per token, causal attention in full"
 
 
 # Collectives a recomputed forward repeats, per layer, by ac: (TP all-reduce or SP all-gather +
@@ -105,40 +97,6 @@ def recompute_flops_per_token_per_layer(model: ModelSpec, ac: str) -> float:
 # and the MLP's forward collectives; attention-block recompute only the attention's (its out-projection
 # reduction, and under SP the all-gather of its input, which lies inside the checkpointed module).
 RECOMPUTE_COLLECTIVES = {"none": (0, 0, 0), "selective": (1, 1, 0), "full": (2, 1, 2)}
-
-
-def allreduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-reduce: 2(n-1)/n · bytes / bw + 2(n-1) · latency (Thakur et al. 2005)."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-
-
-def allgather_time(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-gather or reduce-scatter of a ``nbytes`` whole: (n-1)/n · bytes / bw + (n-1)·latency."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
-
-
-def alltoall_time(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """All-to-all where each rank holds ``nbytes``: (n-1)/n of it leaves the rank, (n-1) messages."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
-
-
-def pipeline_bubble_fraction(pp: int, vpp: int, m: int) -> float:
-    """Idle fraction of the ideal time, (p-1)/(v·m) (Narayanan et al. 2021, Sec. 2.2)."""
-    return (pp - 1) / (vpp * m)
-
-
-def useful_fraction(global_batch: int, critical_batch: int | None) -> float:
-    """Share of the tokens that buy progress: E_min/E = 1/(1 + B/B_crit) (McCandlish et al. 2018,
-    Eq. 2.11: E = E_min(1 + B/B_crit)); ~1 well below B_crit, ~B_crit/B far above it."""
-    if critical_batch is None:
-        return 1.0
-    return 1.0 / (1.0 + global_batch / critical_batch)
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -159,59 +117,104 @@ REDUCE_BYTES = 4
 BREAKDOWN = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p")
 
 
+class StepTime(NamedTuple):
+    """Seconds per optimiser step of one layout, by part (``BREAKDOWN`` after ``step``)."""
+
+    step: float
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    dp_comm_exposed: float
+    pp_bubble: float
+    pp_p2p: float
+
+
 class MeshTime:
     """The time model of one placed mesh (degrees and vpp) of one problem, prepared so that each of
     its layouts (zero, mbs, ac, sp, m) costs a few float operations. Per micro-batch terms are
-    ``mbs * per_sequence + per_message_latency``."""
+    ``mbs * per_sequence + per_message_latency``.
+
+    ``flash``: the attention kernel skips the causal mask's upper half (flash/SDPA kernels, and the
+    workers' chunked CP attention); False charges the full s² (a materialised-scores kernel such as
+    Megatron 2021's). ``loss_parallel``: under TP the logits stay vocab-sharded and the cross-entropy
+    all-reduces three floats per token (torch's loss_parallel: max, sum of exponentials, the target
+    logit); False all-gathers the whole logits to every tp rank.
+    """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors,
-                 placement: Placement, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int) -> None:
+                 placement: Placement, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int,
+                 flash: bool = True, loss_parallel: bool = True) -> None:
         self.pp, self.vpp = pp, vpp
         world = tp * cp * ep * dp * pp
         elt = 2 if training.precision == "bf16" else 4
         seq, h = model.seq_len, model.hidden
         seq_local = seq // cp  # tokens of one sequence on this device (before TP)
         rate = cluster.peak_flops * f.compute_efficiency
+        # A flash kernel runs at its own efficiency; a materialised-scores path (flash=False) is two
+        # batched GEMMs at the matmuls' (its softmax's memory traffic is not modelled).
+        attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
         rp = rank_params(model, tp, ep, pp, vpp)
-        layer_flops = layer_flops_per_token(model)  # PaLM App. B, per layer
+        matmul = matmul_flops_per_token(model.attention_params_per_layer + model.active_mlp_params_per_layer)
+        core = attention_core_flops_per_token(h, seq, causal=flash)  # per local token: CP splits the work evenly
         head = head_flops_per_token(model)
         emb = EMBEDDING_COST * head
 
         tp_link = _link(placement, ("tp",), cluster, f) if tp > 1 else None
         cp_link = _link(placement, ("cp",), cluster, f) if cp > 1 else None
         ep_link = _link(placement, ("ep",), cluster, f) if ep > 1 else None
-        # Per ac: (compute, tp, cp, ep) of one micro-batch as (per sequence, constant) pairs.
+        # TP collectives at the model's ends, per micro-batch: the vocab-parallel embedding's output
+        # reduction (first stage) and the head's input-gradient reduction (last stage), each one
+        # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
+        ends_tp = [0.0] * pp
+        ends_tp_lat = [0.0] * pp
+        if tp_link:
+            bw, lat = tp_link
+            ends_tp[0] += allreduce_time(elt * seq_local * h, tp, bw, 0.0)
+            ends_tp[-1] += allreduce_time(elt * seq_local * h, tp, bw, 0.0)
+            ends_tp_lat[0] += allreduce_time(0.0, tp, bw, lat)
+            ends_tp_lat[-1] += allreduce_time(0.0, tp, bw, lat)
+            if loss_parallel:
+                ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, bw, 0.0)
+                ends_tp_lat[-1] += 3 * allreduce_time(0.0, tp, bw, lat)
+            else:  # ColwiseParallel(output_layouts=Replicate()): the forward all-gathers V/tp shards
+                ends_tp[-1] += allgather_time(elt * seq_local * model.vocab, tp, bw, 0.0)
+                ends_tp_lat[-1] += allgather_time(0.0, tp, bw, lat)
+        # Per ac: (compute, tp, cp, ep) of one micro-batch on the slowest stage, as (per sequence,
+        # constant) pairs: the pipeline runs at its slowest stage.
         self.per_mb: dict[str, tuple[tuple[float, float], ...]] = {}
         for ac in ("none", "selective", "full"):
-            layer_hw = layer_flops + recompute_flops_per_token_per_layer(model, ac)
-            flops = [n * layer_hw for n in rp.layers]
-            flops[0] += emb
-            flops[-1] += head
-            slow = max(range(pp), key=flops.__getitem__)  # the pipeline runs at its slowest stage
-            n_layers = rp.layers[slow]
-            compute = (flops[slow] * seq_local / (tp * rate), 0.0)
+            re_matmul, re_core = recompute_flops_split(model, ac, causal=flash)
+            layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
             tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
-            tp_t = cp_t = ep_t = (0.0, 0.0)
+            tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
             if tp_link:
                 # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
                 # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
                 bw, lat = tp_link
-                n = n_layers * (4 + tp_extra) * (1 - f.tp_overlap)
-                tp_t = (n * allreduce_time(elt * seq_local * h, tp, bw, 0.0), n * allreduce_time(0.0, tp, bw, lat))
+                n = (4 + tp_extra) * (1 - f.tp_overlap)
+                tp_l = (n * allreduce_time(elt * seq_local * h, tp, bw, 0.0), n * allreduce_time(0.0, tp, bw, lat))
             if cp_link:
-                # CP: all-gather K and V of the local heads forward, reduce-scatter their gradients
-                # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2).
+                # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
+                # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
                 bw, lat = cp_link
                 kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
-                n = n_layers * (2 + cp_extra) * (1 - f.cp_overlap)
-                cp_t = (n * allgather_time(kv, cp, bw, 0.0), n * allgather_time(0.0, cp, bw, lat))
+                n = (2 + cp_extra) * (1 - f.cp_overlap)
+                cp_l = (n * allgather_time(kv, cp, bw, 0.0), n * allgather_time(0.0, cp, bw, lat))
             if ep_link:
                 # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
                 bw, lat = ep_link
-                n = n_layers * (4 + ep_extra) * (1 - f.ep_overlap)
+                n = (4 + ep_extra) * (1 - f.ep_overlap)
                 a2a = elt * seq_local * model.top_k * h
-                ep_t = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
-            self.per_mb[ac] = (compute, tp_t, cp_t, ep_t)
+                ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
+            stages = []
+            for r, n_layers in enumerate(rp.layers):
+                ends = (emb if r == 0 else 0.0) + (head if r == pp - 1 else 0.0)
+                parts = ((n_layers * layer_s + ends * seq_local / (tp * rate), 0.0),
+                         (n_layers * tp_l[0] + ends_tp[r], n_layers * tp_l[1] + ends_tp_lat[r]),
+                         (n_layers * cp_l[0], n_layers * cp_l[1]), (n_layers * ep_l[0], n_layers * ep_l[1]))
+                stages.append((sum(a + b for a, b in parts), parts))
+            self.per_mb[ac] = max(stages, key=lambda x: x[0])[1]
 
         # Pipeline p2p: activations cross 2v stage boundaries per micro-batch (forward + backward);
         # Megatron's scatter-gather sends 1/t of them under sequence parallelism.
@@ -256,14 +259,14 @@ class MeshTime:
         self.world = world
         self.peak = world * cluster.peak_flops
         self.model_flops = model_flops_per_token(model)
-        self.hw_flops = {
+        self.hw_flops = {  # Megatron's hardware count: full attention, plus the recomputed forward
             ac: self.model_flops + model.layers * recompute_flops_per_token_per_layer(model, ac)
             for ac in ("none", "selective", "full")
         }
         self.useful = useful_fraction(training.global_batch, training.critical_batch)
 
-    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, m: int) -> tuple[float, ...]:
-        """(step, compute, tp, cp, ep, dp exposed, bubble, p2p) seconds per optimiser step."""
+    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, m: int) -> StepTime:
+        """Seconds per optimiser step, by part."""
         (c1, c0), (t1, t0), (k1, k0), (e1, e0) = self.per_mb[ac]
         compute, tp_t, cp_t, ep_t = mbs * c1 + c0, mbs * t1 + t0, mbs * k1 + k0, mbs * e1 + e0
         t_mb = compute + tp_t + cp_t + ep_t
@@ -275,9 +278,9 @@ class MeshTime:
         t_dp = hidable + m * per_mb
         exposed = fixed + t_dp - min(t_dp * self.dp_overlap, busy)  # overlap cannot hide more than the compute
         step = busy + bubble + p2p + exposed
-        return (step, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble, p2p)
+        return StepTime(step, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble, p2p)
 
-    def wrap(self, est: tuple[float, ...], ac: str) -> TimeEstimate:
+    def wrap(self, est: StepTime, ac: str) -> TimeEstimate:
         step = est[0]
         tps = self.tokens / step
         obj = object.__new__(TimeEstimate)  # the values are checked by construction; skip __init__
@@ -295,10 +298,11 @@ class MeshTime:
 
 @lru_cache(maxsize=4096)
 def mesh_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors, tp: int,
-              cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES) -> MeshTime:
+              cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES,
+              flash: bool = True) -> MeshTime:
     """The prepared (and shared: never mutate it) time model of one mesh placed in ``order``."""
     placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node)
-    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
+    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash)
 
 
 def estimate_time(
@@ -309,16 +313,18 @@ def estimate_time(
     training: TrainingSpec,
     factors: CalibrationFactors | None = None,
     placement: Placement | None = None,
+    flash_attention: bool = True,
 ) -> TimeEstimate:
     """Predicted step time of ``layout`` and what follows from it (tokens/s, MFU, useful tokens/s).
 
     ``placement`` (from ``place``) chooses the axis order; without it the default order is used
-    (TP across nodes allowed here: ``place``/``plan`` are where that is refused)."""
+    (TP across nodes allowed here: ``place``/``plan`` are where that is refused).
+    ``flash_attention=False`` charges the attention's masked half too (see ``MeshTime``)."""
     f = factors or CalibrationFactors()
     m = microbatches(layout, training)
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     order = placement.order if placement is not None else AXES
     mt = mesh_time(model, cluster, training, f, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                   order)
+                   order, flash_attention)
     return mt.wrap(mt.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, m), layout.ac)

@@ -4,8 +4,8 @@
   (the rank program all-reduces it), and the per-step maximum is taken here again in case a
   launcher's rank program reports its own local times;
 - tokens/s: global tokens per step (global batch x seq_len) / median step time; per device: / world;
-- MFU (GPU only): model FLOPs per token x tokens/s / (world x cluster.peak_flops), FLOPs counted as
-  6 x active matmul weights + 12·L·h·T attention (PaLM, Chowdhery et al. 2022, App. B);
+- MFU (GPU only): model FLOPs per token x tokens/s / (world x cluster.peak_flops), FLOPs counted by
+  ``tuner.model_flops_per_token`` (PaLM, Chowdhery et al. 2022, App. B), the predicted MFU's count;
   ``None`` on CPU, whose "peak" is not a meaningful denominator. ``peak_flops`` is the cluster
   spec's per-device dense peak, which the presets give for bf16 tensor cores: an fp32 trial's MFU
   is therefore relative to the bf16 peak (low by design: it says what the layout leaves unused on
@@ -25,15 +25,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tuner import ModelSpec
+from tuner import model_flops_per_token  # the one MFU FLOP count (PaLM convention)
 from workers._contract import TrialRequest, TrialResult
-
-
-def model_flops_per_token(model: ModelSpec) -> float:
-    """Training FLOPs per token: 6·(active layer weights + LM head) + 12·L·h·T (PaLM App. B)."""
-    layer_weights = model.attention_params_per_layer + model.active_mlp_params_per_layer
-    head = model.hidden * model.vocab  # the LM head matmul (tied or not); the embedding lookup is free
-    return 6.0 * (model.layers * layer_weights + head) + 12.0 * model.layers * model.hidden * model.seq_len
 
 
 def _get(report: Any, name: str, default: Any = None) -> Any:
