@@ -81,15 +81,16 @@ def test_selective_is_attention_block_recompute_not_korthikantis(t: int, sp: boo
 
 def test_layer_activations_hand_computed_tiny_fp32() -> None:
     # tiny: h=64, a=4, kv_dim=2*16=32, ffn=192 SwiGLU, fp32 (4 bytes), flash attention, s=64, b=1.
-    # outside TP: 4 tensors of sbh; Q+attention output 2 sbh, K+V 2*s*b*32; lse 4*a*s*b; MLP 3*s*b*ffn.
+    # outside TP: 4 tensors of sbh; Q+attention output 2 sbh, K+V 2*s*b*32; lse 4*a*s*b; eager SwiGLU
+    # keeps 4*s*b*ffn (gate, silu(gate), up, their product).
     sbh = 64 * 64
-    expected = 4 * 4 * sbh + 4 * (2 * sbh + 2 * 64 * 32) + 4 * 4 * 64 + 4 * 3 * 192 * 64
-    assert expected == 263_168
+    expected = 4 * 4 * sbh + 4 * (2 * sbh + 2 * 64 * 32) + 4 * 4 * 64 + 4 * 4 * 192 * 64
+    assert expected == 312_320
     got = layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4)
     assert got == expected
-    # selective (attention-block recompute): the 4 outside tensors and the MLP's 3 ffn-wide tensors
-    # stay, Q, K, V, the attention output and the lse go: 16*4096 + 12*192*64 = 65,536 + 147,456.
-    assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="selective") == 212_992
+    # selective (attention-block recompute): the 4 outside tensors and the MLP's 4 ffn-wide tensors
+    # stay, Q, K, V, the attention output and the lse go: 16*4096 + 16*192*64 = 65,536 + 196,608.
+    assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="selective") == 262_144
     # full keeps the input only.
     assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="full") == 4 * sbh
 
@@ -112,16 +113,16 @@ def test_single_device_estimate_hand_computed() -> None:
     mem = estimate_memory(Layout(mbs=2), model=model, cluster=cluster, training=training)
     n = model.params  # untied: every weight on the one device
     assert (mem.params, mem.grads, mem.optimizer) == (4 * n, 4 * n, 8 * n)
-    layer = 2 * 263_168  # mbs=2, see the hand computation above
+    layer = 2 * 312_320  # mbs=2, see the hand computation above
     logits = 2 * (64 * 256 * 4 + 4 * 2 * 64 * 64)  # fp32 logits + the final norm's and head's inputs
     assert mem.activations == model.layers * layer + logits
     assert mem.overhead == OVERHEAD_BYTES["cpu"]
     assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.overhead
     assert mem.fits and mem.stage == 0
-    # Selective: every layer keeps 212,992 bytes per sequence; one layer's dropped attention part,
-    # 263,168 - 212,992 = 50,176 per sequence, is re-materialised during its backward.
+    # Selective: every layer keeps 262,144 bytes per sequence; one layer's dropped attention part,
+    # 312,320 - 262,144 = 50,176 per sequence, is re-materialised during its backward.
     sel = estimate_memory(Layout(mbs=2, ac="selective"), model=model, cluster=cluster, training=training)
-    assert sel.activations == model.layers * 2 * 212_992 + 2 * 50_176 + logits
+    assert sel.activations == model.layers * 2 * 262_144 + 2 * 50_176 + logits
     assert sel.activations < mem.activations
 
 
@@ -166,7 +167,7 @@ def brute_force_peak(layout: Layout, model, cluster, training, m: int) -> tuple[
         states = sum(zero_model_state_bytes(rp.dense[r], layout.dp, layout.zero, training.precision))
         act = layer * rp.layers[r] * microbatches_in_flight(layout.schedule, layout.pp, layout.vpp, m, r)
         act += working + (logits if r == layout.pp - 1 else 0)
-        if layout.zero == 3:
+        if layout.zero == 3 and layout.dp > 1:  # FSDP's gather buffers (none without a data axis)
             states += 3 * 2 * rp.layer_dense
         best = max(best, (states + act, r), key=lambda x: x[0])
     return best
@@ -203,3 +204,20 @@ def test_flash_attention_off_keeps_the_scores() -> None:
     s, a = model.seq_len, model.heads
     extra = model.layers * (2 * a * s * s - 4 * a * s) / 8  # bf16 softmax output instead of the fp32 lse
     assert eager.activations - flash.activations == pytest.approx(extra, rel=1e-6)
+
+
+@pytest.mark.parametrize(("zero", "paper_gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states_with_fsdp_buffers_apart(zero: int, paper_gb: float) -> None:
+    # Rajbhandari et al. 2020, Fig. 1: Ψ = 7.5B on Nd = 64 with mixed-precision Adam (K = 12) holds
+    # 120 / 31.4 / 16.6 / 1.9 GB of model states per device under ZeRO 0 / 1 / 2 / 3. A GPT shape of
+    # ~7.46B parameters (h 4096, 36 layers) is scaled to 7.5B; FSDP's gather buffers are their own part.
+    model = model_spec({"preset": "gpt3-175b", "name": "gpt-7.5b", "layers": 36, "hidden": 4096, "heads": 32,
+                        "kv_heads": 32, "ffn": 4 * 4096})
+    cluster = cluster_spec({"preset": "a100-80g", "nodes": 8})
+    mem = estimate_memory(Layout(dp=64, zero=zero), model=model, cluster=cluster,
+                          training=training_spec({"global_batch": 64}))
+    states = (mem.params + mem.grads + mem.optimizer) * 7.5e9 / model.params
+    assert round(states / 1e9, 1) == pytest.approx(paper_gb, abs=0.05 if zero < 3 else 0.1)
+    layer = model.params_per_layer  # ZeRO-3: two layers' bf16 weights and one layer's bf16 gradients
+    assert mem.buffers == (int(3 * 2 * layer) if zero == 3 else 0)
+    assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers + mem.overhead

@@ -65,7 +65,8 @@ def test_to_dict_is_json_with_memory_in_bytes(tiny_plan) -> None:
     assert len(d["entries"]) == 3 and d["feasible"] == len(tiny_plan.entries)
     mem = d["entries"][0]["memory"]
     assert {"params", "grads", "optimizer", "activations", "total"} <= set(mem)
-    assert mem["total"] == mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["overhead"]
+    assert mem["total"] == (mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["buffers"]
+                            + mem["overhead"])
     assert all(isinstance(mem[k], int) for k in ("params", "grads", "optimizer", "activations", "total"))
     assert d["entries"][0]["placement"]["mesh_dim_names"] == ["pp", "dp", "ep", "cp", "tp"]
     assert set(d["entries"][0]["time"]["breakdown"]) == {
@@ -82,7 +83,7 @@ MFU_TOLERANCE = 0.10
 def reference_estimates(ref):
     placement = place(ref.layout, ref.cluster)
     kw = dict(model=ref.model, cluster=ref.cluster, training=ref.training)
-    return (estimate_memory(ref.layout, flash_attention=ref.flash_attention, **kw),
+    return (estimate_memory(ref.layout, flash_attention=ref.flash_attention, fused_swiglu=ref.fused_swiglu, **kw),
             estimate_time(ref.layout, placement=placement, flash_attention=ref.flash_attention, **kw))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from tuner._errors import LayoutError, SpecError
 from tuner._formulas import (
@@ -46,6 +47,8 @@ def layer_activation_bytes(
     flash: bool = True,
     moe_top_k: int = 0,
     experts: int = 0,
+    cp: int = 1,
+    swiglu_saved: int = 4,
 ) -> float:
     """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
     share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
@@ -63,16 +66,19 @@ def layer_activation_bytes(
     # Outside the TP region: two norm inputs, attention input, MLP input (+ 1-byte dropout masks).
     outside = elt * 4 * sbh + (2 * sbh if dropout else 0)
     # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
-    attn = elt * (2 * sbh + 2 * s * b * kv_dim)
+    # Under CP the attention keeps the all-gathered K and V of the whole sequence (cp·s tokens),
+    # kv_heads-sized: GQA-aware attention never repeats them to the query heads (workers/_cp.py).
+    attn = elt * (2 * sbh + 2 * cp * s * b * kv_dim)
     if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
         attn += 4 * a * s * b
     else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
         attn += (elt + (3 if dropout else 0)) * a * s * s * b
     if ac == "selective":  # attention-block recompute: all of it is recomputed in the backward
         attn = 0.0
-    # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); a fused SwiGLU keeps its input
-    # (gate and up) and its output (Megatron's bias_swiglu; eager torch also keeps silu(gate)).
-    per_token = (3 if mlp == "swiglu" else 2) * ffn
+    # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); eager SwiGLU (workers/model.py)
+    # keeps four ffn-wide tensors: the gate (silu's input), silu(gate) and the up projection (the
+    # product's inputs) and the product (w2's input); a fused one (Megatron's bias_swiglu) three.
+    per_token = (swiglu_saved if mlp == "swiglu" else 2) * ffn
     if moe_top_k:  # routed tokens: each of top_k copies keeps its input, expert activations, output
         mlp_bytes = elt * moe_top_k * s * b * (per_token + 2 * h) + 4 * s * b * experts
     else:
@@ -99,6 +105,10 @@ class MemoryEstimate:
     total: int
     stage: int
     device_memory: int
+    # FSDP's all-gather buffers (ZeRO-3: the current and the prefetched unit's unsharded weights and
+    # one unit's unsharded gradients), apart from the model states params/grads/optimizer, which are
+    # Rajbhandari et al.'s Fig. 1 accounting.
+    buffers: int = 0
 
     @property
     def fits(self) -> bool:
@@ -110,11 +120,24 @@ class MemoryEstimate:
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
+            "buffers": self.buffers,
             "overhead": self.overhead,
             "total": self.total,
             "stage": self.stage,
             "fits": self.fits,
         }
+
+
+class MemoryParts(NamedTuple):
+    """Bytes per device of the costliest candidate rank, by part (``total`` without the overhead)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    total: float
+    stage: int
+    buffers: float
 
 
 @dataclass(frozen=True)
@@ -167,7 +190,8 @@ class MeshMemory:
     ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
-                 ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None) -> None:
+                 ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
+                 swiglu_saved: int = 4) -> None:
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
         rp = rank_params(model, tp, ep, pp, vpp)
@@ -178,22 +202,24 @@ class MeshMemory:
         # Model states per zero stage and candidate rank: (params, grads, optimizer).
         self.states: list[list[tuple[float, float, float]]] = []
         layer_w = rp.layer_dense + rp.layer_expert
+        # FSDP keeps the current and the prefetched layer unsharded, and one layer's gradients (ZeRO-3).
+        self.buffers = [2 * pbytes * layer_w + gbytes * layer_w if zero == 3 and nd_dense > 1 else 0.0
+                        for zero in range(4)]
         for zero in range(4):
-            # FSDP keeps the current and the prefetched layer unsharded, and one layer's gradients.
-            gp, gg = (2 * pbytes * layer_w, gbytes * layer_w) if zero == 3 else (0.0, 0.0)
             row = []
             for r in self.ranks:
                 d = zero_model_state_bytes(rp.dense[r], nd_dense, zero, precision)
                 e = zero_model_state_bytes(rp.expert[r], nd_expert, zero, precision)
-                row.append((d[0] + e[0] + gp, d[1] + e[1] + gg, d[2] + e[2]))
+                row.append((d[0] + e[0], d[1] + e[1], d[2] + e[2]))
             self.states.append(row)
-        self.state_totals = [[sum(x) for x in row] for row in self.states]
+        self.state_totals = [[sum(x) + self.buffers[z] for x in row] for z, row in enumerate(self.states)]
         self.layers = [rp.layers[r] for r in self.ranks]
         elt = 2 if precision == "bf16" else 4
         s = model.seq_len // cp
         common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
                       ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
-                      flash=flash, moe_top_k=model.top_k, experts=model.experts)
+                      flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp,
+                      swiglu_saved=swiglu_saved)
         # Per sequence of a micro-batch (everything is linear in mbs): (per layer, working set, logits).
         self.act: dict[tuple[str, bool], tuple[float, float, float]] = {}
         for sp in (False, True):
@@ -223,9 +249,8 @@ class MeshMemory:
         return [mbs * (layer * n + working + (logits if r == last else 0.0))
                 for n, r in zip(inflight, self.ranks, strict=True)]
 
-    def peak(self, zero: int, acts: list[float]) -> tuple[float, float, float, float, float, int]:
-        """(params, grads, optimizer, activations, total without overhead, pp rank) of the costliest
-        candidate rank, given its activations."""
+    def peak(self, zero: int, acts: list[float]) -> MemoryParts:
+        """The parts of the costliest candidate rank, given its activations."""
         totals = self.state_totals[zero]
         best, top = 0, totals[0] + acts[0]
         for c in range(1, len(acts)):
@@ -233,26 +258,32 @@ class MeshMemory:
             if t > top:
                 best, top = c, t
         p, g, o = self.states[zero][best]
-        return p, g, o, acts[best], top, self.ranks[best]
+        return MemoryParts(p, g, o, acts[best], top, self.ranks[best], self.buffers[zero])
 
-    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int) -> tuple[float, float, float, float, float, int]:
-        """(params, grads, optimizer, activations, total without overhead, pp rank) of the costliest rank."""
+    def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int) -> MemoryParts:
+        """The parts of the costliest rank."""
         return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
-    def wrap(self, est: tuple[float, float, float, float, float, int]) -> MemoryEstimate:
-        p, g, o, a, _, r = est
-        p, g, o, a = int(p), int(g), int(o), int(a)
+    @staticmethod
+    def whole_bytes(est: MemoryParts) -> int:
+        """What MemoryEstimate.total adds up, without the overhead: whole bytes per part."""
+        return int(est.params) + int(est.grads) + int(est.optimizer) + int(est.activations) + int(est.buffers)
+
+    def wrap(self, est: MemoryParts) -> MemoryEstimate:
+        p, g, o, a, b = int(est.params), int(est.grads), int(est.optimizer), int(est.activations), int(est.buffers)
         obj = object.__new__(MemoryEstimate)  # the values are checked by construction; skip __init__
-        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, overhead=self.overhead,
-                            total=p + g + o + a + self.overhead, stage=r, device_memory=self.device_memory)
+        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, buffers=b, overhead=self.overhead,
+                            total=p + g + o + a + b + self.overhead, stage=est.stage,
+                            device_memory=self.device_memory)
         return obj
 
 
 @lru_cache(maxsize=4096)
 def mesh_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, cp: int, ep: int,
-                dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None) -> MeshMemory:
+                dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
+                swiglu_saved: int = 4) -> MeshMemory:
     """The prepared (and shared: never mutate it) memory model of one mesh of one problem."""
-    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
+    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash, swiglu_saved=swiglu_saved,
                       overhead=overhead)
 
 
@@ -264,9 +295,11 @@ def estimate_memory(
     training: TrainingSpec,
     overhead_bytes: int | None = None,
     flash_attention: bool = True,
+    fused_swiglu: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``layout`` on its costliest pp rank (``overhead_bytes`` replaces the
-    framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores)."""
+    framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores;
+    ``fused_swiglu`` keeps 3 ffn-wide tensors per token instead of eager torch's 4)."""
     m = microbatches(layout, training)
     if overhead_bytes is not None and (isinstance(overhead_bytes, bool) or not isinstance(overhead_bytes, int)
                                        or overhead_bytes < 0):
@@ -274,5 +307,5 @@ def estimate_memory(
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     mm = mesh_memory(model, cluster, training, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                     flash_attention, overhead_bytes)
+                     flash_attention, overhead_bytes, 3 if fused_swiglu else 4)
     return mm.wrap(mm.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, layout.schedule, m))

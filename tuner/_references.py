@@ -30,6 +30,9 @@ class ReferenceLayout:
     # The run's attention kernel skips the causal mask's masked half (flash attention); Megatron 2021
     # and Megatron-DeepSpeed's BLOOM materialised the scores (Narayanan 2021, BigScience 2022).
     flash_attention: bool = True
+    # The run's SwiGLU is fused, keeping 3 ffn-wide tensors per token (Llama 3's stack; the workers'
+    # eager one keeps 4): estimate_memory(fused_swiglu=...).
+    fused_swiglu: bool = False
 
     @property
     def reported_tokens_per_s_per_device(self) -> float:
@@ -71,10 +74,11 @@ def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tf
         cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": nodes}),
         training=TrainingSpec(global_batch=16 * 2**20 // seq),
         layout=Layout(tp=8, cp=cp, pp=16, dp=dp, mbs=1, zero=2, sp=True, ac=ac, schedule="interleaved", vpp=7),
-        reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops,
+        reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops, fused_swiglu=True,
         source=f"Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row {row}: {nodes * 8:,} GPUs, seq {seq:,})",
         notes=("stated: tp8 pp16, the cp and dp of the row, 16M-token batch, no activation checkpointing at 8K "
-               "(Sec. 3.3.2), the CP all-gather exposed; assumed: interleaved with vpp 7 (the paper's ~8 chunks "
+               "(Sec. 3.3.2), the CP all-gather exposed; assumed: a fused SwiGLU, attention-block recompute "
+               "at 128K (see above), interleaved with vpp 7 (the paper's ~8 chunks "
                "per rank count the embedding and the head as chunks of their own), FSDP without resharding after "
                "forward as ZeRO-2, sequence parallel"),
     )
@@ -110,7 +114,11 @@ _REFS = (
     ),
     _llama3("llama3-405b-8k-h100", nodes=1024, dp=128 // 2, cp=1, seq=8192, mfu=0.43, tflops=430.0, row=1),
     _llama3("llama3-405b-16k-h100", nodes=2048, dp=128, cp=1, seq=8192, mfu=0.41, tflops=400.0, row=2),
-    _llama3("llama3-405b-128k-h100", nodes=2048, dp=8, cp=16, seq=131072, mfu=0.38, tflops=380.0, row=3),
+    # 128K: the attention keeps each layer's all-gathered K/V (8 layers x ~18 micro-batches in flight
+    # on pp rank 0): without recompute that needs ~90 GB of 80 (the memory model's own finding), so
+    # attention-block recompute, the least that fits, is assumed.
+    _llama3("llama3-405b-128k-h100", nodes=2048, dp=8, cp=16, seq=131072, mfu=0.38, tflops=380.0, row=3,
+            ac="selective"),
     ReferenceLayout(
         name="bloom-176b-384-a100",
         model=model_spec("bloom-176b"),
