@@ -78,7 +78,7 @@ def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tf
         source=f"Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row {row}: {nodes * 8:,} GPUs, seq {seq:,})",
         notes=("stated: tp8 pp16, the cp and dp of the row, 16M-token batch, no activation checkpointing at 8K "
                "(Sec. 3.3.2), the CP all-gather exposed; assumed: a fused SwiGLU, attention-block recompute "
-               "at 128K (see above), interleaved with vpp 7 (the paper's ~8 chunks "
+               "at 128K (see tuner/_references.py), interleaved with vpp 7 (the paper's ~8 chunks "
                "per rank count the embedding and the head as chunks of their own), FSDP without resharding after "
                "forward as ZeRO-2, sequence parallel"),
     )
@@ -114,9 +114,11 @@ _REFS = (
     ),
     _llama3("llama3-405b-8k-h100", nodes=1024, dp=128 // 2, cp=1, seq=8192, mfu=0.43, tflops=430.0, row=1),
     _llama3("llama3-405b-16k-h100", nodes=2048, dp=128, cp=1, seq=8192, mfu=0.41, tflops=400.0, row=2),
-    # 128K: the attention keeps each layer's all-gathered K/V (8 layers x ~18 micro-batches in flight
-    # on pp rank 0): without recompute that needs ~90 GB of 80 (the memory model's own finding), so
-    # attention-block recompute, the least that fits, is assumed.
+    # 128K: the paper says no activation checkpointing only for 8K sequences (Sec. 3.3.2: "we could
+    # pre-train Llama 3 on 8K sequences without activation checkpointing"). Without it the 128K row
+    # keeps each layer's all-gathered K/V as well and the memory model gives 79.3 of 80 GiB (no
+    # headroom), so attention-block recompute (ac=selective, the least there is) is ASSUMED; it
+    # decides this row: with ac=none the model predicts 48% MFU (+26%), the trend reversed.
     _llama3("llama3-405b-128k-h100", nodes=2048, dp=8, cp=16, seq=131072, mfu=0.38, tflops=380.0, row=3,
             ac="selective"),
     ReferenceLayout(
