@@ -19,10 +19,12 @@ from tuner import (
     ModelSpec,
     SpecError,
     TrainingSpec,
+    canonical_layout,
     check_layout,
     cluster_spec,
     model_spec,
     training_spec,
+    twin_note,
 )
 from tuner._plan import check_planning_work
 
@@ -278,7 +280,7 @@ class SweepSpec(RequestModel):
             raise SpecError("search.layouts cannot be combined with search.reference_layouts: list those layouts too")
         model, cluster, training = self.to_problem()
         out: list[Layout] = []
-        seen: dict[str, int] = {}
+        seen: dict[str, tuple[int, str | None]] = {}  # canonical key -> (index, twin note)
         for i, data in enumerate(self.search.layouts):
             where = f"search.layouts[{i}]"
             if not isinstance(data, dict):
@@ -297,10 +299,16 @@ class SweepSpec(RequestModel):
                 check_layout(layout, model=model, cluster=cluster, training=training)
             except (SpecError, TypeError) as exc:
                 raise SpecError(_layout_error(where, str(exc), given)) from None
-            if layout.key in seen:
-                raise SpecError(f"{where}={layout.key!r} repeats search.layouts[{seen[layout.key]}]")
-            seen[layout.key] = i
-            out.append(layout)
+            # Measured and ranked under its canonical key: a twin of a listed layout is that layout.
+            canon = canonical_layout(layout, training=training)
+            note = twin_note(layout, canon)
+            if canon.key in seen:
+                j, other = seen[canon.key]
+                why = note or other
+                raise SpecError(f"{where}={layout.key!r} repeats search.layouts[{j}]"
+                                + (f" (the same program: {why})" if why else ""))
+            seen[canon.key] = (i, note)
+            out.append(canon)
         return out
 
     def search_space(self) -> Any:

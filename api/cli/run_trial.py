@@ -18,7 +18,17 @@ import json
 import sys
 from typing import Any
 
-from tuner import Layout, LayoutError, SpecError, check_layout, cluster_spec, model_spec, training_spec
+from tuner import (
+    Layout,
+    LayoutError,
+    SpecError,
+    canonical_layout,
+    check_layout,
+    cluster_spec,
+    model_spec,
+    training_spec,
+    twin_note,
+)
 from workers._contract import TrialRequest, TrialResult
 
 INT_FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "mbs", "vpp")
@@ -104,8 +114,13 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     model = model_spec(args.model)
     cluster = cluster_spec(args.cluster)
     training = training_spec({"global_batch": args.global_batch, "seed": args.seed}, seq_len=model.seq_len)
-    layout = parse_layout(args.layout)
-    check_layout(layout, model=model, cluster=cluster, training=training)
+    given = parse_layout(args.layout)
+    check_layout(given, model=model, cluster=cluster, training=training)
+    # A twin runs (and is reported) as its canonical layout: one key per distinct program.
+    layout = canonical_layout(given, training=training)
+    note = twin_note(given, layout)
+    if note:
+        print(f"meshtune run-trial: note: {note}", file=sys.stderr)
     return TrialRequest(
         model=model,
         cluster=cluster,

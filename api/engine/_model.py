@@ -144,6 +144,7 @@ class Problem:
                 layout = Layout(**layout)
             if not isinstance(layout, Layout):
                 raise SpecError(f"search.reference_layouts[{i}]={name!r} is not a known reference layout")
+            layout = tuner.canonical_layout(layout, training=self.training)  # the space lists canonical twins
             if layout.key not in self.space.index:  # valid (checked on submission) but outside ``space``
                 log.warning("reference layout %s (%s) is outside the sweep's space; not enqueued", name, layout.key)
                 continue

@@ -58,6 +58,9 @@ class LayoutSpace:
         self.layouts = list(layouts)
         self.devices = devices
         self.index = {lay.key: i for i, lay in enumerate(self.layouts)}
+        # One key per distinct program: the enumeration and search.layouts give canonical layouts
+        # (tuner.canonical_layout), so no two entries are twins and none is proposed twice.
+        assert len(self.index) == len(self.layouts), "a layout space lists each layout once"
         values = [knob_values(lay) for lay in self.layouts]
         self.choices: dict[str, list[Any]] = {
             k: sorted({v[k] for v in values}, key=lambda x: (str(type(x)), x)) for k in KNOBS
