@@ -1,0 +1,111 @@
+"""What one rank of a layout really holds, part by part, measured from its tensors (for the memory
+model's harness, tests/test_memory_harness.py; run on every rank of a process group).
+
+- params / grads / optimizer: bytes of the unique storages of this rank's parameter tensors (their
+  local shards under DTensor/FSDP), of their ``.grad`` after the step's backwards (before the
+  optimizer step frees them), and of AdamW's state tensors after a step;
+- activations per layer: the tensors autograd saves for the backward while one micro-batch runs
+  forward (``torch.autograd.graph.saved_tensors_hooks``), attributed to the block that is running,
+  unique storages counted once, parameter storages excluded (they are the params part);
+- peak: the process's peak resident memory over one training step (``workers.measure``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from workers import measure
+from workers.train import build_rank_model, rank_batch, train_step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def _params(rm) -> list[torch.nn.Parameter]:
+    out, ids = [], set()
+    for _, chunk in rm.par.chunks:
+        for p in chunk.parameters():
+            if id(p) not in ids:
+                ids.add(id(p))
+                out.append(p)
+    return out
+
+
+def saved_activations_per_layer(rm, tokens, positions) -> dict[int, int]:
+    """Bytes autograd saves per block during one micro-batch's forward (pp = 1), by layer index."""
+    assert rm.schedule is None, "saved activations are probed without a pipeline schedule (pp = 1)"
+    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in _params(rm)}
+    current: list[int | None] = [None]
+    per_layer: dict[int, dict[int, int]] = {}
+    hooks = []
+    (_, model), = rm.par.chunks
+    for key, block in model.layers.items():
+        idx = int(key)
+        hooks.append(block.register_forward_pre_hook(lambda m, _a, i=idx: enter(m, i)))
+        hooks.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None)))
+
+    def enter(block: torch.nn.Module, i: int) -> None:
+        # FSDP has unsharded the block's weights by now (its pre-forward hook runs first): those
+        # storages are the gather buffers, not activations.
+        param_ptrs.update(_local(p).untyped_storage().data_ptr() for p in block.parameters())
+        current[0] = i
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is not None:
+            try:
+                st = _local(t).untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+            except RuntimeError:  # a tensor without real storage (an empty placeholder): holds nothing
+                return t
+            if ptr not in param_ptrs:
+                d = per_layer.setdefault(current[0], {})
+                d[ptr] = max(d.get(ptr, 0), nbytes)
+        return t
+
+    mbs = rm.request.layout.mbs
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast(rm.device.type, dtype=rm.dtype, enabled=rm.autocast):
+            out = model(tokens[:mbs], positions)
+    finally:
+        for h in hooks:
+            h.remove()
+    del out
+    return {i: sum(d.values()) for i, d in sorted(per_layer.items())}
+
+
+def probe(rm_request, device: torch.device) -> dict[str, Any]:
+    """Measure one rank of ``rm_request`` (a TrialRequest); returns bytes per part."""
+    measure.reset_peak_memory(device)
+    rm = build_rank_model(rm_request, device)
+    tokens, targets, positions = rank_batch(rm, 0)
+    params = _storage_bytes(_params(rm))
+    acts = saved_activations_per_layer(rm, tokens, positions) if rm.schedule is None else {}
+    # The gradients as the step's backwards leave them: capture them before the optimizer frees them.
+    grads: dict[str, int] = {}
+    opt = rm.optimizer
+    hook = opt.register_step_pre_hook(lambda *_: grads.__setitem__("g", _storage_bytes(p.grad for p in _params(rm))))
+    train_step(rm, tokens, targets, positions)
+    hook.remove()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    optimizer = _storage_bytes(state)
+    measure.reset_peak_memory(device)
+    train_step(rm, *rank_batch(rm, 1))
+    peak, _, how = measure.peak_memory(device)
+    return {"params": params, "grads": grads.get("g", 0), "optimizer": optimizer, "activations": acts,
+            "peak": peak, "peak_measure": how}
