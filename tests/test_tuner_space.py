@@ -163,6 +163,13 @@ def test_tp_across_nodes_is_rejected_per_mesh_unless_allowed() -> None:
     allowed = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
                                 allow_tp_across_nodes=True)
     assert len(allowed.valid) == 4 and allowed.rejected == {}
+    # The workers place their mesh the same way and refuse such a layout, so layout validation (a
+    # run-trial or search.layouts entry) refuses it too, with the same reason, before any process.
+    layout = Layout(tp=4, dp=2)
+    assert layout_violation(layout, model=model, cluster=cluster, training=training)[0] == "tp crosses nodes"
+    with pytest.raises(LayoutError, match=r"tp=4 groups would cross nodes \(devices_per_node=2\)"):
+        check_layout(layout, model=model, cluster=cluster, training=training)
+    assert check_layout(layout, model=model, cluster=cluster, training=training, allow_tp_across_nodes=True) == 4
     # With dp innermost, tp=4 has stride 2 and still spans nodes; tp=2 with stride 4 would too.
     inner_dp = enumerate_layouts(model=model, cluster=cluster, training=training,
                                  space=SearchSpace(tp=(2,), cp=(1,), pp=(1,)), order=("dp", "tp", "cp", "ep", "pp"))

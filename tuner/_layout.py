@@ -192,6 +192,7 @@ R_STAGES = "stages exceed layers"
 R_BATCH = "batch not divisible by dp*ep*mbs"
 R_FEW_MICROBATCHES = "micro-batches fewer than pp"
 R_INTERLEAVED = "interleaved: pp does not divide micro-batches"
+R_TP_NODES = "tp crosses nodes"
 
 
 def degree_violation(
@@ -224,15 +225,26 @@ def degree_violation(
 
 
 def layout_violation(
-    layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
+    layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+    allow_tp_across_nodes: bool = False,
 ) -> tuple[str, str] | None:
     """(reason, message) of the first rule ``layout`` breaks, else None. The order of the checks is
-    the order enumeration counts rejections in: mesh degrees, sp, stages, batch, schedule."""
+    the order enumeration counts rejections in: mesh degrees, TP inside a node, sp, stages, batch,
+    schedule. The workers build their mesh with the default placement and refuse TP groups that
+    leave a node (``tuner.place``), so that is a rule here too unless ``allow_tp_across_nodes``
+    (a what-if of ``meshtune plan``)."""
     bad = degree_violation(
         layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, model=model, cluster=cluster
     )
     if bad:
         return bad
+    if layout.tp > 1 and not allow_tp_across_nodes:
+        from tuner._placement import _place  # placement imports this module
+
+        if not _place((layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), AXES,
+                      cluster.devices_per_node).axes["tp"].intra_node:
+            return R_TP_NODES, (f"tp={layout.tp} groups would cross nodes (devices_per_node="
+                                f"{cluster.devices_per_node}) in the workers' placement")
     if layout.sp and model.seq_len % (layout.tp * layout.cp):
         return R_SP_SEQ, f"sp needs tp*cp={layout.tp * layout.cp} to divide seq_len={model.seq_len}"
     if layout.stages > model.layers:
@@ -252,10 +264,12 @@ def layout_violation(
 
 
 def check_layout(
-    layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
+    layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+    allow_tp_across_nodes: bool = False,
 ) -> int:
     """Raise LayoutError naming the numbers if ``layout`` cannot run; return its micro-batch count."""
-    bad = layout_violation(layout, model=model, cluster=cluster, training=training)
+    bad = layout_violation(layout, model=model, cluster=cluster, training=training,
+                           allow_tp_across_nodes=allow_tp_across_nodes)
     if bad:
         raise LayoutError(bad[1])
     return microbatches(layout, training)

@@ -175,7 +175,7 @@ def plan_one(
 ) -> PlannedLayout:
     """Check, place and estimate a single layout as given (raises LayoutError if it is invalid); the
     caller canonicalises (``canonical_layout``) where twins must be one entry."""
-    m = check_layout(layout, model=model, cluster=cluster, training=training)
+    m = check_layout(layout, model=model, cluster=cluster, training=training, allow_tp_across_nodes=allow_tp_across_nodes)
     placement = place(layout, cluster, allow_tp_across_nodes=allow_tp_across_nodes)
     mem = estimate_memory(layout, model=model, cluster=cluster, training=training)
     t = estimate_time(layout, model=model, cluster=cluster, training=training, factors=factors, placement=placement)

@@ -27,6 +27,7 @@ from tuner._layout import (
     R_INTERLEAVED,
     R_SP_SEQ,
     R_STAGES,
+    R_TP_NODES,
     R_WORLD,
     SCHEDULES,
     Layout,
@@ -37,7 +38,6 @@ from tuner._placement import _place, check_order
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 R_MAX_LAYOUTS = "beyond space.max_layouts"
-R_TP_NODES = "tp crosses nodes"
 
 
 def divisors(n: int) -> tuple[int, ...]:
