@@ -12,7 +12,7 @@ from _dist import RankFailed, run_ranks
 from tuner import AXES, Layout, LayoutError, cluster_spec, model_spec, training_spec
 from workers import TrialRequest
 from workers.model import Transformer
-from workers.parallelize import block_tp_plan, check_tp_supported, layers_per_stage, mesh_axes, split_stages
+from workers.parallelize import block_tp_plan, check_supported, layers_per_stage, mesh_axes, split_stages
 from workers.train import NonFiniteLoss, as_out_of_memory
 
 TINY = model_spec("tiny")
@@ -57,11 +57,11 @@ def test_split_stages_keeps_own_layers_embedding_first_head_last():
 
 def test_tp_rules_reject_clearly():
     with pytest.raises(LayoutError, match="kv_heads=2"):
-        check_tp_supported(TINY, Layout(tp=3))
-    check_tp_supported(TINY, Layout(tp=4))  # tp > kv_heads: replicated kv heads (ReplicatedKV)
+        check_supported(Layout(tp=3), TINY)
+    check_supported(Layout(tp=4), TINY)  # tp > kv_heads: replicated kv heads (ReplicatedKV)
     with pytest.raises(LayoutError, match="MoE"):
-        check_tp_supported(model_spec("tiny-moe"), Layout(tp=2))
-    check_tp_supported(TINY, Layout(tp=2))
+        check_supported(Layout(tp=2), model_spec("tiny-moe"))
+    check_supported(Layout(tp=2), TINY)
     assert {"attention_norm", "ffn_norm", "feed_forward.w3"} <= set(block_tp_plan(True, True))
     assert "attention_norm" not in block_tp_plan(False, False) and "feed_forward.w3" not in block_tp_plan(False, False)
 

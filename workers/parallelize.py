@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
+from tuner._realise import check_supported
 from workers._data_parallel import ExpertGradScale, GradSync, apply_fsdp
 from workers.model import Transformer
 
@@ -134,15 +135,6 @@ def split_stages(model: Transformer, counts: list[int], pp: int, pp_rank: int) -
 
 
 # --- 3. tensor + sequence parallel ---------------------------------------------------------------
-
-
-def check_tp_supported(spec: ModelSpec, layout: Layout) -> None:
-    if layout.tp == 1:
-        return
-    if spec.kv_heads % layout.tp and layout.tp % spec.kv_heads:
-        raise LayoutError(f"tp={layout.tp} and kv_heads={spec.kv_heads}: neither divides the other")
-    if spec.is_moe:
-        raise LayoutError(f"tp={layout.tp} with a MoE model is not implemented by the workers; use tp=1")
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -277,7 +269,7 @@ def parallelize_model(
     """Apply ``layout`` to ``model`` (built identically on every rank) in a fixed order."""
     spec = model.spec
     notes: list[str] = []
-    check_tp_supported(spec, layout)
+    check_supported(layout, spec)  # the tuner's rule (tuner/_realise.py), not a copy of it
 
     # 2. Pipeline split: keep only this rank's stages (stage s on pp rank s % pp).
     if layout.pp > 1:
@@ -309,8 +301,7 @@ def parallelize_model(
         dense_mesh = submesh(mesh, data_axes)
         expert_mesh = dense_mesh if layout.ep == 1 else (submesh(mesh, expert_axes) if expert_axes else None)
         if fsdp:
-            if expert_mesh is None:  # experts have no data replicas: shard dense only, reduce experts by hand
-                raise LayoutError("ZeRO>0 with ep>1 and dp*cp=1 is not implemented by the workers; use zero=0")
+            assert expert_mesh is not None, "check_supported refuses ZeRO>0 with ep>1 and dp*cp=1"
             for _, chunk in chunks:
                 apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype)
             if layout.ep > 1:

@@ -1,0 +1,240 @@
+"""How the workers realise a layout, part by part: the one description that the memory and time
+models read and that ``workers.parallelize.parallelize_model`` asserts (issue 12).
+
+``realise(layout, model, cluster, training)`` returns a ``Realisation`` or raises ``LayoutError``
+naming what the workers cannot run; ``check_supported(layout, model)`` is the workers' own
+pre-launch check (``parallelize_model`` calls it, so there is one rule, here, not a copy).
+Two layouts that run the identical program have equal Realisations (``Layout`` knobs that change
+nothing are not fields: ZeRO 1-3 without a data axis is the ZeRO-0 program, ZeRO-1 with one
+micro-batch is ZeRO-2's, a schedule without pipelining is none).
+
+What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, train.py), with
+the issue-12 changes marked "(landing)" where the fields still describe today's program:
+
+- Data parallel (Rajbhandari et al. 2020, Sec. 5, on FSDP2 ``fully_shard``). Dense parameters
+  are averaged over the dp*cp*ep data ranks, routed-expert parameters over dp*cp (the all-to-all's
+  backward already sums the ep group's share). ZeRO>=1 shards fp32 master weights, gradients and
+  AdamW state over those groups (experts unsharded when dp*cp = 1: a runnable layout, no refusal).
+  ZeRO-1/2 keep the gathered weights from forward to the step's last backward (``gathered="stage"``),
+  ZeRO-3 gathers one unit (block) at a time and frees it after use (``gathered="unit"``; FSDP holds
+  the current and the prefetched unit plus one unit's unsharded gradients: ``fsdp_buffer_units``).
+- Gradients between micro-batches: ZeRO-0 and ZeRO-1 reduce once, on the step's last backward, so
+  with m > 1 micro-batches they hold this rank's unsharded gradients in fp32 (4 B/param,
+  ``grads_held_unsharded``); ZeRO-2/3 reduce-scatter after every micro-batch's backward and hold
+  only the 1/N shard. The same rule holds under pp > 1 (decision 6): the workers' pipeline stage
+  (``workers.train._SyncingStage``) syncs FSDP on each micro-batch's backward for ZeRO-2/3 and on
+  the last one for ZeRO-0/1, where torch.distributed.pipelining alone would defer every sync to
+  the step's end (holding unsharded fp32 gradients for any ZeRO level, and, for ZeRO-3, every
+  gathered weight after its first backward). Why this choice: it is ~20 lines over torch's stage,
+  it keeps memory what the ZeRO formulas say, and its cost (m reduce-scatters per step instead
+  of one, each overlapped with the backward) is counted by the time model from ``collectives``.
+- Mixed precision: bf16 on CUDA (fp32 on CPU ranks). With a data axis the FSDP/replicate
+  MixedPrecisionPolicy casts (bf16 compute copies as ``gathered`` says, fp32 reduction); without
+  one, autocast casts and caches one bf16 copy of every weight it uses for the whole step
+  (``autocast_weight_copies``, 2 B/param of this rank's weights).
+- Tensor parallel (Shoeybi et al. 2019; sequence parallel Korthikanti et al. 2022): attention and
+  dense MLP column/row split; with a MoE every expert's w1/w3 column-split and w2 row-split over tp
+  (ffn dim), experts split over ep, router replicated (``experts_tp``). The output projection keeps
+  the logits vocab-sharded (V/tp per rank) and the loss is torch's ``loss_parallel``
+  (``logits_sharded``).
+- Context parallel (Llama 3, Dubey et al. 2024, Sec. 3.3.2): each layer all-gathers K and V over
+  cp, kv_heads-sized, and attends with GQA-aware SDPA, never repeating them to the query heads:
+  per layer the full-sequence K and V of ``kv_heads`` heads are saved (``cp_kv``).
+- Eager SwiGLU saves four ffn-wide tensors per token (gate, silu(gate), up, product):
+  ``swiglu_saved = 4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tuner._errors import LayoutError
+from tuner._layout import Layout, microbatches
+from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+
+FP32, BF16 = 4, 2
+ADAM_STATE_BYTES = 8  # AdamW momentum + variance in fp32 (the master weights are the parameters)
+
+
+@dataclass(frozen=True)
+class StateSharding:
+    """One class of parameters on a rank (dense, or routed experts): over how many ranks its
+    gradients are averaged and its weights / gradients / optimizer state are sharded (1 =
+    replicated), in which bytes per element. The model-parallel split of the tensors themselves
+    (tp, ep, pp) comes first and is not counted here."""
+
+    reduce_group: int  # data ranks whose gradients are averaged (1: none)
+    weights: int  # fp32 master weights at rest
+    grads: int  # gradients the optimizer steps on
+    optimizer: int  # AdamW state
+    weight_bytes: int = FP32
+    grad_bytes: int = FP32
+    optimizer_bytes: int = ADAM_STATE_BYTES
+
+    def __post_init__(self) -> None:
+        for f in ("reduce_group", "weights", "grads", "optimizer"):
+            v = getattr(self, f)
+            assert isinstance(v, int) and v >= 1, (f, v)
+            assert v in (1, self.reduce_group), (f, v, self.reduce_group)  # sharding is over the data group
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One recurring collective: ``op`` over the ranks of ``axes`` moving ``payload``, ``per``
+    what, and whether the step waits for it (``blocking``) or it overlaps compute."""
+
+    op: Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+    axes: str  # e.g. "tp", "dp*cp*ep"
+    payload: str  # what moves, e.g. "layer activations", "kv", "unit grads"
+    per: str  # e.g. "layer fwd+bwd", "micro-batch", "step"
+    blocking: bool
+
+
+@dataclass(frozen=True)
+class Realisation:
+    """What the workers build and hold for one layout (see the module docstring)."""
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    stages: int  # pp * vpp
+    schedule: str | None  # None without pipelining
+    microbatches: int
+    mbs: int
+    recompute: Literal["none", "selective", "full"]
+    sp: bool
+    # "allreduce": one flat, blocking all-reduce per dtype after the last backward (landing: replicate)
+    data_parallel: Literal["none", "allreduce", "replicate", "fsdp"]
+    dense: StateSharding
+    experts: StateSharding | None
+    compute_bytes: int  # parameters and activations in compute
+    gathered: Literal["none", "stage", "unit"]  # FSDP/replicate compute copies of the weights
+    fsdp_buffer_units: int  # ZeRO-3: units whose unsharded weights FSDP holds at once
+    # "step_end": after the step's last backward, the whole stage at once (pipelining's deferred sync)
+    grad_sync: Literal["none", "every_microbatch", "last_microbatch", "step_end"]
+    grads_held_unsharded: bool  # full-size gradients kept between micro-batches
+    unsharded_grad_bytes: int
+    autocast_weight_copies: bool
+    experts_tp: bool
+    logits_sharded: bool
+    # full-sequence K/V saved per layer under cp: kv_heads-sized, or repeated to the query heads
+    cp_kv: Literal["none", "kv_heads", "repeated"]
+    swiglu_saved: int
+    collectives: tuple[Collective, ...]
+
+    def __post_init__(self) -> None:
+        assert self.stages % self.pp == 0 and self.microbatches >= 1
+        assert (self.data_parallel == "none") == (self.dense.reduce_group == 1), self
+        assert (self.schedule is None) == (self.pp == 1), self
+        assert not (self.grads_held_unsharded and self.microbatches == 1 and self.pp == 1), self
+        assert self.gathered != "unit" or self.fsdp_buffer_units > 0, self
+
+
+def check_supported(layout: Layout, model: ModelSpec) -> None:
+    """Raise LayoutError (naming the values) for what the workers cannot build; the check
+    ``parallelize_model`` runs before touching the model."""
+    tp = layout.tp
+    if tp > 1 and model.kv_heads % tp and tp % model.kv_heads:
+        raise LayoutError(f"tp={tp} and kv_heads={model.kv_heads}: neither divides the other")
+    if tp > 1 and model.heads % tp:
+        raise LayoutError(f"tp={tp} does not divide heads={model.heads}")
+    ffn = model.expert_ffn if model.is_moe else model.ffn
+    if tp > 1 and ffn % tp:
+        raise LayoutError(f"tp={tp} does not divide {'expert_ffn' if model.is_moe else 'ffn'}={ffn}")
+    if layout.ep > 1 and (not model.is_moe or model.experts % layout.ep):
+        raise LayoutError(f"ep={layout.ep} needs a MoE model whose experts ({model.experts}) it divides")
+    # (landing) the two refusals issue 12 removes: TP with a MoE, ZeRO with EP and no expert replicas.
+    if tp > 1 and model.is_moe:
+        raise LayoutError(f"tp={tp} with a MoE model is not implemented by the workers; use tp=1")
+    if layout.zero > 0 and layout.ep > 1 and layout.dp * layout.cp == 1:
+        raise LayoutError(f"zero={layout.zero} with ep={layout.ep} and dp*cp=1 is not implemented by the workers; "
+                          "use zero=0")
+
+
+def _collectives(layout: Layout, model: ModelSpec, dp_kind: str, sync: str, zero3: bool,
+                 logits_sharded: bool) -> tuple[Collective, ...]:
+    out = []
+    if layout.tp > 1:
+        tp_op = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
+        for op in tp_op:
+            out.append(Collective(op, "tp", "layer activations (attention and MLP)", "layer fwd+bwd", True))
+        if model.is_moe:
+            out.append(Collective("all_reduce", "tp", "routed tokens' expert outputs (top_k copies)",
+                                  "layer fwd+bwd", True))
+        if logits_sharded:
+            out.append(Collective("all_reduce", "tp", "loss-parallel max and sum-exp per token", "micro-batch", True))
+        else:
+            out.append(Collective("all_gather", "tp", "logits (V/tp per rank -> V)", "micro-batch fwd", True))
+    if layout.cp > 1:
+        out.append(Collective("all_gather", "cp", "kv (kv_heads)", "layer fwd", True))
+        out.append(Collective("reduce_scatter", "cp", "kv grads (kv_heads)", "layer bwd", True))
+    if layout.ep > 1:
+        out.append(Collective("all_to_all", "ep", "routed tokens (dispatch + combine)", "layer fwd+bwd", True))
+    if layout.pp > 1:
+        out.append(Collective("send_recv", "pp", "stage activations / grads", "micro-batch", True))
+    if dp_kind != "none":
+        axes = "*".join(a for a in ("dp", "cp", "ep") if getattr(layout, a) > 1)
+        per = "micro-batch" if sync == "every_microbatch" else "step"
+        if dp_kind == "allreduce":  # one flat buffer per dtype after the backward: nothing to overlap
+            out.append(Collective("all_reduce", axes, "all grads (flat)", per, True))
+        elif dp_kind == "replicate":
+            out.append(Collective("all_reduce", axes, "unit grads", per, False))
+        else:
+            out.append(Collective("reduce_scatter", axes, "unit grads", per, False))
+            out.append(Collective("all_gather", axes, "unit weights", "micro-batch fwd+bwd" if zero3 else "step",
+                                  False))
+    return tuple(out)
+
+
+def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Realisation:
+    """The workers' realisation of ``layout`` (see the module docstring); LayoutError if they
+    cannot run it."""
+    check_supported(layout, model)
+    m = microbatches(layout, training)
+    data = layout.dp * layout.cp * layout.ep
+    expert_data = layout.dp * layout.cp
+    zero = layout.zero if data > 1 else 0  # no data axis: nothing to shard or reduce
+    # (landing) ZeRO-0 is replicate(); today a flat all-reduce after the last micro-batch.
+    dp_kind = "none" if data == 1 else ("allreduce" if zero == 0 else "fsdp")
+    if dp_kind == "none":
+        sync = "none"
+    elif layout.pp > 1:  # (landing) per-micro-batch sync for ZeRO-2/3 under pipelining
+        sync = "step_end"
+    elif dp_kind == "allreduce":
+        sync = "last_microbatch"
+    elif zero in (2, 3) or m == 1:
+        sync = "every_microbatch"
+    else:
+        sync = "last_microbatch"
+    if zero in (1, 2) and (m == 1 or layout.pp > 1):
+        zero = 1 if layout.pp > 1 else 2  # the same program: ZeRO-1/2 differ only in when they sync
+    shard = data if zero >= 1 else 1
+    dense = StateSharding(reduce_group=data, weights=shard, grads=shard, optimizer=shard)
+    experts = None
+    if model.is_moe:
+        eshard = expert_data if zero >= 1 else 1
+        experts = StateSharding(reduce_group=expert_data, weights=eshard, grads=eshard, optimizer=eshard)
+    bf16 = training.precision == "bf16" and cluster.device_kind == "cuda"
+    # (landing) under pp > 1 pipelining keeps ZeRO-3's weights gathered after their first backward
+    gathered = "none" if zero == 0 else ("unit" if zero == 3 and layout.pp == 1 else "stage")
+    return Realisation(
+        tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp, pp=layout.pp, stages=layout.stages,
+        schedule=layout.schedule if layout.pp > 1 else None,
+        microbatches=m, mbs=layout.mbs, recompute=layout.ac, sp=layout.sp,
+        data_parallel=dp_kind, dense=dense, experts=experts,
+        compute_bytes=BF16 if bf16 else FP32,
+        gathered=gathered,
+        fsdp_buffer_units=2 if zero == 3 else 0,
+        grad_sync=sync,
+        grads_held_unsharded=sync == "step_end" or (sync == "last_microbatch" and m > 1),
+        unsharded_grad_bytes=FP32,
+        autocast_weight_copies=bf16 and dp_kind != "fsdp",
+        experts_tp=model.is_moe and layout.tp > 1,
+        logits_sharded=False,  # (landing) loss_parallel: layout.tp > 1
+        cp_kv="repeated" if layout.cp > 1 else "none",  # (landing) "kv_heads"
+        swiglu_saved=4,
+        collectives=_collectives(layout, model, dp_kind, sync, zero == 3, logits_sharded=False),
+    )
