@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -141,6 +142,7 @@ SLOW_START = "The current node timed out during startup. This could happen becau
 def ray_start_times_out(monkeypatch):
     """Ray's start fails as it does on a loaded machine: a bare Exception after its fixed 30 s wait
     (ray/_private/node.py). The session Ray, if any, is hidden rather than touched."""
+    import workers._ray_start as start
     import workers.ray_backend as rb
 
     calls: list[dict] = []
@@ -149,10 +151,12 @@ def ray_start_times_out(monkeypatch):
         calls.append(kwargs)
         raise Exception(SLOW_START)  # noqa: TRY002 - exactly what Ray raises
 
-    monkeypatch.setattr(rb.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(rb.ray, "init", init)
-    monkeypatch.setattr(rb.ray, "shutdown", lambda *a, **k: None)
+    # Only the start-up code sees a Ray that is not running (the gang pool, say, must not).
+    fake = SimpleNamespace(is_initialized=lambda: False, init=init, shutdown=lambda *a, **k: None)
+    monkeypatch.setattr(start, "ray", fake)
     monkeypatch.setattr(rb.RayBackend, "start_retry_delays_s", (0.0, 0.0))
+    # The session Ray's processes are this process's children: its clean-up must not see them.
+    monkeypatch.setattr(start, "clean_failed_start", lambda before: calls.append({"cleaned": True}))
     return calls
 
 
@@ -161,7 +165,28 @@ def test_slow_ray_start_is_retried_then_one_backend_unavailable(ray_start_times_
 
     with pytest.raises(BackendUnavailable, match=r"cannot start a local Ray after 3 attempts: .*timed out during startup"):
         RayBackend().run(_request())
-    assert len(ray_start_times_out) == 3
+    assert [sorted(c) for c in ray_start_times_out] == [["include_dashboard", "log_to_driver", "num_cpus"],
+                                                        ["cleaned"]] * 3  # each failed attempt cleaned up
+
+
+def test_a_failed_ray_start_leaves_no_ray_process_behind(monkeypatch) -> None:
+    """What the failed attempt spawned (Ray's binaries live under .../ray/...) is killed; other
+    children of the process are not."""
+    import subprocess
+    import sys
+
+    import workers._ray_start as start
+
+    monkeypatch.setattr(start, "ray", SimpleNamespace(is_initialized=lambda: False))  # leave a session Ray alone
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    raylet = subprocess.Popen([*sleeper, f"{os.sep}x{os.sep}ray{os.sep}core{os.sep}raylet"])
+    other = subprocess.Popen(sleeper)
+    try:  # "before the attempt": every child but these two (a session Ray's are not touched)
+        start.clean_failed_start(start.child_pids() - {raylet.pid, other.pid})
+        assert raylet.wait(timeout=30) is not None and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 @pytest.mark.parametrize("command", [

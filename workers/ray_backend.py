@@ -32,7 +32,7 @@ Failures
     each reuse the gang's actors are health-checked (workers/_gangs.py ``drop_dead``), so a process
     that died between trials is replaced too. A dead process fails at most the trial it died in.
   - Infrastructure that is not there *now* raises ``BackendUnavailable`` (a ``BackendError``):
-    Ray not starting (retried here with back-off, ``start_retry_delays_s``), a cluster address
+    Ray not starting (retried with back-off, ``start_retry_delays_s``; workers/_ray_start.py), a cluster address
     that does not answer, no room for the placement groups, rank processes that do not start.
     Callers retry it; the sweep engine never fails a sweep for it.
 
@@ -44,17 +44,13 @@ workers/_launch.py); the rank program reads the rest (``fail``, ``sleep_per_step
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
@@ -62,14 +58,11 @@ import tuner
 from tuner import BackendError, SpecError, check_layout
 from workers._contract import BackendUnavailable, TrialError, TrialRequest, TrialResult
 from workers._gangs import POOL, Slot, drop, ensure_actors, kill_actors
+from workers._ray_start import check_reachable, start_ray
 from workers.aggregate import aggregate
 from workers.failures import died_error, timeout_error
 
-log = logging.getLogger("meshtune.workers")
 ERROR_GRACE_S = 2.0  # after one rank fails, how long its peers get to return before they are killed
-# One lock for the process: Ray is one per process, and two backends starting it at once would
-# race into "ray.init called twice".
-_RAY_INIT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -81,50 +74,6 @@ class GangRun:
     error: TrialError | None
     hosts: list[str]
     wall_s: float
-
-
-def _reachable(address: str, timeout_s: float = 3.0) -> None:
-    """Raise BackendError unless something listens at ``address`` (host:port, optional ray://)."""
-    if address in ("auto", "local"):
-        return
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise BackendError(f"RAY_ADDRESS={address!r} is not host:port")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise BackendUnavailable(f"Ray is not reachable at RAY_ADDRESS={address!r}: {exc}") from None
-
-
-def _child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _is_ray(proc: psutil.Process) -> bool:
-    """A process of Ray's own: its binaries and scripts live in the ray package, its workers are
-    titled "ray::..." (nothing else this process may have spawned meanwhile is touched)."""
-    try:
-        command = " ".join(proc.cmdline()) or proc.name()
-    except psutil.Error:
-        return False
-    return f"{os.sep}ray{os.sep}" in command or command.startswith("ray::")
-
-
-def _clean_failed_start(before: set[int]) -> None:
-    """Undo what a failed ``ray.init`` left running: the driver's half-made connection, and the Ray
-    processes (GCS, raylet, their workers) it spawned before giving up. Ray forgets them when its
-    ``Node`` fails to construct, so ``ray.shutdown`` cannot stop them; they are this process's
-    children that did not exist before the attempt."""
-    if ray.is_initialized():
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _is_ray(p)]
-    for proc in new:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(new, timeout=10)
 
 
 class RayBackend:
@@ -144,7 +93,7 @@ class RayBackend:
     ) -> None:
         self.address = address or os.environ.get("RAY_ADDRESS") or None
         if self.address:
-            _reachable(self.address)  # fail fast, naming the address, before Ray's long retries
+            check_reachable(self.address)  # fail fast, naming the address, before Ray's long retries
         self.num_cpus = num_cpus
         self.init_timeout_s = init_timeout_s
         self.placement_timeout_s = placement_timeout_s
@@ -154,39 +103,10 @@ class RayBackend:
     # --- Ray connection ---------------------------------------------------------------------------
 
     def _ensure_ray(self, min_cpus: int = 0) -> None:
-        """Start (or join) Ray once per process, retried with back-off: on a loaded machine a local
-        Ray can miss its own start-up deadline (Ray 2.x waits a fixed 30 s for the raylet to
-        register, then raises a bare ``Exception("The current node timed out during startup...")``,
-        ray/_private/node.py ``Node.__init__``), and a cluster can be briefly unreachable. Bad
-        arguments (``ValueError``/``TypeError``) are not retried. What a failed attempt started is
-        stopped before the next one, so retries do not pile up raylets on an already loaded machine."""
-        where = f"join Ray at RAY_ADDRESS={self.address!r}" if self.address else "start a local Ray"
-        with _RAY_INIT_LOCK:
-            delays = list(self.start_retry_delays_s)
-            for attempt in range(1, len(delays) + 2):
-                if ray.is_initialized():
-                    return
-                before = _child_pids()
-                try:
-                    if self.address:
-                        ray.init(address=self.address, log_to_driver=False)
-                    else:
-                        cpus = max(os.cpu_count() or 1, self.num_cpus or 0, min_cpus)
-                        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-                        self._started_ray = True
-                    return
-                except (ValueError, TypeError) as exc:
-                    raise BackendError(f"cannot {where}: {exc}") from exc
-                except Exception as exc:  # noqa: BLE001 - Ray's start-up failures include bare Exceptions
-                    _clean_failed_start(before)
-                    if attempt > len(delays):
-                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                        raise BackendUnavailable(
-                            f"cannot {where} after {attempt} attempts: {type(exc).__name__}: {first}"
-                        ) from exc
-                    log.warning("cannot %s (attempt %d: %s: %s); retrying in %.0f s",
-                                where, attempt, type(exc).__name__, exc, delays[attempt - 1])
-                    time.sleep(delays[attempt - 1])
+        """Start (or join) Ray once per process, retried with back-off (workers/_ray_start.py)."""
+        cpus = max(os.cpu_count() or 1, self.num_cpus or 0, min_cpus)
+        if start_ray(self.address, num_cpus=cpus, retry_delays_s=self.start_retry_delays_s):
+            self._started_ray = True
 
     def capacity(self) -> int:
         self._ensure_ray()
