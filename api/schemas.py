@@ -81,7 +81,7 @@ class SweepOut(_Out):
     )
     best_peak_memory_bytes: int | None = Field(None, description="Median peak memory of that layout, bytes (max over ranks).")
     diagnostic: bool = Field(False, description="True when trial.options inject failures, slowness or a memory cap "
-                             "(fail, sleep_per_step_s, memory_cap_bytes): its numbers are not real measurements.")
+                             "(fail, sleep_per_step_s, min_step_s, memory_cap_bytes): its numbers are not real measurements.")
 
 
 class SweepPage(_Out):

@@ -289,3 +289,14 @@ def test_timestamps_read_back_as_the_same_instant_in_utc(zoned_sessions):
         assert s.scalar(sa.select(sa.func.count()).where(store.Sweep.created_at > after,
                                                          store.Sweep.created_at < after + timedelta(hours=1))) == 1
     assert len(checked) == 18  # every DateTime column of the seven tables
+
+
+@pytest.mark.parametrize("option", ["fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes"])
+def test_every_diagnostic_option_flags_the_sweep(option):
+    """A sweep whose trials inject failures, slowness or a cap is flagged, whichever option does it
+    (the store reads the spec's one list, api.spec.DIAGNOSTIC_OPTIONS; min_step_s was missed)."""
+    from api.spec import DIAGNOSTIC_OPTIONS
+
+    assert option in DIAGNOSTIC_OPTIONS
+    assert store.Sweep(spec={"trial": {"options": {option: 1}}}).diagnostic
+    assert not store.Sweep(spec={"trial": {"options": {}}}).diagnostic

@@ -93,8 +93,10 @@ class Sweep(Base):
     def diagnostic(self) -> bool:
         """trial.options inject failures, slowness or a memory cap (api.spec.DIAGNOSTIC_OPTIONS): the
         sweep's numbers are diagnostics, not real measurements of its layouts. Derived from the spec."""
+        from api.spec import DIAGNOSTIC_OPTIONS  # the spec's one list (api.spec imports no store)
+
         options = ((self.spec or {}).get("trial") or {}).get("options") or {}
-        return any(options.get(k) is not None for k in ("fail", "sleep_per_step_s", "memory_cap_bytes"))
+        return any(options.get(k) is not None for k in DIAGNOSTIC_OPTIONS)
 
     @property
     def simulated(self) -> bool:
