@@ -290,6 +290,11 @@ E2E_LAYOUTS = {
     "ep2-dp2": ("tiny-moe", Layout(ep=2, dp=2)),
     "ep2-dp2-zero3": ("tiny-moe", Layout(ep=2, dp=2, zero=3)),  # FSDP2 of experts over dp only
     "cp2-ep2": ("tiny-moe", Layout(cp=2, ep=2)),  # experts reduce over cp, dense over cp*ep
+    # Issue 12: TP inside the experts (w1/w3 columns, w2 rows over tp) together with EP; ZeRO with
+    # EP and no expert replicas (dp*cp = 1: dense sharded over ep, experts unsharded).
+    "tp2-ep2": ("tiny-moe", Layout(tp=2, ep=2)),
+    "ep4-zero3": ("tiny-moe", Layout(ep=4, zero=3)),
+    "tp2-ep2-sp-zero1": ("tiny-moe", Layout(tp=2, ep=2, sp=True, zero=1)),
 }
 
 

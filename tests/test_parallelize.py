@@ -3,6 +3,7 @@ injected failures and measurements on real CPU ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -59,8 +60,10 @@ def test_tp_rules_reject_clearly():
     with pytest.raises(LayoutError, match="kv_heads=2"):
         check_supported(Layout(tp=3), TINY)
     check_supported(Layout(tp=4), TINY)  # tp > kv_heads: replicated kv heads (ReplicatedKV)
-    with pytest.raises(LayoutError, match="MoE"):
-        check_supported(Layout(tp=2), model_spec("tiny-moe"))
+    check_supported(Layout(tp=2), model_spec("tiny-moe"))  # experts split over tp (issue 12)
+    check_supported(Layout(ep=4, zero=3), model_spec("tiny-moe"))  # experts without replicas, unsharded
+    with pytest.raises(LayoutError, match="expert_ffn=95"):
+        check_supported(Layout(tp=2), dataclasses.replace(model_spec("tiny-moe"), expert_ffn=95))
     check_supported(Layout(tp=2), TINY)
     assert {"attention_norm", "ffn_norm", "feed_forward.w3"} <= set(block_tp_plan(True, True))
     assert "attention_norm" not in block_tp_plan(False, False) and "feed_forward.w3" not in block_tp_plan(False, False)

@@ -146,12 +146,6 @@ def check_supported(layout: Layout, model: ModelSpec) -> None:
         raise LayoutError(f"tp={tp} does not divide {'expert_ffn' if model.is_moe else 'ffn'}={ffn}")
     if layout.ep > 1 and (not model.is_moe or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs a MoE model whose experts ({model.experts}) it divides")
-    # (landing) the two refusals issue 12 removes: TP with a MoE, ZeRO with EP and no expert replicas.
-    if tp > 1 and model.is_moe:
-        raise LayoutError(f"tp={tp} with a MoE model is not implemented by the workers; use tp=1")
-    if layout.zero > 0 and layout.ep > 1 and layout.dp * layout.cp == 1:
-        raise LayoutError(f"zero={layout.zero} with ep={layout.ep} and dp*cp=1 is not implemented by the workers; "
-                          "use zero=0")
 
 
 def _collectives(layout: Layout, model: ModelSpec, dp_kind: str, sync: str, zero3: bool,

@@ -14,6 +14,15 @@ i.e. the same divisor (the number of data ranks) but a smaller group for ``exper
 Averaging expert gradients over dp alone would make them ep times too large.
 Call ``apply_expert_parallel`` after ``init_weights`` (it slices the full, seeded weights) and before
 FSDP wrapping and optimizer creation (it replaces the expert Parameters).
+
+Tensor parallel inside the experts (``apply_expert_tensor_parallel``, Megatron's MLP split, Shoeybi
+et al. 2019, Sec. 3, applied per expert as Megatron-Core's MoE does): every expert's w1/w3 keep
+ffn/tp columns and w2 ffn/tp rows, so each tp rank computes a partial sum of every expert output.
+The tokens entering the experts are identical on the tp ranks (the router is replicated and sees
+the same, gathered, input), so the EP all-to-all runs among the ranks of one tp index, and the
+partial outputs are all-reduced over tp before the router weights multiply them (after, the
+router's gradient would be partial too); in the backward the tokens' gradient is summed over tp
+("f") and the output's passes through ("g").
 """
 
 from __future__ import annotations
@@ -75,6 +84,66 @@ class ExpertParallelExperts:
         out = out[perm.argsort()]
         # 4. Combine: send the outputs back to the ranks the tokens came from.
         return _AllToAll.apply(out, in_splits, out_splits, self.group)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Megatron's "f": identity forward, backward sums the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """Megatron's "g": forward sums the partial outputs over ``group``, backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class TensorParallelExperts:
+    """``MoE.experts_fn`` over ffn-sharded experts: ``inner`` (local or expert-parallel) computes
+    partial outputs, summed over the tp group (see the module docstring)."""
+
+    def __init__(self, inner, group: ProcessGroup) -> None:
+        self.inner, self.group = inner, group
+
+    def __call__(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return _AllReduce.apply(self.inner(_SumGradOverGroup.apply(xs, self.group), counts), self.group)
+
+
+def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | ProcessGroup) -> None:
+    """Keep this tp rank's ffn/tp slice of every expert (w1/w3 columns, w2 rows) in every MoE of
+    ``model``; after ``apply_expert_parallel`` when both apply (it wraps the all-to-all)."""
+    from workers.model import MoE
+
+    group, tp, rank = group_of(tp_mesh)
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        ffn = module.w1.shape[2]
+        if ffn % tp:
+            raise ValueError(f"tp={tp} does not divide expert_ffn={ffn}")
+        lo, hi = rank * ffn // tp, (rank + 1) * ffn // tp
+        for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+            full = getattr(module, name)
+            part = full.detach().narrow(dim, lo, hi - lo).clone()
+            setattr(module, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        module.experts_fn = TensorParallelExperts(module.experts_fn, group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | ProcessGroup) -> None:

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -52,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
 from tuner._realise import check_supported
 from workers._data_parallel import ExpertGradScale, GradSync, apply_fsdp
+from workers._ep import apply_expert_parallel, apply_expert_tensor_parallel
 from workers.model import Transformer
 
 # --- 1. mesh -------------------------------------------------------------------------------------
@@ -174,21 +176,24 @@ class ReplicatedKV(nn.Module):
         return out.unflatten(-1, (self.kv_heads, self.head_dim))[..., self.head, :]
 
 
-def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True) -> dict[str, object]:
+def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: bool = False) -> dict[str, object]:
     """Megatron-style plan of one block (Shoeybi et al. 2019, Sec. 3; SP: Korthikanti et al. 2022).
-    ``shard_kv=False`` (tp > kv_heads) leaves wk/wv to ``ReplicatedKV``."""
+    ``shard_kv=False`` (tp > kv_heads) leaves wk/wv to ``ReplicatedKV``; ``moe``: the experts are
+    split by ``workers._ep.apply_expert_tensor_parallel`` and the MoE sees (and, under sp, hands
+    back as a sequence shard) the whole sequence as a plain tensor."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {
         "attention.wq": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if not moe:
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+        if mlp_has_w3:
+            plan["feed_forward.w3"] = ColwiseParallel()
     if shard_kv:
         plan["attention.wk"] = ColwiseParallel()
         plan["attention.wv"] = ColwiseParallel()
-    if mlp_has_w3:
-        plan["feed_forward.w3"] = ColwiseParallel()
     if sp:
         plan.update({
             "attention_norm": SequenceParallel(),
@@ -196,7 +201,10 @@ def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True) -> dict[
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
             ),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            ) if moe else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return plan
 
@@ -218,8 +226,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
         model.output.weight = model.tok_embeddings.weight
     kv_heads, tp = model.spec.kv_heads, tp_mesh.size()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_tp_plan(sp, block.feed_forward.w3 is not None,
-                                                          shard_kv=kv_heads % tp == 0))
+        moe = model.spec.is_moe
+        parallelize_module(block, tp_mesh, block_tp_plan(sp, not moe and block.feed_forward.w3 is not None,
+                                                          shard_kv=kv_heads % tp == 0, moe=moe))
         if kv_heads % tp:
             attn = block.attention
             for name in ("wk", "wv"):
@@ -287,7 +296,9 @@ def parallelize_model(
         # 7 (applied here). Expert parallel: it re-shapes the expert weights, so it must come before
         # FSDP wraps them (torchtitan applies EP together with TP for the same reason).
         if layout.ep > 1:
-            _call_optional("workers._ep", "apply_expert_parallel", "expert parallelism")(chunk, mesh["ep"])
+            apply_expert_parallel(chunk, mesh["ep"])
+        if layout.tp > 1 and spec.is_moe:  # after EP: it wraps the all-to-all (workers/_ep.py)
+            apply_expert_tensor_parallel(chunk, mesh["tp"])
         # 4. Activation checkpointing, per block.
         apply_ac(chunk, layout.ac)
 
@@ -299,9 +310,10 @@ def parallelize_model(
     fsdp = bool(data_axes) and layout.zero > 0
     if data_axes:
         dense_mesh = submesh(mesh, data_axes)
-        expert_mesh = dense_mesh if layout.ep == 1 else (submesh(mesh, expert_axes) if expert_axes else None)
+        # Experts without data replicas (ep > 1, dp*cp = 1): FSDP over the size-1 dp mesh holds them
+        # unsharded and reduces nothing, so every ZeRO level runs (tuner/_realise.py, decision 2).
+        expert_mesh = dense_mesh if layout.ep == 1 else submesh(mesh, expert_axes or ["dp"])
         if fsdp:
-            assert expert_mesh is not None, "check_supported refuses ZeRO>0 with ep>1 and dp*cp=1"
             for _, chunk in chunks:
                 apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype)
             if layout.ep > 1:
@@ -310,7 +322,7 @@ def parallelize_model(
             grad_sync = GradSync.for_modules(
                 [c for _, c in chunks],
                 dense_mesh.get_group(),
-                None if expert_mesh is None else expert_mesh.get_group(),
+                None if layout.ep > 1 and not expert_axes else expert_mesh.get_group(),
                 divide,
             )
 

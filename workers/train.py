@@ -390,9 +390,10 @@ def _global_grad_norm(par: Parallelized, layout) -> float:
                 else:
                     dense += sq
     device = next(iter(par.chunks[0][1].parameters())).device
-    # A stage's dense weights are replicated over world/pp ranks, its expert shards over world/(pp*ep).
+    # A stage's dense weights are replicated over world/pp ranks (TP shards gathered by full_tensor),
+    # its expert shards (ep experts, ffn/tp slices: plain tensors) over world/(pp*ep*tp).
     replicas = layout.world_size // layout.pp
-    t = (dense / replicas + experts / (replicas // layout.ep)).to(device)
+    t = (dense / replicas + experts / (replicas // (layout.ep * layout.tp))).to(device)
     dist.all_reduce(t)
     return float(t.sqrt().item())
 
