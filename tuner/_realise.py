@@ -8,8 +8,7 @@ Two layouts that run the identical program have equal Realisations (``Layout`` k
 nothing are not fields: ZeRO 1-3 without a data axis is the ZeRO-0 program, ZeRO-1 with one
 micro-batch is ZeRO-2's, a schedule without pipelining is none).
 
-What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, train.py), with
-the issue-12 changes marked "(landing)" where the fields still describe today's program:
+What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, train.py):
 
 - Data parallel (Rajbhandari et al. 2020, Sec. 5, on FSDP2 ``fully_shard``). Dense parameters
   are averaged over the dp*cp*ep data ranks, routed-expert parameters over dp*cp (the all-to-all's
@@ -106,22 +105,19 @@ class Realisation:
     mbs: int
     recompute: Literal["none", "selective", "full"]
     sp: bool
-    # "allreduce": one flat, blocking all-reduce per dtype after the last backward (landing: replicate)
-    data_parallel: Literal["none", "allreduce", "replicate", "fsdp"]
+    data_parallel: Literal["none", "replicate", "fsdp"]  # torch's replicate (ZeRO-0) or FSDP2
     dense: StateSharding
     experts: StateSharding | None
     compute_bytes: int  # parameters and activations in compute
     gathered: Literal["none", "stage", "unit"]  # FSDP/replicate compute copies of the weights
     fsdp_buffer_units: int  # ZeRO-3: units whose unsharded weights FSDP holds at once
-    # "step_end": after the step's last backward, the whole stage at once (pipelining's deferred sync)
-    grad_sync: Literal["none", "every_microbatch", "last_microbatch", "step_end"]
+    grad_sync: Literal["none", "every_microbatch", "last_microbatch"]
     grads_held_unsharded: bool  # full-size gradients kept between micro-batches
     unsharded_grad_bytes: int
     autocast_weight_copies: bool
     experts_tp: bool
     logits_sharded: bool
-    # full-sequence K/V saved per layer under cp: kv_heads-sized, or repeated to the query heads
-    cp_kv: Literal["none", "kv_heads", "repeated"]
+    cp_kv: Literal["none", "kv_heads"]  # full-sequence K/V saved per layer under cp, kv_heads-sized
     swiglu_saved: int
     collectives: tuple[Collective, ...]
 
@@ -129,7 +125,7 @@ class Realisation:
         assert self.stages % self.pp == 0 and self.microbatches >= 1
         assert (self.data_parallel == "none") == (self.dense.reduce_group == 1), self
         assert (self.schedule is None) == (self.pp == 1), self
-        assert not (self.grads_held_unsharded and self.microbatches == 1 and self.pp == 1), self
+        assert not (self.grads_held_unsharded and self.microbatches == 1), self
         assert self.gathered != "unit" or self.fsdp_buffer_units > 0, self
 
 
@@ -172,9 +168,7 @@ def _collectives(layout: Layout, model: ModelSpec, dp_kind: str, sync: str, zero
     if dp_kind != "none":
         axes = "*".join(a for a in ("dp", "cp", "ep") if getattr(layout, a) > 1)
         per = "micro-batch" if sync == "every_microbatch" else "step"
-        if dp_kind == "allreduce":  # one flat buffer per dtype after the backward: nothing to overlap
-            out.append(Collective("all_reduce", axes, "all grads (flat)", per, True))
-        elif dp_kind == "replicate":
+        if dp_kind == "replicate":
             out.append(Collective("all_reduce", axes, "unit grads", per, False))
         else:
             out.append(Collective("reduce_scatter", axes, "unit grads", per, False))
@@ -191,20 +185,16 @@ def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: Tr
     data = layout.dp * layout.cp * layout.ep
     expert_data = layout.dp * layout.cp
     zero = layout.zero if data > 1 else 0  # no data axis: nothing to shard or reduce
-    # (landing) ZeRO-0 is replicate(); today a flat all-reduce after the last micro-batch.
-    dp_kind = "none" if data == 1 else ("allreduce" if zero == 0 else "fsdp")
+    dp_kind = "none" if data == 1 else ("replicate" if zero == 0 else "fsdp")
+    # The same rule with and without pipelining (decision 6, workers.train._SyncingStage).
     if dp_kind == "none":
         sync = "none"
-    elif layout.pp > 1:  # (landing) per-micro-batch sync for ZeRO-2/3 under pipelining
-        sync = "step_end"
-    elif dp_kind == "allreduce":
-        sync = "last_microbatch"
     elif zero in (2, 3) or m == 1:
         sync = "every_microbatch"
     else:
         sync = "last_microbatch"
-    if zero in (1, 2) and (m == 1 or layout.pp > 1):
-        zero = 1 if layout.pp > 1 else 2  # the same program: ZeRO-1/2 differ only in when they sync
+    if zero == 1 and m == 1:
+        zero = 2  # the same program: one reduce-scatter after the only backward
     shard = data if zero >= 1 else 1
     dense = StateSharding(reduce_group=data, weights=shard, grads=shard, optimizer=shard)
     experts = None
@@ -212,8 +202,14 @@ def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: Tr
         eshard = expert_data if zero >= 1 else 1
         experts = StateSharding(reduce_group=expert_data, weights=eshard, grads=eshard, optimizer=eshard)
     bf16 = training.precision == "bf16" and cluster.device_kind == "cuda"
-    # (landing) under pp > 1 pipelining keeps ZeRO-3's weights gathered after their first backward
-    gathered = "none" if zero == 0 else ("unit" if zero == 3 and layout.pp == 1 else "stage")
+    # ZeRO-0 (replicate) computes on the weights themselves in fp32, on one bf16 copy of them from
+    # the first forward to the last backward in bf16: the same hold as ZeRO-1/2's gathered weights.
+    if zero == 3:
+        gathered = "unit"
+    elif dp_kind == "none" or (zero == 0 and not bf16):
+        gathered = "none"
+    else:
+        gathered = "stage"
     return Realisation(
         tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp, pp=layout.pp, stages=layout.stages,
         schedule=layout.schedule if layout.pp > 1 else None,
@@ -223,12 +219,12 @@ def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: Tr
         gathered=gathered,
         fsdp_buffer_units=2 if zero == 3 else 0,
         grad_sync=sync,
-        grads_held_unsharded=sync == "step_end" or (sync == "last_microbatch" and m > 1),
+        grads_held_unsharded=sync == "last_microbatch",
         unsharded_grad_bytes=FP32,
-        autocast_weight_copies=bf16 and dp_kind != "fsdp",
+        autocast_weight_copies=bf16 and dp_kind == "none",
         experts_tp=model.is_moe and layout.tp > 1,
-        logits_sharded=False,  # (landing) loss_parallel: layout.tp > 1
-        cp_kv="repeated" if layout.cp > 1 else "none",  # (landing) "kv_heads"
+        logits_sharded=layout.tp > 1,
+        cp_kv="kv_heads" if layout.cp > 1 else "none",
         swiglu_saved=4,
-        collectives=_collectives(layout, model, dp_kind, sync, zero == 3, logits_sharded=False),
+        collectives=_collectives(layout, model, dp_kind, sync, zero == 3, logits_sharded=layout.tp > 1),
     )

@@ -14,8 +14,10 @@ reduce-scatter (sum), so parameter gradients must then be averaged over the cp g
 axis (dp*cp ranks with equal token counts -> the mean over them is the global token mean).
 
 GQA: the model hands attn_fn un-repeated K/V (its local kv heads), so the gather moves only the
-distinct K/V (as tuner/_timing.py's CP cost assumes) and each rank repeats them to its query heads
-after the gather; autograd sums the repeat's gradient over each group before the reduce-scatter.
+distinct K/V (as tuner/_timing.py's CP cost assumes), and the chunk attention is SDPA's
+grouped-query form (``enable_gqa=True``): the full-sequence K/V that autograd saves for the
+backward are the gathered kv_heads-sized ones, never a copy repeated to the query heads (which would
+be heads/kv_heads times larger; tuner/_realise.py ``cp_kv="kv_heads"``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-from workers.model import repeat_kv
 
 # torch 2.13 renamed the single-tensor collectives; keep the older names working (torch >= 2.8).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -115,7 +115,7 @@ def attend_local_chunks(
     q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, chunks: tuple[int, int]
 ) -> torch.Tensor:
     """Causal attention of the local queries (global chunks ``chunks``, c rows each) against the whole
-    sequence's keys/values in global order. Keys after chunk g are masked for all of its queries, so
+    sequence's keys/values in global order (kv heads may be fewer than q's: grouped-query). Keys after chunk g are masked for all of its queries, so
     they are not even passed: every rank's work is c*c*(2cp+1) score entries."""
     c = q.shape[2] // 2
     outs = []
@@ -127,6 +127,7 @@ def attend_local_chunks(
                 k_all[:, :, :n_keys],
                 v_all[:, :, :n_keys],
                 attn_mask=chunk_mask(c, g, q.device),
+                enable_gqa=k_all.shape[1] != q.shape[1],
             )
         )
     return torch.cat(outs, dim=2)
@@ -155,7 +156,7 @@ class ContextParallelAttention:
         if isinstance(q, DTensor) or isinstance(k, DTensor):
             raise TypeError("context parallel attention needs plain local q/k/v (TP plans with use_local_output=True)")
         assert q.shape[2] % 2 == 0 and k.shape[2] == q.shape[2], (q.shape, k.shape)
-        k_all, v_all = repeat_kv(q, *self.gather_kv(k, v))  # gather kv heads only, repeat locally
+        k_all, v_all = self.gather_kv(k, v)  # kv heads only: SDPA groups the query heads over them
         return attend_local_chunks(q, k_all, v_all, self.chunks)
 
 

@@ -1,13 +1,14 @@
-"""Data parallelism for ``workers.parallelize``: FSDP2 for ZeRO-1/2/3, a bucketed all-reduce for
-ZeRO-0, and the expert-gradient divisor under expert parallelism (see parallelize's docstring)."""
+"""Data parallelism for ``workers.parallelize``: FSDP2 for ZeRO-1/2/3, torch's FSDP-based
+``replicate`` for ZeRO-0, and the expert-gradient divisor under expert parallelism (see
+parallelize's docstring and tuner/_realise.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,59 +28,26 @@ def apply_fsdp(
     zero: int,
     param_dtype: torch.dtype,
 ) -> None:
-    """FSDP2 over the 1-D data meshes (ZeRO-1/2/3, see the module docstring)."""
+    """FSDP2 over the 1-D data meshes (ZeRO-1/2/3), or for ZeRO-0 torch's FSDP-based ``replicate``
+    (DDP's semantics: replicated weights, gradients all-reduced per unit as its backward finishes,
+    overlapped with the rest of the backward; the same units, hooks and MixedPrecisionPolicy as FSDP,
+    so no autocast copies of the weights). One unit per block, one for the rest of the model."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    raf = zero == 3
+    if zero == 0:
+        def wrap(module: nn.Module, mesh: DeviceMesh) -> None:
+            replicate(module, mesh=mesh, mp_policy=mp)
+    else:
+        def wrap(module: nn.Module, mesh: DeviceMesh) -> None:
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp)
     experts_apart = expert_mesh is not dense_mesh
     for block in model.layers.values():
         if experts_apart:  # experts on their own (smaller) data mesh; ExpertGradScale fixes the divisor
             for mod in block.modules():
                 if isinstance(mod, MoE):
-                    fully_shard(mod.router, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-                    fully_shard(mod, mesh=expert_mesh, reshard_after_forward=raf, mp_policy=mp)
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-
-
-@dataclass
-class GradSync:
-    """ZeRO-0: average gradients over the data group(s) after the last micro-batch, one flat bucket
-    per (group, dtype). Works on DTensor gradients (TP) through their local shards."""
-
-    dense_group: dist.ProcessGroup | None
-    expert_group: dist.ProcessGroup | None
-    divide_factor: int
-    params: list[tuple[nn.Parameter, bool]] = field(default_factory=list)  # (param, is_expert)
-
-    @classmethod
-    def for_modules(cls, chunks: list[nn.Module], dense, expert, divide_factor: int) -> GradSync:
-        sync = cls(dense, expert, divide_factor)
-        seen: set[int] = set()
-        for chunk in chunks:
-            for mod in chunk.modules():
-                for name, p in mod.named_parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        sync.params.append((p, is_expert_param(mod, name)))
-        return sync
-
-    def __call__(self) -> None:
-        buckets: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
-        for p, is_expert in self.params:
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            buckets.setdefault((is_expert, g.dtype), []).append(g)
-        for (is_expert, _), grads in buckets.items():
-            group = self.expert_group if is_expert else self.dense_group
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if group is not None:  # None: experts without data replicas (ep only), still divided
-                dist.all_reduce(flat, group=group)
-            flat.div_(self.divide_factor)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+                    wrap(mod.router, dense_mesh)
+                    wrap(mod, expert_mesh)
+        wrap(block, dense_mesh)
+    wrap(model, dense_mesh)
 
 
 @dataclass
@@ -104,7 +72,8 @@ class ExpertGradScale:
 
 
 def zero1_micro_batch(chunks: list[tuple[int, Transformer]], *, last: bool) -> None:
-    """ZeRO-1 accumulation (pp == 1): sync gradients and reshard only on the step's last micro-batch."""
+    """ZeRO-0/1 accumulation (pp == 1): sync gradients and reshard only on the step's last
+    micro-batch (DDP's ``no_sync`` for the others); the unsharded fp32 gradients accumulate."""
     for _, chunk in chunks:
         if isinstance(chunk, FSDPModule):
             chunk.set_requires_gradient_sync(last)

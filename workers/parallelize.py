@@ -11,11 +11,15 @@ order (torchtitan's ``parallelize_llama`` is the model). Realisations worth know
   reduce-scattered once on the last micro-batch, optimizer states are sharded and the updated
   shards all-gathered on the next forward. That is DeepSpeed's ZeRO-1 traffic (reduce-scatter +
   all-gather = one all-reduce) and memory (full params and grads, sharded optimizer state).
-- ZeRO-0: plain replication; gradients are all-reduced (one flat bucket per dtype) over the data
-  group after the last micro-batch (``GradSync``), optimizer states replicated.
-- With pp > 1, torch.distributed.pipelining drives FSDP itself: it accumulates gradients without
-  sync over the schedule's micro-batches and reduces once at the end, so ZeRO-1/2/3 differ only in
-  ``reshard_after_forward`` there (as in torchtitan).
+- ZeRO-0: torch's FSDP-based ``replicate`` (DDP semantics) with the same units: weights and
+  optimizer states replicated, gradients all-reduced per unit, overlapped with the backward, once
+  per step (on the last micro-batch, DDP's ``no_sync`` before it).
+- With pp > 1 the workers' pipeline stage (``workers.train._SyncingStage``) keeps that rule:
+  ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-0/1 sync on the last one, ZeRO-3
+  reshards after every backward (torch's stage alone would defer every sync to the step's end).
+- Logits stay vocab-sharded under TP; the loss is ``VocabParallelCrossEntropy`` (loss_parallel).
+- Everything above is what tuner/_realise.py's ``Realisation`` says; ``parallelize_model``
+  asserts the parts it can see.
 - Activation checkpointing: "full" recomputes every block (``checkpoint_wrapper`` per block,
   non-reentrant); "selective" recomputes only each block's attention sub-layer (projections, RoPE,
   SDPA) and keeps the MLP's activations: the attention part is what Korthikanti et al. 2022
@@ -30,6 +34,7 @@ order (torchtitan's ``parallelize_llama`` is the model). Realisations worth know
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from collections.abc import Callable, Iterable
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,12 +53,13 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
 from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
-from tuner._realise import check_supported
-from workers._data_parallel import ExpertGradScale, GradSync, apply_fsdp
+from tuner._realise import Realisation, check_supported
+from workers._data_parallel import ExpertGradScale, apply_fsdp
 from workers._ep import apply_expert_parallel, apply_expert_tensor_parallel
 from workers.model import Transformer
 
@@ -216,8 +223,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
         root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.norm is not None and sp:
         root["norm"] = SequenceParallel()
-    if model.output is not None:  # logits gathered (no loss parallel): the loss is computed as usual
-        root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+    if model.output is not None:  # logits stay vocab-sharded (V/tp per rank): VocabParallelCrossEntropy
+        root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
     tied = model.tok_embeddings is not None and model.output is not None and (
         model.output.weight is model.tok_embeddings.weight
     )
@@ -234,6 +241,27 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
             for name in ("wk", "wv"):
                 setattr(attn, name, ReplicatedKV(getattr(attn, name), head_dim=model.spec.head_dim,
                                                  kv_heads=kv_heads, tp_mesh=tp_mesh))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (logits may be bf16)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class VocabParallelCrossEntropy:
+    """The loss over vocab-sharded logits (this tp rank's V/tp columns, a plain tensor, so that the
+    pipeline schedule only ever sees plain tensors): torch's ``loss_parallel`` computes the softmax's
+    max and sum over the tp group and never gathers the V-wide logits (Megatron's vocab-parallel
+    cross-entropy, Shoeybi et al. 2019, Sec. 3). Forward AND backward must run inside
+    ``loss_parallel()`` (``Parallelized.loss_context``)."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.mesh = tp_mesh
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert not isinstance(logits, DTensor), "the output projection hands back its local vocab shard"
+        sharded = DTensor.from_local(logits.flatten(0, 1).float(), self.mesh, [Shard(1)], run_check=False)
+        return F.cross_entropy(sharded, targets.flatten()).to_local()
 
 
 # --- 4. activation checkpointing -----------------------------------------------------------------
@@ -259,10 +287,15 @@ class Parallelized:
     """This rank's share of the model after ``parallelize_model``."""
 
     chunks: list[tuple[int, Transformer]]  # (pipeline stage index, module); one (0, model) when pp == 1
-    # Called after the last backward of a step: the ZeRO-0 all-reduce, or the expert-gradient scale.
+    # Called after the last backward of a step: the expert-gradient scale (ep > 1 with a data axis).
     grad_sync: Callable[[], None] | None
-    fsdp: bool
+    fsdp: bool  # FSDP2 or its replicate wraps the chunks (there is a data axis)
     notes: list[str]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    tp_loss: bool = False  # VocabParallelCrossEntropy: run forward+backward in loss_context()
+
+    def loss_context(self):
+        return loss_parallel() if self.tp_loss else contextlib.nullcontext()
 
 
 def _call_optional(module: str, attr: str, what: str):
@@ -273,9 +306,11 @@ def _call_optional(module: str, attr: str, what: str):
 
 
 def parallelize_model(
-    model: Transformer, mesh: DeviceMesh, layout: Layout, *, param_dtype: torch.dtype
+    model: Transformer, mesh: DeviceMesh, layout: Layout, *, param_dtype: torch.dtype,
+    realisation: Realisation | None = None,
 ) -> Parallelized:
-    """Apply ``layout`` to ``model`` (built identically on every rank) in a fixed order."""
+    """Apply ``layout`` to ``model`` (built identically on every rank) in a fixed order; with the
+    tuner's ``realisation`` of it, assert that what was built is what it says."""
     spec = model.spec
     notes: list[str] = []
     check_supported(layout, spec)  # the tuner's rule (tuner/_realise.py), not a copy of it
@@ -302,33 +337,50 @@ def parallelize_model(
         # 4. Activation checkpointing, per block.
         apply_ac(chunk, layout.ac)
 
-    # 5. Data parallel over dp*cp*ep (dense) and dp*cp (experts), one rule for every chunk.
+    # 5. Data parallel over dp*cp*ep (dense) and dp*cp (experts), one rule for every chunk: FSDP2
+    # for ZeRO-1/2/3, FSDP's replicate for ZeRO-0 (tuner/_realise.py says what each holds).
     data_axes = [a for a in ("dp", "cp", "ep") if getattr(layout, a) > 1]
     expert_axes = [a for a in ("dp", "cp") if getattr(layout, a) > 1]
-    divide = layout.dp * layout.cp * layout.ep
     grad_sync = None
-    fsdp = bool(data_axes) and layout.zero > 0
+    fsdp = bool(data_axes)
     if data_axes:
         dense_mesh = submesh(mesh, data_axes)
         # Experts without data replicas (ep > 1, dp*cp = 1): FSDP over the size-1 dp mesh holds them
         # unsharded and reduces nothing, so every ZeRO level runs (tuner/_realise.py, decision 2).
         expert_mesh = dense_mesh if layout.ep == 1 else submesh(mesh, expert_axes or ["dp"])
-        if fsdp:
-            for _, chunk in chunks:
-                apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype)
-            if layout.ep > 1:
-                grad_sync = ExpertGradScale.for_modules([c for _, c in chunks], 1.0 / layout.ep)
-        else:
-            grad_sync = GradSync.for_modules(
-                [c for _, c in chunks],
-                dense_mesh.get_group(),
-                None if layout.ep > 1 and not expert_axes else expert_mesh.get_group(),
-                divide,
-            )
+        for _, chunk in chunks:
+            apply_fsdp(chunk, dense_mesh, expert_mesh, zero=layout.zero, param_dtype=param_dtype)
+        if layout.ep > 1:
+            grad_sync = ExpertGradScale.for_modules([c for _, c in chunks], 1.0 / layout.ep)
 
     # 6. Context parallel: swap the attention kernel for one that sees the whole sequence's K/V.
     if layout.cp > 1:
         apply_cp = _call_optional("workers._cp", "apply_context_parallel", "context parallelism")
         for _, chunk in chunks:
             apply_cp(chunk, mesh["cp"])
-    return Parallelized(chunks=chunks, grad_sync=grad_sync, fsdp=fsdp, notes=notes)
+    par = Parallelized(chunks=chunks, grad_sync=grad_sync, fsdp=fsdp, notes=notes)
+    if layout.tp > 1:
+        par.loss_fn, par.tp_loss = VocabParallelCrossEntropy(mesh["tp"]), True
+    if realisation is not None:
+        _assert_realised(par, realisation, data_meshes=(dense_mesh, expert_mesh) if data_axes else None)
+    return par
+
+
+def _assert_realised(par: Parallelized, r: Realisation, *, data_meshes) -> None:
+    """Invariants: the built model is the tuner's Realisation where that is cheap to see."""
+    assert par.fsdp == (r.data_parallel != "none"), (par.fsdp, r.data_parallel)
+    if data_meshes is not None:
+        dense_mesh, expert_mesh = data_meshes
+        assert dense_mesh.size() == r.dense.reduce_group, (dense_mesh.size(), r.dense)
+        assert r.experts is None or expert_mesh.size() == r.experts.reduce_group, (expert_mesh.size(), r.experts)
+    for _, chunk in par.chunks:
+        for p in chunk.parameters():  # fp32 master weights, so fp32 gradients (FSDP reduces in fp32)
+            assert p.dtype == torch.float32 and r.dense.grad_bytes == 4, p.dtype
+        if chunk.output is not None:
+            w = chunk.output.weight
+            names = (w.device_mesh.mesh_dim_names or ()) if isinstance(w, DTensor) else ()
+            sharded = "tp" in names and w.placements[names.index("tp")] == Shard(0)  # vocab rows over tp
+            assert sharded == r.logits_sharded and par.tp_loss == r.logits_sharded, (w.placements, r.logits_sharded)
+        for m in chunk.modules():
+            if hasattr(m, "attn_fn"):
+                assert (type(m.attn_fn).__name__ == "ContextParallelAttention") == (r.cp_kv == "kv_heads")

@@ -21,15 +21,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from tuner import LayoutError, TrainingSpec, microbatches
+from tuner._realise import realise
 from workers import measure
 from workers._contract import TrialRequest
 from workers._data_parallel import is_expert_param, zero1_micro_batch
 from workers.model import Transformer, synthetic_batch
-from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model
+from workers.parallelize import Parallelized, build_mesh, coordinate, cross_entropy, parallelize_model
 
 
 class NonFiniteLoss(RuntimeError):
@@ -67,11 +69,6 @@ class RankReport:
     dtype: str = "float32"
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (logits may be bf16)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def reference_losses(request: TrialRequest, *, steps: int | None = None) -> tuple[list[float], list[float]]:
@@ -156,9 +153,33 @@ def _precision(training: TrainingSpec, device: torch.device, notes: list[str], o
     return torch.float32
 
 
+class _SyncingStage(PipelineStage):
+    """torch's PipelineStage with the workers' gradient rule under pp > 1 (tuner/_realise.py,
+    decision 6). torch's stage turns FSDP's gradient sync and reshard off for every micro-batch's
+    backward and reduces once in ``perform_reduce_grad`` at the step's end, so every ZeRO level
+    would hold unsharded fp32 gradients (and ZeRO-3 every gathered weight) through the step.
+    Here ZeRO-2/3 reduce-scatter each micro-batch's gradients as its backward finishes (FSDP
+    accumulates them into the sharded gradient), ZeRO-0/1 sync on the last micro-batch, ZeRO-3
+    reshards after every backward, the others on the last; ``perform_reduce_grad`` then finds
+    nothing left to reduce and only finalises and scales by 1/m."""
+
+    zero: int = 0
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        assert backward_type == "full", backward_type  # the schedules used here never split B/W
+        self.submod.set_is_last_backward(False)  # finalised by perform_reduce_grad
+        self.submod.set_requires_gradient_sync(last_backward or self.zero >= 2)
+        self.submod.set_reshard_after_backward(last_backward or self.zero == 3)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_group, timer):
     from torch.distributed.pipelining import (
-        PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
@@ -167,7 +188,8 @@ def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_
 
     stages = []
     for s, chunk in par.chunks:
-        stage = PipelineStage(chunk, s, layout.stages, device, group=pp_group)
+        stage = _SyncingStage(chunk, s, layout.stages, device, group=pp_group)
+        stage.zero = layout.zero
         for name in ("forward_one_chunk", "backward_one_chunk"):  # this rank's compute, for imbalance
             orig = getattr(stage, name)
 
@@ -178,7 +200,7 @@ def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_
             setattr(stage, name, timed)
         stages.append(stage)
     # Positions (context parallel) are the same for every micro-batch: replicate, do not split.
-    kw = {"loss_fn": cross_entropy, "kwargs_chunk_spec": {"positions": _Replicate()}}
+    kw = {"loss_fn": par.loss_fn, "kwargs_chunk_spec": {"positions": _Replicate()}}
     if layout.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, m, **kw)
     cls = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
@@ -229,7 +251,8 @@ def build_rank_model(request: TrialRequest, device: torch.device, *, notes: list
         model = Transformer(spec)
     model.init_weights(training.seed)
     # 2.-7. Parallelisms, in the order documented in workers/parallelize.py.
-    par = parallelize_model(model, mesh, layout, param_dtype=dtype)
+    realisation = realise(layout, spec, request.cluster, training)  # what the tuner models: asserted
+    par = parallelize_model(model, mesh, layout, param_dtype=dtype, realisation=realisation)
     notes += par.notes
     optimizer = torch.optim.AdamW([p for _, c in par.chunks for p in c.parameters()], lr=training.lr)
     timer = measure.ComputeTimer(device)
@@ -264,7 +287,7 @@ def train_step(
     schedule), gradient sync, AdamW. Returns this rank's mean loss (``None`` off the last stage).
     ``grad_norms``: append the global gradient norm before the update (a diagnostic)."""
     layout = rm.request.layout
-    with torch.autocast(rm.device.type, dtype=rm.dtype, enabled=rm.autocast):
+    with torch.autocast(rm.device.type, dtype=rm.dtype, enabled=rm.autocast), rm.par.loss_context():
         step = _accumulate if rm.schedule is None else _pipeline_step
         local_loss = step(rm, tokens, targets, positions)
     if rm.par.grad_sync is not None:
@@ -406,9 +429,9 @@ def _accumulate(rm: RankModel, tokens, targets, positions) -> torch.Tensor:
     with rm.timer.span():
         for i in range(m):
             rows = slice(i * layout.mbs, (i + 1) * layout.mbs)
-            if par.fsdp and layout.zero == 1:
+            if par.fsdp and layout.zero <= 1:  # ZeRO-0 (replicate) and ZeRO-1: sync on the last only
                 zero1_micro_batch(par.chunks, last=i == m - 1)
-            loss = cross_entropy(model(tokens[rows], positions), targets[rows]) / m
+            loss = par.loss_fn(model(tokens[rows], positions), targets[rows]) / m
             loss.backward()
             total += loss.detach().float()
     return total
