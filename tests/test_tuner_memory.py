@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -18,8 +19,9 @@ from tuner import (
     training_spec,
     zero_model_state_bytes,
 )
-from tuner._memory import MeshMemory, logits_bytes, rank_params
+from tuner._memory import MeshMemory, rank_params, state_bytes
 from tuner._partition import partition_stages
+from tuner._realise import Realisation, StateSharding, realise
 
 
 @pytest.mark.parametrize(
@@ -93,6 +95,12 @@ def test_layer_activations_hand_computed_tiny_fp32() -> None:
     assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="selective") == 262_144
     # full keeps the input only.
     assert layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, ac="full") == 4 * sbh
+    # What eager torch adds (the workers' truth, listed per saved tensor by the harness): each composite
+    # RMSNorm keeps its normalised input (sbh) and fp32 1/rms (s*b); SDPA keeps K, V repeated to the 4
+    # query heads (2 sbh instead of 2*s*b*32).
+    eager = layer_activation_bytes(s=64, b=1, h=64, a=4, kv_dim=32, ffn=192, elt=4, eager_norms=True,
+                                   kv_repeated=True)
+    assert eager == expected + 2 * 4 * (sbh + 64) + 4 * 2 * (sbh - 64 * 32) == 361_984
 
 
 def test_microbatches_in_flight_per_schedule() -> None:
@@ -113,16 +121,18 @@ def test_single_device_estimate_hand_computed() -> None:
     mem = estimate_memory(Layout(mbs=2), model=model, cluster=cluster, training=training)
     n = model.params  # untied: every weight on the one device
     assert (mem.params, mem.grads, mem.optimizer) == (4 * n, 4 * n, 8 * n)
-    layer = 2 * 312_320  # mbs=2, see the hand computation above
-    logits = 2 * (64 * 256 * 4 + 4 * 2 * 64 * 64)  # fp32 logits + the final norm's and head's inputs
-    assert mem.activations == model.layers * layer + logits
+    layer = 2 * 361_984  # mbs=2, eager torch's count (see the hand computation above)
+    # fp32 logits + the final norm's and head's inputs + the final norm's normalised input and 1/rms.
+    logits = 2 * (64 * 256 * 4 + 4 * 2 * 64 * 64 + 4 * (64 * 64 + 64))
+    rope = 4 * 64 * 16  # cos and sin, fp32, s x head_dim/2 each, once per forward
+    assert mem.activations == model.layers * layer + logits + rope
     assert mem.overhead == OVERHEAD_BYTES["cpu"]
     assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.overhead
     assert mem.fits and mem.stage == 0
-    # Selective: every layer keeps 262,144 bytes per sequence; one layer's dropped attention part,
-    # 312,320 - 262,144 = 50,176 per sequence, is re-materialised during its backward.
+    # Selective: every layer keeps 262,144 + 33,280 (norms) bytes per sequence; one layer's dropped
+    # attention part, 361,984 - 295,424 = 66,560 per sequence, is re-materialised during its backward.
     sel = estimate_memory(Layout(mbs=2, ac="selective"), model=model, cluster=cluster, training=training)
-    assert sel.activations == model.layers * 2 * 262_144 + 2 * 50_176 + logits
+    assert sel.activations == model.layers * 2 * 295_424 + 2 * 66_560 + logits + rope
     assert sel.activations < mem.activations
 
 
@@ -144,9 +154,14 @@ def test_moe_expert_weights_shard_over_ep_and_zero_over_dp() -> None:
     model = model_spec("mixtral-8x7b")
     cluster = cluster_spec({"preset": "h100-sxm", "nodes": 4})
     training = training_spec({"global_batch": 64})
-    a = estimate_memory(Layout(tp=2, ep=4, dp=4, zero=1), model=model, cluster=cluster, training=training)
-    b = estimate_memory(Layout(tp=2, ep=8, dp=2, zero=1), model=model, cluster=cluster, training=training)
+    a = estimate_memory(Layout(tp=2, ep=4, dp=4), model=model, cluster=cluster, training=training)
+    b = estimate_memory(Layout(tp=2, ep=8, dp=2), model=model, cluster=cluster, training=training)
     assert b.params < a.params  # expert weights halve when ep doubles
+    # ZeRO shards experts over dp*cp, dense weights over dp*cp*ep: tp*ep*dp = 32 ranks hold each
+    # expert weight once in both layouts, and each dense weight tp*dp*ep = 32 ranks too.
+    a1 = estimate_memory(Layout(tp=2, ep=4, dp=4, zero=1), model=model, cluster=cluster, training=training)
+    b1 = estimate_memory(Layout(tp=2, ep=8, dp=2, zero=1), model=model, cluster=cluster, training=training)
+    assert a1.params == b1.params
     rp = rank_params(model, 2, 8, 1, 1)
     assert rp.expert[0] == model.layers * 8 * 3 * model.hidden * model.expert_ffn / 16
 
@@ -154,22 +169,16 @@ def test_moe_expert_weights_shard_over_ep_and_zero_over_dp() -> None:
 def brute_force_peak(layout: Layout, model, cluster, training, m: int) -> tuple[float, int]:
     """Max over EVERY pp rank of the same formulas (MeshMemory only looks at candidate ranks)."""
     rp = rank_params(model, layout.tp, layout.ep, layout.pp, layout.vpp)
-    elt = 2 if training.precision == "bf16" else 4
-    s = model.seq_len // layout.cp
-    kw = dict(s=s, b=layout.mbs, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
-              ffn=model.ffn, mlp=model.mlp, t=layout.tp, sp=layout.sp, elt=elt)
-    layer = layer_activation_bytes(ac=layout.ac, **kw)
-    working = layer_activation_bytes(ac="none", **kw) if layout.ac == "full" else 0
-    logits = logits_bytes(s, layout.mbs, model.hidden, model.vocab, layout.tp, layout.sp, elt)
+    real = realise(layout, model, cluster, training)
+    mm = MeshMemory(model, cluster, training, tp=layout.tp, cp=1, ep=1, dp=layout.dp, pp=layout.pp, vpp=layout.vpp)
+    layer, working, logits = mm.act[layout.ac, layout.sp]
     logits *= m if layout.schedule == "gpipe" and layout.pp > 1 else 1
     best = (-1.0, -1)
     for r in range(layout.pp):
-        states = sum(zero_model_state_bytes(rp.dense[r], layout.dp, layout.zero, training.precision))
-        act = layer * rp.layers[r] * microbatches_in_flight(layout.schedule, layout.pp, layout.vpp, m, r)
-        act += working + (logits if r == layout.pp - 1 else 0)
-        if layout.zero == 3 and layout.dp > 1:  # FSDP's gather buffers (none without a data axis)
-            states += 3 * 2 * rp.layer_dense
-        best = max(best, (states + act, r), key=lambda x: x[0])
+        states = sum(state_bytes(real, rp.dense[r], rp.expert[r], rp.layer_dense, rp.embedding if r == 0 else 0))
+        mif = microbatches_in_flight(layout.schedule, layout.pp, layout.vpp, m, r)
+        act = layout.mbs * (layer * rp.layers[r] * mif + working + (logits if r == layout.pp - 1 else 0))
+        best = max(best, (states + act + mm.rope * mif, r), key=lambda x: x[0])
     return best
 
 
@@ -206,18 +215,56 @@ def test_flash_attention_off_keeps_the_scores() -> None:
     assert eager.activations - flash.activations == pytest.approx(extra, rel=1e-6)
 
 
+def paper_realisation(real: Realisation, zero: int) -> Realisation:
+    """Rajbhandari et al.'s program (DeepSpeed, Sec. 3.1 and 5): fp16 weights and gradients, fp32
+    master weights + momentum + variance (K = 12) as the optimizer state; weights sharded at stage 3,
+    gradients from stage 2, optimizer state from stage 1; no compute copies beside the fp16 weights."""
+    n = real.dense.reduce_group
+    dense = StateSharding(reduce_group=n, weights=n if zero >= 3 else 1, grads=n if zero >= 2 else 1,
+                          optimizer=n if zero >= 1 else 1, weight_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    return replace(real, dense=dense, data_parallel="fsdp" if zero else "replicate", compute_bytes=2,
+                   gathered="unit" if zero == 3 else "none", fsdp_buffer_units=2 if zero == 3 else 0,
+                   grads_held_unsharded=False, autocast_weight_copies=False)
+
+
+GPT_7B5 = {"preset": "gpt3-175b", "name": "gpt-7.5b", "layers": 36, "hidden": 4096, "heads": 32, "kv_heads": 32,
+           "ffn": 4 * 4096}
+
+
 @pytest.mark.parametrize(("zero", "paper_gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_model_states_with_fsdp_buffers_apart(zero: int, paper_gb: float) -> None:
     # Rajbhandari et al. 2020, Fig. 1: Ψ = 7.5B on Nd = 64 with mixed-precision Adam (K = 12) holds
     # 120 / 31.4 / 16.6 / 1.9 GB of model states per device under ZeRO 0 / 1 / 2 / 3. A GPT shape of
     # ~7.46B parameters (h 4096, 36 layers) is scaled to 7.5B; FSDP's gather buffers are their own part.
-    model = model_spec({"preset": "gpt3-175b", "name": "gpt-7.5b", "layers": 36, "hidden": 4096, "heads": 32,
-                        "kv_heads": 32, "ffn": 4 * 4096})
+    # The breakdown (state_bytes) of the paper's realisation reproduces the figure.
+    model = model_spec(GPT_7B5)
+    cluster = cluster_spec({"preset": "a100-80g", "nodes": 8})
+    training = training_spec({"global_batch": 128})
+    real = paper_realisation(realise(Layout(dp=64, zero=zero), model, cluster, training), zero)
+    rp = rank_params(model, 1, 1, 1, 1)
+    p, g, o, buffers = state_bytes(real, rp.dense[0], 0.0, rp.layer_dense)
+    assert round((p + g + o) * 7.5e9 / model.params / 1e9, 1) == pytest.approx(paper_gb, abs=0.05)
+    layer = model.params_per_layer  # ZeRO-3: two layers' bf16 weights and one layer's bf16 gradients
+    assert buffers == (pytest.approx(3 * 2 * layer) if zero == 3 else 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_workers_model_states_on_the_paper_model(zero: int) -> None:
+    # The workers' program for the same model (tuner/_realise.py): fp32 master weights, fp32 gradients
+    # and AdamW state, sharded as ZeRO says (16Ψ/Nd at stages 1-3), bf16 compute copies and, for
+    # ZeRO-1 over its 2 micro-batches, the full fp32 gradients held between them, as buffers.
+    model = model_spec(GPT_7B5)
     cluster = cluster_spec({"preset": "a100-80g", "nodes": 8})
     mem = estimate_memory(Layout(dp=64, zero=zero), model=model, cluster=cluster,
-                          training=training_spec({"global_batch": 64}))
-    states = (mem.params + mem.grads + mem.optimizer) * 7.5e9 / model.params
-    assert round(states / 1e9, 1) == pytest.approx(paper_gb, abs=0.05 if zero < 3 else 0.1)
-    layer = model.params_per_layer  # ZeRO-3: two layers' bf16 weights and one layer's bf16 gradients
-    assert mem.buffers == (int(3 * 2 * layer) if zero == 3 else 0)
+                          training=training_spec({"global_batch": 128}))
+    psi, n = rank_params(model, 1, 1, 1, 1).dense[0], 64
+    shard = n if zero else 1
+    assert (mem.params, mem.grads, mem.optimizer) == (int(4 * psi / shard), int(4 * psi / shard),
+                                                      int(8 * psi / shard))
+    layer = model.params_per_layer
+    want = {0: 2 * psi,  # replicate's one bf16 copy of the weights, from the first forward to the last backward
+            1: 2 * psi + 4 * psi,  # the gathered bf16 weights; full fp32 gradients between micro-batches
+            2: 2 * psi,  # the gathered bf16 weights
+            3: 3 * 2 * layer}[zero]  # two units' bf16 weights, one unit's bf16 gradients
+    assert mem.buffers == int(want)
     assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers + mem.overhead

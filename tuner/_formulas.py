@@ -50,6 +50,90 @@ def korthikanti_layer_activation_bytes(
     return s * b * h * (10 + 24 / t + score / t)
 
 
+def layer_activation_bytes(
+    *,
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    kv_dim: int,
+    ffn: int,
+    mlp: str = "swiglu",
+    t: int = 1,
+    sp: bool = False,
+    ac: str = "none",
+    elt: int = 2,
+    dropout: bool = False,
+    flash: bool = True,
+    moe_top_k: int = 0,
+    experts: int = 0,
+    cp: int = 1,
+    swiglu_saved: int = 4,
+    kv_repeated: bool = False,
+    eager_norms: bool = False,
+    gathered_inputs: bool = False,
+    ep: int = 1,
+    head_dim: int = 0,
+) -> float:
+    """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
+    share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
+
+    With ``mlp='gelu', ffn=4h, kv_dim=h, dropout, not flash, elt=2`` and ac none or full it is exactly
+    their Table 2. meshtune's "selective" is attention-block recompute, not Korthikanti's (which drops
+    only the 5as²b scores, nothing under flash attention): the workers (workers/parallelize.py
+    ``apply_ac``) checkpoint the whole attention sub-layer, so it keeps only that sub-layer's input
+    (and the norm's input before it) and drops Q, K, V, the scores or log-sum-exp and the
+    out-projection's input.
+
+    What eager torch saves beyond Korthikanti's count (each measured by workers/memory_probe.py's
+    saved-tensor hooks, tests/test_memory_harness.py): ``eager_norms``: torch's composite RMSNorm
+    keeps the normalised input before the weight (elt·h) and the fp32 reciprocal RMS (4 B) per token
+    and norm; ``kv_repeated``: the attention saves K and V repeated to the query heads;
+    ``gathered_inputs``: under sequence parallelism DTensor's all-gather hands the attention and the
+    MLP the whole sequence and their matmuls save it (Megatron re-gathers it in the backward instead);
+    ``head_dim``: the kv heads one rank keeps when t > kv_heads (one per rank, ReplicatedKV).
+    """
+    sbh, sb = s * b * h, s * b
+    if ac == "full":  # only the layer input is kept (Korthikanti Table 2, "full recompute")
+        return elt * sbh / (t if sp else 1)
+    # Outside the TP region: two norm inputs, attention input, MLP input (+ 1-byte dropout masks).
+    norm_inputs = elt * 2 * sbh + (2 * sbh if dropout else 0)
+    norm_saved = 2 * (elt * sbh + 4 * sb) if eager_norms else 0.0
+    attn_in = mlp_in = elt * sbh
+    # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
+    # Under CP the attention keeps the all-gathered K and V of the whole sequence (cp·s tokens).
+    kv = h if kv_repeated else max(kv_dim, t * head_dim)
+    attn = elt * (2 * sbh + 2 * cp * s * b * kv)
+    if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
+        attn += 4 * a * s * b
+    else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
+        attn += (elt + (3 if dropout else 0)) * a * s * s * b
+    if ac == "selective":  # attention-block recompute: all of it is recomputed in the backward
+        attn = 0.0
+    # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); eager SwiGLU (workers/model.py)
+    # keeps four ffn-wide tensors: the gate (silu's input), silu(gate) and the up projection (the
+    # product's inputs) and the product (w2's input); a fused one (Megatron's bias_swiglu) three.
+    per_token = (swiglu_saved if mlp == "swiglu" else 2) * ffn
+    if moe_top_k:
+        # workers/model.py MoE, per routed copy (top_k per token): the gathered input row, the expert's
+        # ffn-wide tensors, its output and the weighted output (h each), the routing weight (elt), its
+        # fp32 softmax, and three int64 index vectors (top-k choice, token of each row, sort order);
+        # under EP two more (workers/_ep.py's permutation of the received rows and its inverse).
+        rows = moe_top_k * sb
+        mlp_bytes = elt * rows * (per_token + 3 * h) + rows * (elt + 4 + 8 * (3 + (2 if ep > 1 else 0)))
+    else:
+        mlp_bytes = elt * sb * per_token
+    inside = attn + mlp_bytes
+    if not sp:
+        return norm_inputs + norm_saved + attn_in + mlp_in + inside / t
+    seq = (norm_inputs + norm_saved) / t
+    if gathered_inputs:  # the checkpointed attention (selective) keeps its sharded argument instead
+        seq += (attn_in / t if ac == "selective" else attn_in) + mlp_in
+    else:
+        seq += (attn_in + mlp_in) / t
+    return seq + inside / t
+
+
 def microbatches_in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> float:
     """Micro-batches whose activations pp ``rank`` holds at its peak, in units of its whole layer set.
 

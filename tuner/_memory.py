@@ -1,26 +1,33 @@
-"""Memory per device of a layout: model states under ZeRO, activations per schedule, overhead.
+"""Memory per device of a layout: model states as the workers hold them, activations per schedule,
+overhead.
 
-Every pp rank holds different things (the first the embedding and the most micro-batches in flight,
-the last the output head and the logits), so each rank is costed and the costliest one reported.
-Formulas are short pure functions, each with its source; all results are bytes.
+What a layout holds (shardings, dtypes, gathered copies, gradients kept between micro-batches,
+vocab-sharded logits, CP's K/V) is read from its Realisation (tuner/_realise.py, the description
+the workers assert); the formulas are in tuner/_formulas.py; this module composes them. Every pp
+rank holds different things (the first the embedding and the most micro-batches in flight, the
+last the output head and the logits), so each rank is costed and the costliest one reported. All
+results are bytes; tests/test_memory_harness.py compares each part with the workers' tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
 from tuner._errors import LayoutError, SpecError
 from tuner._formulas import (
-    STATE_BYTES,
     cross_entropy_logits_bytes,
+    layer_activation_bytes,
     microbatches_in_flight,
-    zero_model_state_bytes,
 )
 from tuner._layout import Layout, microbatches
 from tuner._partition import partition_stages
+from tuner._realise import Realisation, realise
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
+
+__all__ = ["OVERHEAD_BYTES", "MeshMemory", "MemoryEstimate", "estimate_memory", "layer_activation_bytes",
+           "logits_bytes", "mesh_memory", "rank_params", "state_bytes"]
 
 MiB = 2**20
 
@@ -30,67 +37,20 @@ MiB = 2**20
 # idle Ray rank actor with torch imported, on torch 2.13.0+cpu / Ray 2.60).
 OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
 
-def layer_activation_bytes(
-    *,
-    s: int,
-    b: int,
-    h: int,
-    a: int,
-    kv_dim: int,
-    ffn: int,
-    mlp: str = "swiglu",
-    t: int = 1,
-    sp: bool = False,
-    ac: str = "none",
-    elt: int = 2,
-    dropout: bool = False,
-    flash: bool = True,
-    moe_top_k: int = 0,
-    experts: int = 0,
-    cp: int = 1,
-    swiglu_saved: int = 4,
-) -> float:
-    """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
-    share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
+# The workers' attention without CP (workers/model.py ``causal_sdpa``) repeats K and V to the query
+# heads before SDPA, which saves them so (measured by the harness). Not yet a Realisation field.
+LOCAL_ATTENTION_REPEATS_KV = True
 
-    With ``mlp='gelu', ffn=4h, kv_dim=h, dropout, not flash, elt=2`` and ac none or full it is exactly
-    their Table 2. meshtune's "selective" is attention-block recompute, not Korthikanti's (which drops
-    only the 5as²b scores, nothing under flash attention): the workers (workers/parallelize.py
-    ``apply_ac``) checkpoint the whole attention sub-layer, so it keeps only that sub-layer's input
-    (and the norm's input before it) and drops Q, K, V, the scores or log-sum-exp and the
-    out-projection's input.
-    """
-    sbh = s * b * h
-    if ac == "full":  # only the layer input is kept (Korthikanti Table 2, "full recompute")
-        return elt * sbh / (t if sp else 1)
-    # Outside the TP region: two norm inputs, attention input, MLP input (+ 1-byte dropout masks).
-    outside = elt * 4 * sbh + (2 * sbh if dropout else 0)
-    # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
-    # Under CP the attention keeps the all-gathered K and V of the whole sequence (cp·s tokens),
-    # kv_heads-sized: GQA-aware attention never repeats them to the query heads (workers/_cp.py).
-    attn = elt * (2 * sbh + 2 * cp * s * b * kv_dim)
-    if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
-        attn += 4 * a * s * b
-    else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
-        attn += (elt + (3 if dropout else 0)) * a * s * s * b
-    if ac == "selective":  # attention-block recompute: all of it is recomputed in the backward
-        attn = 0.0
-    # MLP: GeLU keeps the up-projection and GeLU outputs (Korthikanti); eager SwiGLU (workers/model.py)
-    # keeps four ffn-wide tensors: the gate (silu's input), silu(gate) and the up projection (the
-    # product's inputs) and the product (w2's input); a fused one (Megatron's bias_swiglu) three.
-    per_token = (swiglu_saved if mlp == "swiglu" else 2) * ffn
-    if moe_top_k:  # routed tokens: each of top_k copies keeps its input, expert activations, output
-        mlp_bytes = elt * moe_top_k * s * b * (per_token + 2 * h) + 4 * s * b * experts
-    else:
-        mlp_bytes = elt * s * b * per_token
-    inside = attn + mlp_bytes
-    return (outside + inside) / t if sp else outside + inside / t
-
-
-def logits_bytes(s: int, b: int, h: int, vocab: int, t: int, sp: bool, elt: int) -> float:
+def logits_bytes(s: int, b: int, h: int, vocab: int, t: int, sp: bool, elt: int, *, sharded: bool = True,
+                 eager_norm: bool = False) -> float:
     """Last stage per micro-batch: fp32 cross-entropy logits 4sbv/t (Korthikanti et al. 2022 Sec. 4.3),
-    the low-precision logits when training in bf16, and the final norm's and the head's inputs."""
-    return cross_entropy_logits_bytes(s * b, vocab // t, elt) + elt * 2 * s * b * h / (t if sp else 1)
+    the low-precision logits when training in bf16, and the final norm's and the head's inputs
+    (plus, ``eager_norm``, torch's composite RMSNorm's normalised input and fp32 reciprocal RMS).
+    ``sharded=False``: the head gathers the whole vocabulary to every tp rank (no loss parallel)."""
+    sb = s * b
+    norm = (elt * sb * h + 4 * sb) / (t if sp else 1) if eager_norm else 0.0
+    return (cross_entropy_logits_bytes(sb, vocab // t if sharded else vocab, elt)
+            + elt * 2 * sb * h / (t if sp else 1) + norm)
 
 
 @dataclass(frozen=True)
@@ -149,6 +109,7 @@ class RankParams:
     layers: tuple[int, ...]
     layer_dense: float  # one layer's dense weights on one device (ZeRO-3 gather buffer)
     layer_expert: float
+    embedding: float = 0.0  # the (vocab-parallel) embedding's share on one device of rank 0
 
 
 @lru_cache(maxsize=8192)
@@ -157,8 +118,12 @@ def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int) -> RankPa
     layers = partition_stages(model, pp * vpp).rank_layers(pp) if pp > 1 else (model.layers,)
     mats = 3 if model.mlp == "swiglu" else 2
     expert = model.experts * mats * model.hidden * model.expert_ffn / (tp * ep) if model.is_moe else 0.0
+    attention = model.attention_params_per_layer / tp
+    if tp > model.kv_heads:  # wk/wv stay whole on every tp rank (workers/parallelize.py ReplicatedKV)
+        kv = 2 * model.hidden * model.kv_heads * model.head_dim
+        attention += kv * (1 - 1 / tp)
     dense = (
-        model.attention_params_per_layer / tp
+        attention
         + 2 * model.hidden
         + (model.hidden * model.experts if model.is_moe else model.mlp_params_per_layer / tp)
     )
@@ -168,7 +133,7 @@ def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int) -> RankPa
     # The last stage holds the final norm and the head; a tied head is a copy when it is on another
     # rank than the embedding (Megatron keeps both and all-reduces their gradients).
     dense_r[-1] += model.hidden + (emb if (not model.tied_embeddings or pp > 1) else 0)
-    return RankParams(tuple(dense_r), tuple(n * expert for n in layers), layers, dense, expert)
+    return RankParams(tuple(dense_r), tuple(n * expert for n in layers), layers, dense, expert, emb)
 
 
 def candidate_ranks(rp: RankParams) -> tuple[int, ...]:
@@ -184,46 +149,94 @@ def candidate_ranks(rp: RankParams) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def state_bytes(real: Realisation, dense: float, expert: float, layer_w: float,
+                embedding: float = 0.0) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, buffers) bytes of one device holding ``dense`` and ``expert``
+    parameters, as ``real`` (tuner/_realise.py) says the workers hold them.
+
+    params, grads, optimizer: the tensors at rest, sharded over their StateSharding groups (ZeRO,
+    Rajbhandari et al. 2020 Sec. 5): the master weights, the gradients the optimizer steps on, AdamW's
+    state. buffers: what exists beside them while a step runs: FSDP's compute copies of the weights
+    (ZeRO-1/2: the whole stage from forward to the last backward; ZeRO-3: ``fsdp_buffer_units``
+    units plus one unit's unsharded gradients), full-size gradients held between micro-batches,
+    and autocast's cached low-precision weight copies.
+    ``embedding``: this device's embedding share; without FSDP its gradient is the whole table on
+    every tp rank (DTensor's embedding backward leaves it Replicate, measured by the harness).
+    """
+    ds, es = real.dense, real.experts
+    params = dense * ds.weight_bytes / ds.weights
+    grads = dense * ds.grad_bytes / ds.grads
+    opt = dense * ds.optimizer_bytes / ds.optimizer
+    sharded_w = dense if ds.weights > 1 else 0.0
+    sharded_g = dense if ds.grads > 1 else 0.0
+    if es is not None and expert:
+        params += expert * es.weight_bytes / es.weights
+        grads += expert * es.grad_bytes / es.grads
+        opt += expert * es.optimizer_bytes / es.optimizer
+        sharded_w += expert if es.weights > 1 else 0.0
+        sharded_g += expert if es.grads > 1 else 0.0
+    if real.data_parallel != "fsdp" and real.tp > 1:
+        grads += embedding * (real.tp - 1) * ds.grad_bytes
+    cb = real.compute_bytes
+    buffers = 0.0
+    if real.gathered == "stage":  # FSDP's gathered weights; replicate's one bf16 copy of every weight
+        buffers += (sharded_w if real.data_parallel == "fsdp" else dense + expert) * cb
+    elif real.gathered == "unit":
+        buffers += (real.fsdp_buffer_units + 1) * layer_w * cb
+    if real.grads_held_unsharded:
+        buffers += sharded_g * real.unsharded_grad_bytes
+    if real.autocast_weight_copies:
+        buffers += (dense + expert) * cb
+    return params, grads, opt, buffers
+
+
+class ActRow(list):
+    """Activation bytes on each candidate rank, with the micro-batching they were costed for (the
+    model states depend on it: ZeRO-1 holds full gradients between micro-batches)."""
+
+    mbs: int
+    schedule: str
+    m: int
+
+
 class MeshMemory:
     """The memory model of one mesh (degrees and vpp) of one problem, prepared so that each layout
     of it (zero, mbs, ac, sp, schedule) costs a few float operations. ``plan`` and
-    ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem)."""
+    ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem). What each
+    layout holds comes from its Realisation (tuner/_realise.py), not from rules of its own."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
                  ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
-                 swiglu_saved: int = 4) -> None:
+                 swiglu_saved: int | None = None, eager: bool = True) -> None:
+        self.model, self.cluster, self.training, self.eager = model, cluster, training, eager
+        self.degrees = dict(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
-        rp = rank_params(model, tp, ep, pp, vpp)
+        self.rp = rp = rank_params(model, tp, ep, pp, vpp)
         self.ranks = candidate_ranks(rp)
-        precision = training.precision
-        pbytes, gbytes, _ = STATE_BYTES[precision]
-        nd_dense, nd_expert = dp * ep * cp, dp * cp  # ZeRO shards over every rank holding a replica
-        # Model states per zero stage and candidate rank: (params, grads, optimizer).
-        self.states: list[list[tuple[float, float, float]]] = []
-        layer_w = rp.layer_dense + rp.layer_expert
-        # FSDP keeps the current and the prefetched layer unsharded, and one layer's gradients (ZeRO-3).
-        self.buffers = [2 * pbytes * layer_w + gbytes * layer_w if zero == 3 and nd_dense > 1 else 0.0
-                        for zero in range(4)]
-        for zero in range(4):
-            row = []
-            for r in self.ranks:
-                d = zero_model_state_bytes(rp.dense[r], nd_dense, zero, precision)
-                e = zero_model_state_bytes(rp.expert[r], nd_expert, zero, precision)
-                row.append((d[0] + e[0], d[1] + e[1], d[2] + e[2]))
-            self.states.append(row)
-        self.state_totals = [[sum(x) + self.buffers[z] for x in row] for z, row in enumerate(self.states)]
         self.layers = [rp.layers[r] for r in self.ranks]
-        elt = 2 if precision == "bf16" else 4
+        self.layer_w = rp.layer_dense + rp.layer_expert
+        self._states: dict[tuple[int, int, str], tuple[list[tuple[float, float, float, float]], float]] = {}
+        base = self._realise(0, self._some_mbs(), "none", False, "1f1b")
+        elt = base.compute_bytes
         s = model.seq_len // cp
+        swiglu = base.swiglu_saved if swiglu_saved is None else swiglu_saved
+        # Without CP the workers' attention (workers/model.py causal_sdpa) repeats K/V to the query
+        # heads before SDPA, and SDPA saves them so; under CP the Realisation says (``cp_kv``).
+        kv_repeated = eager and (base.cp_kv == "repeated" if cp > 1 else LOCAL_ATTENTION_REPEATS_KV)
+        logits_sharded = base.logits_sharded or not eager
         common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
                       ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
-                      flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp,
-                      swiglu_saved=swiglu_saved)
+                      flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp, ep=ep,
+                      swiglu_saved=swiglu, kv_repeated=kv_repeated, eager_norms=eager, gathered_inputs=eager,
+                      head_dim=model.head_dim if tp > model.kv_heads else 0)
+        # RoPE's cos/sin tables (fp32, s x head_dim/2 each), computed once per forward of a stage chunk.
+        self.rope = 4 * s * model.head_dim
         # Per sequence of a micro-batch (everything is linear in mbs): (per layer, working set, logits).
         self.act: dict[tuple[str, bool], tuple[float, float, float]] = {}
         for sp in (False, True):
-            logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt)
+            logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt, sharded=logits_sharded,
+                                  eager_norm=eager)
             for ac in ("none", "selective", "full"):
                 layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
                 # Recompute re-materialises, during one layer's backward, what it dropped: the whole
@@ -232,13 +245,43 @@ class MeshMemory:
                 working = {"none": 0.0, "selective": dropped, "full": dropped + layer}[ac]
                 self.act[ac, sp] = (layer, working, logits)
 
+    def _some_mbs(self) -> int:
+        """A micro-batch size valid for this mesh (the activations' realisation does not depend on it)."""
+        return 1 if self.training.global_batch % (self.degrees["dp"] * self.degrees["ep"]) == 0 else 0
+
+    def _realise(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str) -> Realisation:
+        d = self.degrees
+        layout = Layout(tp=d["tp"], pp=d["pp"], dp=d["dp"], cp=d["cp"], ep=d["ep"], zero=zero, mbs=max(mbs, 1),
+                        ac=ac, sp=sp and d["tp"] > 1, vpp=d["vpp"],  # type: ignore[arg-type]
+                        schedule="interleaved" if d["vpp"] > 1 else (schedule if d["pp"] > 1 else "1f1b"))
+        training = self.training
+        if not mbs:  # global_batch does not divide this mesh: realise it as if it did (one micro-batch)
+            training = replace(training, global_batch=layout.data_ranks)
+        return realise(layout, self.model, self.cluster, training)
+
+    def states(self, zero: int, mbs: int, schedule: str) -> tuple[list[tuple[float, float, float, float]], float]:
+        """Per candidate rank (params, grads, optimizer, buffers), and the buffers of the costliest."""
+        key = (zero, mbs, schedule if self.pp > 1 else "1f1b")
+        got = self._states.get(key)
+        if got is None:
+            real = self._realise(zero, mbs, "none", False, key[2])
+            if not self.eager and zero >= 2:  # a published ZeRO-2/3 run reduce-scatters each micro-batch's
+                # gradients as they are produced (Rajbhandari et al. 2020 Sec. 5.2), whatever the
+                # workers do under pp > 1 today
+                real = replace(real, grads_held_unsharded=False)
+            rp = self.rp
+            rows = [state_bytes(real, rp.dense[r], rp.expert[r], self.layer_w, rp.embedding if r == 0 else 0.0)
+                    for r in self.ranks]
+            got = self._states[key] = (rows, max(row[3] for row in rows))
+        return got
+
     def inflight(self, schedule: str, m: int) -> list[float]:
         """Layer-micro-batches in flight on each candidate rank."""
         return [n * microbatches_in_flight(schedule, self.pp, self.vpp, m, r)
                 for n, r in zip(self.layers, self.ranks, strict=True)]
 
     def activations(self, ac: str, sp: bool, mbs: int, schedule: str, m: int,
-                    inflight: list[float] | None = None) -> list[float]:
+                    inflight: list[float] | None = None) -> ActRow:
         """Activation bytes on each candidate rank."""
         if inflight is None:
             inflight = self.inflight(schedule, m)
@@ -246,19 +289,22 @@ class MeshMemory:
         # The last rank keeps logits for every micro-batch in flight there: m under GPipe, else one.
         logits *= m if (schedule == "gpipe" and self.pp > 1) else 1
         last = self.pp - 1
-        return [mbs * (layer * n + working + (logits if r == last else 0.0))
-                for n, r in zip(inflight, self.ranks, strict=True)]
+        row = ActRow(mbs * (layer * n + working + (logits if r == last else 0.0))
+                     + self.rope * (n / nl if nl else 1.0)
+                     for n, nl, r in zip(inflight, self.layers, self.ranks, strict=True))
+        row.mbs, row.schedule, row.m = mbs, schedule, m
+        return row
 
-    def peak(self, zero: int, acts: list[float]) -> MemoryParts:
+    def peak(self, zero: int, acts: ActRow) -> MemoryParts:
         """The parts of the costliest candidate rank, given its activations."""
-        totals = self.state_totals[zero]
-        best, top = 0, totals[0] + acts[0]
+        rows, _ = self.states(zero, acts.mbs, acts.schedule)
+        best, top = 0, sum(rows[0]) + acts[0]
         for c in range(1, len(acts)):
-            t = totals[c] + acts[c]
+            t = sum(rows[c]) + acts[c]
             if t > top:
                 best, top = c, t
-        p, g, o = self.states[zero][best]
-        return MemoryParts(p, g, o, acts[best], top, self.ranks[best], self.buffers[zero])
+        p, g, o, b = rows[best]
+        return MemoryParts(p, g, o, acts[best], top, self.ranks[best], b)
 
     def estimate(self, zero: int, mbs: int, ac: str, sp: bool, schedule: str, m: int) -> MemoryParts:
         """The parts of the costliest rank."""
@@ -281,10 +327,10 @@ class MeshMemory:
 @lru_cache(maxsize=4096)
 def mesh_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, cp: int, ep: int,
                 dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
-                swiglu_saved: int = 4) -> MeshMemory:
+                swiglu_saved: int | None = None, eager: bool = True) -> MeshMemory:
     """The prepared (and shared: never mutate it) memory model of one mesh of one problem."""
-    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash, swiglu_saved=swiglu_saved,
-                      overhead=overhead)
+    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
+                      swiglu_saved=swiglu_saved, overhead=overhead, eager=eager)
 
 
 def estimate_memory(
@@ -296,10 +342,16 @@ def estimate_memory(
     overhead_bytes: int | None = None,
     flash_attention: bool = True,
     fused_swiglu: bool = False,
+    eager: bool = True,
 ) -> MemoryEstimate:
     """Peak bytes per device of ``layout`` on its costliest pp rank (``overhead_bytes`` replaces the
     framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores;
-    ``fused_swiglu`` keeps 3 ffn-wide tensors per token instead of eager torch's 4)."""
+    ``fused_swiglu`` keeps 3 ffn-wide tensors per token instead of eager torch's 4).
+
+    ``eager=False`` costs another stack's kernels instead of the workers' eager torch (a published
+    run's, tuner/_references.py): fused norms (input and 1/rms only), GQA attention without repeated
+    K/V, Megatron's sequence parallelism (the gathered inputs re-gathered in the backward, not
+    saved) and vocab-parallel cross-entropy."""
     m = microbatches(layout, training)
     if overhead_bytes is not None and (isinstance(overhead_bytes, bool) or not isinstance(overhead_bytes, int)
                                        or overhead_bytes < 0):
@@ -307,5 +359,5 @@ def estimate_memory(
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     mm = mesh_memory(model, cluster, training, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                     flash_attention, overhead_bytes, 3 if fused_swiglu else 4)
+                     flash_attention, overhead_bytes, 3 if fused_swiglu else None, eager)
     return mm.wrap(mm.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, layout.schedule, m))

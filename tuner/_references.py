@@ -33,6 +33,10 @@ class ReferenceLayout:
     # The run's SwiGLU is fused, keeping 3 ffn-wide tensors per token (Llama 3's stack; the workers'
     # eager one keeps 4): estimate_memory(fused_swiglu=...).
     fused_swiglu: bool = False
+    # The run's stack is not the workers' eager torch (Megatron-LM, Llama 3's): fused norms, GQA attention
+    # without repeated K/V, Megatron's sequence parallelism, vocab-parallel cross-entropy:
+    # estimate_memory(eager=...).
+    eager: bool = False
 
     @property
     def reported_tokens_per_s_per_device(self) -> float:

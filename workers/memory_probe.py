@@ -6,15 +6,22 @@ model's harness, tests/test_memory_harness.py; run on every rank of a process gr
   optimizer step frees them), and of AdamW's state tensors after a step;
 - activations per layer: the tensors autograd saves for the backward while one micro-batch runs
   forward (``torch.autograd.graph.saved_tensors_hooks``), attributed to the block that is running,
-  unique storages counted once, parameter storages excluded (they are the params part);
+  unique storages counted once, parameter storages excluded (they are the params part). A storage
+  that several blocks save (RoPE's cos/sin tables, computed once per forward) is held once for the
+  whole model: it is reported apart (``shared``), not in any block;
 - peak: the process's peak resident memory over one training step (``workers.measure``).
+
+``probe_many`` measures a list of layouts one after the other in the same process group (each
+builds its own meshes), so a harness pays the ranks' start-up once.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from workers import measure
@@ -22,7 +29,11 @@ from workers.train import build_rank_model, rank_batch, train_step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    # A functional collective's result (DTensor's redistribute under TP/SP) is a wrapper whose storage
+    # is its ``elem``'s; asking the wrapper raises.
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _storage_bytes(tensors) -> int:
@@ -46,8 +57,9 @@ def _params(rm) -> list[torch.nn.Parameter]:
     return out
 
 
-def saved_activations_per_layer(rm, tokens, positions) -> dict[int, int]:
-    """Bytes autograd saves per block during one micro-batch's forward (pp = 1), by layer index."""
+def saved_activations_per_layer(rm, tokens, positions) -> tuple[dict[int, int], int]:
+    """(bytes autograd saves per block during one micro-batch's forward, by layer index; bytes of the
+    storages saved by more than one block) for pp = 1."""
     assert rm.schedule is None, "saved activations are probed without a pipeline schedule (pp = 1)"
     param_ptrs = {_local(p).untyped_storage().data_ptr() for p in _params(rm)}
     current: list[int | None] = [None]
@@ -86,16 +98,34 @@ def saved_activations_per_layer(rm, tokens, positions) -> dict[int, int]:
         for h in hooks:
             h.remove()
     del out
-    return {i: sum(d.values()) for i, d in sorted(per_layer.items())}
+    owners: dict[int, int] = {}
+    for d in per_layer.values():
+        for ptr in d:
+            owners[ptr] = owners.get(ptr, 0) + 1
+    shared = {ptr: n for d in per_layer.values() for ptr, n in d.items() if owners[ptr] > 1}
+    per = {i: sum(n for ptr, n in d.items() if owners[ptr] == 1) for i, d in sorted(per_layer.items())}
+    return per, sum(shared.values())
+
+
+def _rss_bytes() -> int | None:
+    """The process's resident set now (CPU), the base the layout's own peak grows from."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def probe(rm_request, device: torch.device) -> dict[str, Any]:
     """Measure one rank of ``rm_request`` (a TrialRequest); returns bytes per part."""
     measure.reset_peak_memory(device)
+    rss_start = _rss_bytes()
     rm = build_rank_model(rm_request, device)
     tokens, targets, positions = rank_batch(rm, 0)
     params = _storage_bytes(_params(rm))
-    acts = saved_activations_per_layer(rm, tokens, positions) if rm.schedule is None else {}
+    acts, shared = saved_activations_per_layer(rm, tokens, positions) if rm.schedule is None else ({}, 0)
     # The gradients as the step's backwards leave them: capture them before the optimizer frees them.
     grads: dict[str, int] = {}
     opt = rm.optimizer
@@ -104,8 +134,19 @@ def probe(rm_request, device: torch.device) -> dict[str, Any]:
     hook.remove()
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     optimizer = _storage_bytes(state)
+    del state
     measure.reset_peak_memory(device)
     train_step(rm, *rank_batch(rm, 1))
     peak, _, how = measure.peak_memory(device)
     return {"params": params, "grads": grads.get("g", 0), "optimizer": optimizer, "activations": acts,
-            "peak": peak, "peak_measure": how}
+            "shared_activations": shared, "peak": peak, "peak_measure": how, "rss_start": rss_start}
+
+
+def probe_many(requests, device: torch.device) -> list[dict[str, Any]]:
+    """``probe`` each request in turn on this rank (the same process group; world sizes equal), each
+    layout's tensors released before the next one's peak window opens."""
+    out = []
+    for request in requests:
+        out.append(probe(request, device))
+        measure.release_memory(device)
+    return out
