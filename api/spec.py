@@ -28,7 +28,7 @@ from tuner import (
 )
 from tuner._plan import check_planning_work
 
-SAMPLERS = ("tpe", "nsga2", "gp", "random", "grid")
+SAMPLERS = ("surrogate", "tpe", "nsga2", "gp", "random", "grid")
 # Sanity bounds far above any real job. 2^18 devices is above the largest accelerator clusters built
 # (~10^5); the search enumerates divisors of both numbers.
 MAX_DEVICES = 2**18
@@ -104,7 +104,7 @@ class RequestModel(BaseModel):
 
 
 class SearchSettings(RequestModel):
-    sampler: Literal["tpe", "nsga2", "gp", "random", "grid"] = Field(
+    sampler: Literal["surrogate", "tpe", "nsga2", "gp", "random", "grid"] = Field(
         "tpe", description="Optuna sampler; nsga2 maximises tokens/s and minimises peak memory."
     )
     max_trials: int = Field(

@@ -1,22 +1,60 @@
-"""Ranking statistics over measurements: median + 95% interval, ties, Pareto front, prediction error,
-and the calibration of the time model from measurements. Pure functions: no database, no torch.
+"""Ranking statistics over measurements: median + 95% interval, ties, pooled noise, Pareto front,
+prediction error. Pure functions: no database, no torch. (The time model's calibration, with its
+held-out judgement, is api/engine/_calibrate.py.)
 
 Short real runs are noisy (a few % on a shared machine; layouts of one model differ by 1.5-2x), so a
 ranking shows for each layout the median of its measurements and a 95% interval, and marks layouts
 whose intervals overlap as tied: measurement cannot separate them.
+
+Pooled noise: the host's run-to-run noise is one property of the machine, not of a layout, so the
+spread of every repeated layout in a sweep is pooled (the pooled variance of log throughput, sum of
+(n_i - 1) s_i^2 over sum of (n_i - 1); Student's t with those degrees of freedom) and gives every
+layout an interval, one measured once included. Without any repeat there is no estimate and a single
+run's interval stays unknown. ``noise_warning`` says when that noise is too high for a ranking.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 CONFIDENCE = 0.95
+# Above this pooled run-to-run spread (log sigma ~ relative), two layouts closer than ~2.8 sigma
+# (t x sqrt(2) x sigma for single runs) cannot be told apart: the ranking of close layouts is noise.
+NOISY_SIGMA = 0.05
+
+
+@dataclass(frozen=True)
+class PooledNoise:
+    sigma: float  # of log throughput (~ relative spread)
+    dof: int  # sum over repeated layouts of (n - 1)
+    layouts: int  # how many layouts had >= 2 measurements
+
+
+def pooled_noise(groups: Mapping[str, Sequence[float]]) -> PooledNoise | None:
+    """The pooled run-to-run spread of log values over every group with >= 2 positive values."""
+    ss, dof, used = 0.0, 0, 0
+    for values in groups.values():
+        vals = [math.log(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+        if len(vals) >= 2:
+            ss += statistics.variance(vals) * (len(vals) - 1)
+            dof += len(vals) - 1
+            used += 1
+    if dof == 0:
+        return None
+    return PooledNoise(math.sqrt(ss / dof), dof, used)
+
+
+def noise_warning(noise: PooledNoise | None) -> str | None:
+    """One line when the host's measured noise is too high for the ranking to be trusted."""
+    if noise is None or noise.sigma <= NOISY_SIGMA:
+        return None
+    return (f"host noise too high to trust the ranking: repeats of one layout spread by {noise.sigma:.1%} "
+            f"(pooled over {noise.layouts} layouts, {noise.dof} degrees of freedom; above {NOISY_SIGMA:.0%}); "
+            f"layouts closer than ~{2.8 * noise.sigma:.0%} cannot be told apart")
 
 
 @dataclass(frozen=True)
@@ -41,7 +79,8 @@ class Interval:
         return self.low <= other.high and other.low <= self.high
 
 
-def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
+def interval(values: Sequence[float], *, confidence: float = CONFIDENCE,
+             pooled: PooledNoise | None = None) -> Interval:
     """Median and a Student-t interval of the mean (Student 1908) of the LOG values, mapped back and
     widened to contain the median. Throughput is a positive ratio quantity: on the log scale the
     interval is multiplicative (median x/÷ factor) and can never go below zero, which a linear
@@ -53,6 +92,11 @@ def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Inte
     if not vals:
         raise ValueError("interval() needs at least one finite value")
     med = statistics.median(vals)
+    if pooled is not None and all(v > 0 for v in vals):  # the host's pooled noise, any n
+        t = _t_quantile(0.5 + confidence / 2, pooled.dof)
+        mean = statistics.fmean(math.log(v) for v in vals)
+        half = t * pooled.sigma / math.sqrt(len(vals))
+        return Interval(len(vals), med, min(math.exp(mean - half), med), max(math.exp(mean + half), med))
     if len(vals) < 2:
         return Interval(len(vals), med, None, None)
     t = _t_quantile(0.5 + confidence / 2, len(vals) - 1)
@@ -82,11 +126,14 @@ class RankedLayout:
     tied_with_best: bool
 
 
-def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True) -> list[RankedLayout]:
+def rank(groups: Mapping[str, Sequence[float]], *, higher_is_better: bool = True,
+         pool: bool = True) -> list[RankedLayout]:
     """Rank measurement groups (layout key -> values) by median; a row joins the tie group of the
-    leader above it when their intervals overlap, otherwise it leads a new group. A row with an
-    unknown interval (one measurement) overlaps everything: it is never ranked as separated."""
-    intervals = {k: interval(v) for k, v in groups.items() if any(x is not None for x in v)}
+    leader above it when their intervals overlap, otherwise it leads a new group. Intervals use the
+    noise pooled over all the groups' repeats (``pool``); a row with an unknown interval (one
+    measurement and no repeat anywhere to pool) overlaps everything: it is never ranked as separated."""
+    noise = pooled_noise(groups) if pool else None
+    intervals = {k: interval(v, pooled=noise) for k, v in groups.items() if any(x is not None for x in v)}
     sign = -1.0 if higher_is_better else 1.0
     order = sorted(intervals, key=lambda k: (sign * intervals[k].median, k))
     out: list[RankedLayout] = []
@@ -141,54 +188,3 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     if predicted is None or measured is None or not measured:
         return None
     return (predicted - measured) / measured
-
-
-def fit_calibration(
-    samples: Sequence[tuple[Any, float]],
-    *,
-    predict: Callable[[Any, Any], float],
-    base: Any,
-    fields: Sequence[str] | None = None,
-    bounds: tuple[float, float] = (1e-3, 1e3),
-) -> tuple[Any, float]:
-    """Fit the float fields of ``base`` (a frozen dataclass such as tuner.CalibrationFactors) so that
-    ``predict(layout, factors)`` (a step time) matches the measured step times of ``samples``
-    ((layout, measured_step_time_s) pairs) in the least-squares sense on log time (errors are
-    relative). Returns (fitted factors, root-mean-square log error after the fit).
-
-    Fields are fitted in log space with Nelder-Mead; with fewer samples than fields only the first
-    ``len(samples)`` fields move, so the fit is never under-determined."""
-    from scipy.optimize import minimize
-
-    samples = [(lay, float(t)) for lay, t in samples if t and t > 0]
-    if not samples:
-        return base, float("nan")
-    names = list(fields) if fields is not None else [
-        f.name for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), float)
-    ]
-    names = names[: len(samples)]
-    x0 = [math.log(getattr(base, n)) for n in names]
-    lo, hi = math.log(bounds[0]), math.log(bounds[1])
-
-    def build(x: Sequence[float]) -> Any:
-        return dataclasses.replace(base, **{n: math.exp(min(max(v, lo), hi)) for n, v in zip(names, x, strict=True)})
-
-    def loss(x: Sequence[float]) -> float:
-        try:
-            factors = build(x)
-        except ValueError:
-            return 1e9
-        errs = []
-        for layout, measured in samples:
-            pred = predict(layout, factors)
-            if not pred or pred <= 0 or not math.isfinite(pred):
-                return 1e9
-            errs.append(math.log(pred / measured) ** 2)
-        return statistics.fmean(errs)
-
-    start = loss(x0)
-    if not names:
-        return base, math.sqrt(start)
-    res = minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 200 * len(names), "xatol": 1e-3, "fatol": 1e-6})
-    best = res.x if res.fun <= start else x0
-    return build(best), math.sqrt(min(res.fun, start))

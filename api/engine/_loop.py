@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -29,10 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from api import store
+from api.engine import _learned
 from api.engine._model import Problem
 from api.engine._space import ListProposer, OptunaProposer
+from api.engine._surrogate import SurrogateProposer
 from api.spec import SweepSpec
 from tuner import BackendError, Layout
+from tuner._stats import pooled_noise, rank
 from workers import BackendUnavailable, TrialError, TrialRequest, TrialResult
 
 if TYPE_CHECKING:
@@ -109,6 +111,8 @@ class SweepLoop:
         elif self.search.sampler in ("grid", "random"):
             seed = None if self.search.sampler == "grid" else self.search.seed
             self.proposer = ListProposer(space, shuffle_seed=seed)
+        elif self.search.sampler == "surrogate":
+            self.proposer = SurrogateProposer(space, problem=self.problem, seed=self.search.seed)
         else:
             self.proposer = OptunaProposer(space, sampler=self.search.sampler, seed=self.search.seed,
                                            max_trials=self.search.max_trials)
@@ -165,9 +169,53 @@ class SweepLoop:
         """Replay every finished search trial into the in-memory study (Optuna's state is derived)."""
         rows = self._rows()
         for t in sorted(rows, key=lambda t: t.number):
-            if t.phase == "search" and t.status in store.TERMINAL_TRIAL_STATUSES:
-                self._tell(Layout(**t.layout), None, t)
+            if t.status in store.TERMINAL_TRIAL_STATUSES:
+                self.problem.observe(t)  # memory: peaks and OOM bounds, as they arrived
+                if t.phase == "search":
+                    self._tell(Layout(**t.layout), None, t)
+        self._update_noise()
         return rows
+
+    def _inherit(self) -> None:
+        """Start from what earlier sweeps on this cluster fingerprint learned (api.engine._learned)."""
+        with self.r.sessions() as s:
+            sweep = store.get_sweep(s, sweep_id=self.sweep_id)
+            self.fingerprint = sweep.fingerprint
+            fp = sweep.fingerprint or store.latest_fingerprint(
+                s, backend=self.spec.backend, cluster=(sweep.spec or {}).get("cluster"), before_id=self.sweep_id)
+            self.inherited_fp = fp
+            if fp is not None:
+                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
+                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
+
+    def _note_fingerprint(self, row: store.Trial) -> None:
+        """The first measurement names the sweep's cluster; a wrong provisional guess is undone."""
+        fp = _learned.fingerprint(row.env, self.spec.backend)
+        if fp is None or self.fingerprint is not None:
+            return
+        self.fingerprint = fp
+        with store.session_scope(self.r.sessions) as s:
+            store.set_fingerprint(s, sweep_id=self.sweep_id, fingerprint=fp)
+        if fp != self.inherited_fp and self.problem.learned_from:
+            log.info("sweep %s: cluster fingerprint %s differs from the provisional %s; inherited learning dropped",
+                     self.sweep_id, fp, self.inherited_fp)
+            self.problem.forget_inherited()
+            self.inherited_fp = fp
+            with self.r.sessions() as s:
+                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
+                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
+
+    def _update_noise(self) -> None:
+        """The host's run-to-run noise, pooled over every repeated layout (tuner._stats)."""
+        noise = pooled_noise(self._groups())
+        self.problem.noise_sigma = noise.sigma if noise is not None else None
+
+    def _groups(self) -> dict[str, list[float]]:
+        groups: dict[str, list[float]] = {}
+        for t in self._rows():
+            if t.status == "completed" and t.tokens_per_s_per_device is not None:
+                groups.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
+        return groups
 
     # --- the loop ----------------------------------------------------------------------------------
 
@@ -178,6 +226,7 @@ class SweepLoop:
     def run(self) -> None:
         with KeepAlive(self.r, self.sweep_id) as keep:
             rerun = self._recover()
+            self._inherit()
             rows = self._rebuild()
             self.seen = {t.layout_key for t in rows if t.phase == "search"}
             warm = [] if self.problem.listed else self.problem.warm_start(self.search)
@@ -241,6 +290,8 @@ class SweepLoop:
                     if self.in_flight:
                         break  # re-measurement starts from the final search results
                     phase, remeasure = "remeasure", self._remeasure_plan()
+                if not remeasure and not self.in_flight:  # adaptive: the next round from the results so far
+                    remeasure = self._remeasure_plan()
                 if not remeasure or self._over_device_budget():
                     break
                 layout, repeat = remeasure.pop(0)
@@ -407,54 +458,88 @@ class SweepLoop:
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
             self.spent += row.device_seconds or 0.0
+            if row.status == "completed":
+                self._note_fingerprint(row)
+            changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
             if ticket.phase == "search":
                 self._tell(ticket.layout, ticket.handle, row)
-                if row.status == "completed":
-                    self._maybe_calibrate()
+            else:
+                self._update_noise()
+            if not (ticket.phase == "search" and row.status == "completed" and self._maybe_calibrate()) and changed:
+                self._save_calibration()
             self._progress("finished", row)
 
     def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:
+        """Every outcome teaches the sampler: a failure (oom, timeout, crash, nan, pruned) is told as
+        infeasible with its cost (zero throughput, a positive constraint violation), never as Optuna's
+        FAIL, which TPE and GP ignore; the surrogate also keeps it as a failure near which it
+        proposes less."""
         device_memory = self.problem.cluster.device_memory
         if row.status == "completed":
             values = [row.tokens_per_s_per_device or 0.0, float(row.peak_memory_bytes or 0)]
-            self.proposer.tell(layout, handle, values=values, violation=0.0)
-        elif row.status in store.INFEASIBLE_TRIAL_STATUSES:
-            peak = row.predicted_memory_bytes if row.status == "pruned" else row.peak_memory_bytes
-            peak = peak or 2 * device_memory
-            violation = max(peak / device_memory - 1.0, 1e-3) if row.status != "timeout" else 1.0
-            self.proposer.tell(layout, handle, values=[0.0, float(max(peak, device_memory))], violation=violation)
-        else:  # crash / nan: a failure with its cause
-            self.proposer.tell(layout, handle, values=None, violation=0.0)
+            self.proposer.tell(layout, handle, values=values, violation=0.0, status=row.status)
+            return
+        peak = row.predicted_memory_bytes if row.status == "pruned" else row.peak_memory_bytes
+        peak = peak or 2 * device_memory
+        violation = max(peak / device_memory - 1.0, 1e-3) if row.status in ("oom", "pruned") else 1.0
+        self.proposer.tell(layout, handle, values=[0.0, float(max(peak, device_memory))], violation=violation,
+                           status=row.status)
 
-    def _maybe_calibrate(self) -> None:
-        rows = [t for t in self._rows() if t.status == "completed" and t.step_time_s]
-        calibration = self.problem.maybe_calibrate(rows)
-        if calibration is not None:
-            with store.session_scope(self.r.sessions) as s:
-                store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
+    def _maybe_calibrate(self) -> bool:
+        rows = [t for t in self._rows() if t.phase == "search" and t.status == "completed" and t.step_time_s]
+        if self.problem.maybe_calibrate(rows) is None:
+            return False
+        self._save_calibration()
+        return True
+
+    def _save_calibration(self) -> None:
+        calibration = dict(self.problem.calibration)
+        noise = pooled_noise(self._groups())
+        calibration["noise_sigma"] = noise.sigma if noise is not None else None
+        with store.session_scope(self.r.sessions) as s:
+            store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
 
     def _remeasure_plan(self) -> list[tuple[Layout, int]]:
-        """Top-k layouts by the median of their completed search measurements of tokens/s per device
-        (one lucky measurement does not make a contender; ties go to the layout key, so the plan is
-        the same on every resume), each topped up to ``repeats`` measurements (counting earlier
-        re-measurement attempts, so a resume never repeats one). Re-measurements do not re-rank:
-        a resume mid-way tops up the same layouts it started on."""
+        """The next round of re-measurements, adaptive: rank every completed measurement (search and
+        re-measurement, the host's noise pooled over all repeats: tuner._stats.rank); stop once the
+        best is separated from the runner-up (intervals apart, and the best measured at least twice),
+        else measure once more the best and every contender among the top ``remeasure_top_k`` whose
+        interval overlaps the best's and that has fewer than ``repeats`` measurements. The budget:
+        ``repeats`` per layout, ``max_device_seconds``. A deterministic function of the recorded
+        measurements, so a resume continues the same plan; repeat numbers count earlier re-measurement
+        attempts, so none is repeated. ``search.layouts``: every listed layout to ``repeats``."""
         k, repeats = self.search.remeasure_top_k, self.search.repeats
-        if self.problem.listed:  # search.layouts: every listed layout that ran gets its repeats
+        rows = self._rows()
+        if self.problem.listed:
             k = len(self.problem.space)
         if k <= 0 or repeats <= 1:
             return []
-        rows = self._rows()
         measured: dict[str, list[float]] = {}
+        done: dict[str, set[int]] = {}
         for t in rows:
-            if t.phase == "search" and t.status == "completed" and t.tokens_per_s_per_device is not None:
+            if t.status == "completed" and t.tokens_per_s_per_device is not None:
                 measured.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
-        median = {key: statistics.median(values) for key, values in measured.items()}
+            if t.phase == "remeasure":
+                done.setdefault(t.layout_key, set()).add(t.repeat)
+        searched = {t.layout_key for t in rows if t.phase == "search" and t.status == "completed"}
+        ranked = [r for r in rank({key: v for key, v in measured.items() if key in searched})][:k]
+        if not ranked:
+            return []
+        if self.problem.listed:
+            contenders = ranked
+        else:
+            best = ranked[0]
+            separated = len(ranked) < 2 or (best.interval.n >= 2 and best.interval.known
+                                            and not best.interval.overlaps(ranked[1].interval))
+            if separated:
+                return []
+            contenders = [r for r in ranked if r.rank == 1 or r.interval.overlaps(best.interval)]
         plan = []
-        for key in sorted(median, key=lambda key: (-median[key], key))[:k]:
-            done = [t.repeat for t in rows if t.layout_key == key and t.phase == "remeasure"]
-            layout = self.problem.space.layouts[self.problem.space.index[key]]
-            plan += [(layout, rep) for rep in range(1, repeats) if rep not in done]
+        for r in contenders:
+            free = [rep for rep in range(1, repeats) if rep not in done.get(r.key, set())]
+            if free:
+                layout = self.problem.space.layouts[self.problem.space.index[r.key]]
+                plan += [(layout, rep) for rep in (free if self.problem.listed else free[:1])]
         return plan
 
     def _progress(self, event: str, row: Any = None) -> None:

@@ -1,29 +1,45 @@
 """A sweep's problem as the engine sees it: the valid layouts, the analytical predictions used for
-pruning and warm start, and the calibration fitted from the sweep's own measurements.
+pruning and warm start, and the calibration learned from measurements (the sweep's own and those of
+earlier sweeps on the same cluster fingerprint).
 
-Calibration: once a sweep has measured step times, the time model's compute and bandwidth efficiency
-factors (tuner.CalibrationFactors) are fitted to them (tuner._stats.fit_calibration) and a memory
-scale (median measured/predicted peak, clipped to [0.5, 2]) is taken from real memory measurements.
-Both are stored on the sweep and used for every later prediction and pruning decision in it.
+Calibration (api.engine._calibrate): step time = weighted parts of the analytical step time plus a
+per-step constant, memory = weighted parts of the memory model; each fit is kept only when it ranks
+(time) or predicts (memory) held-out measurements at least as well as the prior. Every change bumps
+``calibration["version"]``; each trial row stores the version its predictions were made under.
+
+What failures teach: an OOM is a lower bound on its layout's memory (the device's memory or the bytes
+it reported, whichever is more); the memory model is scaled until it predicts every OOMed layout
+not to fit, and no layout predicted to need at least as much as an OOMed one is launched. The memory
+error (held-out rms log error of the memory model; ``MEMORY_SIGMA`` before any peak was measured,
+at least the shortfall of an OOM) sets the headroom warm start leaves and the surrogate's
+probability that a layout fits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import tuner
+from api.engine import _calibrate as cal
 from api.engine._space import LayoutSpace
 from api.spec import SearchSettings, SweepSpec
 from tuner import ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
-from tuner._stats import fit_calibration
 
-FITTED_FACTORS = ("compute_efficiency", "intra_bw_efficiency", "inter_bw_efficiency")
-REFIT_AT = (2, 3, 5, 8, 12, 20, 30, 50, 80, 130, 200)  # refit as measurements accumulate
-MAX_FIT_SAMPLES = 40
+REFIT_AT = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200)
+MAX_FIT_SAMPLES = 60
+# Memory error assumed before the sweep measured any peak: the spread of the memory model against
+# the workers' measured peaks in tests/test_tuner_memory.py is within 10%; allocator fragmentation
+# and communicator buffers on a real cluster add to it (an assumption, replaced by measurement).
+MEMORY_SIGMA = 0.10
+HEADROOM_Z = 1.645  # one-sided 95%: warm start launches what fits with this many memory errors to spare
+PRIOR_TIME_W = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+PRIOR_MEM_W = np.array([1.0, 1.0, 1.0])
 log = logging.getLogger("meshtune.engine")
 
 
@@ -35,9 +51,11 @@ class Prediction:
     useful_fraction: float | None
     fits: bool
     prune_cause: str | None
+    calibration_version: int = 0  # the calibration the prediction was made under (0: the prior)
 
     def columns(self) -> dict[str, Any]:
         return {
+            "calibration_version": self.calibration_version,
             "predicted_memory_bytes": self.memory_bytes,
             "predicted_step_time_s": self.step_time_s,
             "predicted_tokens_per_s_per_device": self.tokens_per_s_per_device,
@@ -100,13 +118,23 @@ class Problem:
                 raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields))
             layouts = enumeration.valid
         self.space = LayoutSpace(layouts, cluster.devices)
-        self.factors = tuner.CalibrationFactors()
-        self.memory_scale = 1.0
-        self.calibration = calibration
+        self.tokens = training.global_batch * model.seq_len
+        self.time_w, self.mem_w = PRIOR_TIME_W.copy(), PRIOR_MEM_W.copy()
+        self.inherited_time_w: np.ndarray | None = None
+        self.inherited_mem_w: np.ndarray | None = None
+        self.memory_sigma = MEMORY_SIGMA
+        self.noise_sigma: float | None = None
+        self.inherited_residuals: list[tuple[np.ndarray, float]] = []
+        self.learned_from: list[int] = []
+        self.oom_parts: list[list[float]] = []
+        self.oom_bytes: list[float] = []
+        self.oom_keys: set[str] = set()
+        self.peaks: dict[str, tuple[list[float], float]] = {}  # layout key -> (memory parts, measured peak)
+        self._arrays: tuple[np.ndarray, np.ndarray, float] | None = None
+        self.calibration: dict[str, Any] = {"version": 0}
+        self._fitted_at = 0
         if calibration:
-            self.factors = tuner.CalibrationFactors(**calibration.get("factors", {}))
-            self.memory_scale = float(calibration.get("memory_scale", 1.0))
-        self._fitted_at = calibration.get("n_time_samples", 0) if calibration else 0
+            self.load(calibration)
 
     @classmethod
     def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> Problem:
@@ -114,27 +142,88 @@ class Problem:
         return cls(model, cluster, training, space=spec.search_space(), calibration=calibration,
                    layouts=spec.listed_layouts(), space_fields=spec.space)
 
+    @property
+    def version(self) -> int:
+        return int(self.calibration.get("version", 0))
+
+    def load(self, calibration: dict[str, Any]) -> None:
+        """Resume under a stored calibration (the measurements are replayed through ``observe``)."""
+        self.calibration = dict(calibration)
+        if "time" in calibration:
+            self.time_w = np.array([calibration["time"]["weights"][k] for k in cal.TIME_PARTS])
+            self._fitted_at = int(calibration["time"].get("n", 0))
+        if "memory" in calibration:
+            self.mem_w = np.array([calibration["memory"]["weights"][k] for k in cal.MEMORY_PARTS])
+        self.memory_sigma = float(calibration.get("memory_sigma", MEMORY_SIGMA))
+        self.learned_from = list(calibration.get("learned_from", []))
+
+    # --- the analytical model's parts --------------------------------------------------------------
+
+    def _layout_parts(self, layout: Layout) -> tuple[list[float], list[float], float]:
+        est = tuner.estimate_time(layout, model=self.model, cluster=self.cluster, training=self.training)
+        mem = tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training)
+        useful = est.useful_tokens_per_s / est.tokens_per_s if est.tokens_per_s else None
+        return cal.time_parts(est.breakdown), cal.memory_parts(mem), useful
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Time and memory parts of every layout of the space (computed once: ~30 us a layout)."""
+        if self._arrays is None:
+            rows = [self._layout_parts(lay) for lay in self.space.layouts]
+            self._arrays = (np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), rows[0][2])
+        return self._arrays[0], self._arrays[1]
+
+    def parts(self, layout: Layout) -> tuple[list[float], list[float], float | None]:
+        i = self.space.index.get(layout.key)
+        if i is not None and self._arrays is not None:
+            return list(self._arrays[0][i]), list(self._arrays[1][i]), self._arrays[2]
+        return self._layout_parts(layout)
+
     def raw_memory_bytes(self, layout: Layout) -> int:
-        """The memory model's peak per device for ``layout``, before the calibrated scale."""
+        """The memory model's peak per device for ``layout``, before calibration."""
         return int(tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training).total)
 
+    # --- predictions -----------------------------------------------------------------------------
+
+    def _oom_floor(self) -> float:
+        """The least predicted memory of an OOMed layout: nothing predicted to need as much runs."""
+        if not self.oom_parts:
+            return float("inf")
+        return float(np.min(np.array(self.oom_parts) @ self.mem_w))
+
     def predict(self, layout: Layout) -> Prediction:
-        mem = tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training)
-        scaled = int(mem.total * self.memory_scale)
-        if scaled > self.cluster.device_memory:
-            scale = f" x calibrated scale {self.memory_scale:.2f}" if self.memory_scale != 1.0 else ""
-            cause = (
-                f"pruned by the memory model: predicted {mem.total} bytes{scale} per device exceeds "
-                f"device_memory={self.cluster.device_memory}"
-            )
-            return Prediction(scaled, None, None, None, False, cause)
-        est = tuner.estimate_time(layout, model=self.model, cluster=self.cluster, training=self.training,
-                                  factors=self.factors)
-        useful = est.useful_tokens_per_s / est.tokens_per_s if est.tokens_per_s else None
-        return Prediction(scaled, est.step_time_s, est.tokens_per_s_per_device, useful, True, None)
+        tparts, mparts, useful = self.parts(layout)
+        memory = int(float(np.dot(mparts, self.mem_w)))
+        step = float(np.dot(tparts, self.time_w))
+        if memory > self.cluster.device_memory or memory >= self._oom_floor() or layout.key in self.oom_keys:
+            calibrated = " (calibrated)" if self.version else ""
+            cause = (f"pruned by the memory model: predicted {memory} bytes{calibrated} per device exceeds "
+                     f"device_memory={self.cluster.device_memory}")
+            if memory <= self.cluster.device_memory:
+                cause = (f"pruned by the memory model: predicted {memory} bytes per device, as much as a layout "
+                         f"that ran out of memory in this sweep (predicted {int(self._oom_floor())})")
+            return Prediction(memory, None, None, None, False, cause, self.version)
+        tps = self.tokens / step / layout.world_size if step > 0 else None
+        return Prediction(memory, step if step > 0 else None, tps, useful, True, None, self.version)
+
+    def prior_log_tokens(self) -> np.ndarray:
+        """log tokens/s per device of every layout under the calibration in force."""
+        t, _ = self.arrays()
+        step = t @ self.time_w
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(step > 0, np.log(self.tokens / self.cluster.devices / np.maximum(step, 1e-30)), np.nan)
+
+    def memory_margin(self) -> tuple[np.ndarray, float]:
+        """(log(device_memory / predicted peak) of every layout, -inf where an OOM rules it out;
+        the memory model's error in the same log units)."""
+        _, m = self.arrays()
+        pred = np.maximum(m @ self.mem_w, 1.0)
+        margin = np.log(self.cluster.device_memory / pred)
+        margin[pred >= self._oom_floor()] = -np.inf
+        return margin, self.memory_sigma
 
     def warm_start(self, search: SearchSettings) -> list[tuple[Layout, str]]:
-        """Reference layouts the user named, then the model's top-k predicted layouts that fit."""
+        """Reference layouts the user named, then the model's top-k predicted layouts that fit with
+        ``HEADROOM_Z`` memory errors to spare (no warm start into a layout the model barely fits)."""
         out: list[tuple[Layout, str]] = []
         refs = getattr(tuner, "REFERENCE_LAYOUTS", {})
         for i, name in enumerate(search.reference_layouts):
@@ -150,19 +239,54 @@ class Problem:
                 continue
             out.append((layout, "reference"))
         if search.warm_start_top_k > 0:
-            scored = []
-            for layout in self.space.layouts:
-                p = self.predict(layout)
-                if p.fits and p.tokens_per_s_per_device:
-                    scored.append((-p.tokens_per_s_per_device, layout.key, layout))
-            scored.sort(key=lambda x: (x[0], x[1]))
-            out += [(lay, "warm_start") for _, _, lay in scored[: search.warm_start_top_k]]
+            prior = self.prior_log_tokens()
+            margin, sigma = self.memory_margin()
+            ok = np.flatnonzero(np.isfinite(prior) & (margin >= HEADROOM_Z * sigma))
+            if not len(ok):  # nothing fits with headroom: the ones that fit at all
+                ok = np.flatnonzero(np.isfinite(prior) & (margin >= 0))
+            keys = [self.space.layouts[i].key for i in ok]
+            order = sorted(range(len(ok)), key=lambda j: (-prior[ok[j]], keys[j]))
+            out += [(self.space.layouts[int(ok[j])], "warm_start") for j in order[: search.warm_start_top_k]]
         seen: set[str] = set()
         return [(lay, src) for lay, src in out if not (lay.key in seen or seen.add(lay.key))]
 
+    # --- learning ----------------------------------------------------------------------------------
+
+    def observe(self, row: Any) -> bool:
+        """Learn a finished trial's memory: a peak (completed) or a lower bound (oom). Returns whether
+        the memory model changed (then the caller stores ``self.calibration``)."""
+        layout = Layout(**row.layout)
+        if row.status == "oom":
+            need = max(float(self.cluster.device_memory), float(row.peak_memory_bytes or 0),
+                       float((row.error or {}).get("bytes_requested") or 0))
+            self.oom_parts.append(self.parts(layout)[1])
+            self.oom_bytes.append(need)
+            self.oom_keys.add(layout.key)
+        elif row.status == "completed" and row.peak_memory_bytes:
+            self.peaks[layout.key] = (self.parts(layout)[1], float(row.peak_memory_bytes))
+        else:
+            return False
+        self._fit_memory()
+        return True
+
+    def _fit_memory(self) -> None:
+        parts = np.array([p for p, _ in self.peaks.values()]).reshape(-1, len(cal.MEMORY_PARTS))
+        peaks = np.array([b for _, b in self.peaks.values()])
+        lower = np.array(self.oom_parts).reshape(-1, len(cal.MEMORY_PARTS))
+        prior = self.inherited_mem_w if self.inherited_mem_w is not None else PRIOR_MEM_W
+        result = cal.judge_memory(parts, peaks, lower, np.array(self.oom_bytes), prior)
+        self.mem_w = np.array([result["weights"][k] for k in cal.MEMORY_PARTS])
+        err = result["loo_rms_log_error"] if result["accepted"] else result["prior_rms_log_error"]
+        sigma = err if err is not None and len(peaks) >= 3 else max(self.memory_sigma, MEMORY_SIGMA)
+        if len(lower):  # an OOM the model had predicted to fit: its error was at least that big
+            shortfall = float(np.max(np.log(np.array(self.oom_bytes) / np.maximum(lower @ PRIOR_MEM_W, 1.0))))
+            sigma = max(sigma, shortfall if not len(peaks) else 0.0)
+        self.memory_sigma = max(sigma, 0.01)
+        self._store(memory=result, memory_sigma=self.memory_sigma)
+
     def maybe_calibrate(self, completed: list[Any]) -> dict[str, Any] | None:
-        """Refit from completed trial rows when their number reaches the next REFIT_AT mark; returns
-        the calibration to store (and now uses it), or None when nothing changed."""
+        """Refit the time model when the completed search rows reach the next REFIT_AT mark; returns
+        the calibration to store (now in force), or None when nothing was refitted."""
         n = len(completed)
         if n < REFIT_AT[0] or n <= self._fitted_at or (n not in REFIT_AT and n < REFIT_AT[-1]):
             return None
@@ -170,32 +294,59 @@ class Problem:
             return None
         self._fitted_at = n
         recent = sorted(completed, key=lambda t: t.number)[-MAX_FIT_SAMPLES:]
-        samples = [(Layout(**t.layout), t.step_time_s) for t in recent]
+        parts = np.array([self.parts(Layout(**t.layout))[0] for t in recent])
+        measured = np.array([float(t.step_time_s) for t in recent])
+        priors = {"analytical": PRIOR_TIME_W}
+        if self.inherited_time_w is not None:
+            priors["inherited"] = self.inherited_time_w
+        result = cal.judge_time(parts, measured, priors)
+        self.time_w = np.array([result["weights"][k] for k in cal.TIME_PARTS])
+        return self._store(time=result)
 
-        def predict(layout: Layout, factors: Any) -> float:
-            return tuner.estimate_time(layout, model=self.model, cluster=self.cluster, training=self.training,
-                                       factors=factors).step_time_s
+    def inherit(self, earlier: list[dict[str, Any]]) -> None:
+        """Start from what earlier sweeps on this cluster learned: ``earlier`` holds, per sweep, its id,
+        calibration and (layout, residual) pairs (api.engine._learned)."""
+        if not earlier:
+            return
+        self.learned_from = [e["sweep_id"] for e in earlier]
+        times = [e["calibration"]["time"] for e in earlier if e["calibration"].get("time", {}).get("accepted")]
+        if times:  # the newest accepted one; its per-step constant is another model's, so it is dropped
+            w = np.array([times[0]["weights"][k] for k in cal.TIME_PARTS])
+            w[-1] = 0.0
+            self.inherited_time_w = w
+            self.time_w = w.copy()
+        mems = [e["calibration"] for e in earlier if e["calibration"].get("memory", {}).get("accepted")]
+        if mems:
+            self.inherited_mem_w = np.array([mems[0]["memory"]["weights"][k] for k in cal.MEMORY_PARTS])
+            self.mem_w = self.inherited_mem_w.copy()
+            self.memory_sigma = float(mems[0].get("memory_sigma", MEMORY_SIGMA))
+        for e in earlier:
+            res = e["residuals"]
+            if res:
+                mean = statistics.fmean(r for _, r in res)
+                self.inherited_residuals += [(x, r - mean) for x, r in res]
+        self._store(learned_from=self.learned_from)
 
-        base = tuner.CalibrationFactors()
-        before = fit_calibration(samples, predict=predict, base=base, fields=())[1]
-        factors, after = fit_calibration(samples, predict=predict, base=base, fields=FITTED_FACTORS)
-        # Against the UNSCALED model: a row's stored prediction includes whatever scale was in force
-        # when it was inserted, so measured/stored x current scale would compound across refits.
-        real_mem = [
-            t.peak_memory_bytes / raw
-            for t in completed
-            if not t.simulated and t.peak_memory_bytes and (raw := self.raw_memory_bytes(Layout(**t.layout)))
-        ]
-        self.factors = factors
-        if real_mem:
-            self.memory_scale = min(2.0, max(0.5, statistics.median(real_mem)))
-        self.calibration = {
-            "factors": dataclasses.asdict(factors),
-            "fitted": list(FITTED_FACTORS),
-            "n_time_samples": n,
-            "rms_log_error_before": before,
-            "rms_log_error_after": after,
-            "memory_scale": self.memory_scale,
-            "n_memory_samples": len(real_mem),
-        }
+    def forget_inherited(self) -> None:
+        """Drop what ``inherit`` took (the sweep turned out to run on another cluster)."""
+        if self.inherited_time_w is not None and np.allclose(self.time_w, self.inherited_time_w):
+            self.time_w = PRIOR_TIME_W.copy()
+        self.inherited_time_w, self.inherited_mem_w = None, None
+        self.inherited_residuals, self.learned_from = [], []
+        self.memory_sigma = MEMORY_SIGMA
+        self._fit_memory()
+        self._store(learned_from=[])
+
+    def residuals(self, rows: list[Any]) -> list[tuple[Layout, float]]:
+        """log(measured / predicted) tokens/s of completed rows under the calibration now in force."""
+        out = []
+        for t in rows:
+            if t.status == "completed" and t.tokens_per_s_per_device:
+                p = self.predict(Layout(**t.layout))
+                if p.tokens_per_s_per_device:
+                    out.append((Layout(**t.layout), math.log(t.tokens_per_s_per_device / p.tokens_per_s_per_device)))
+        return out
+
+    def _store(self, **sections: Any) -> dict[str, Any]:
+        self.calibration = {**self.calibration, **sections, "version": self.version + 1}
         return self.calibration

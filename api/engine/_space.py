@@ -107,7 +107,8 @@ class ListProposer:
                 return lay, None
         return None
 
-    def tell(self, layout: Layout, handle: Any, *, values: Sequence[float] | None, violation: float) -> None:
+    def tell(self, layout: Layout, handle: Any, *, values: Sequence[float] | None, violation: float,
+             status: str | None = None) -> None:
         return None
 
 
@@ -146,9 +147,11 @@ class OptunaProposer:
         self.study.tell(trial, state=TrialState.FAIL)  # projected: the real layout is added on its result
         return layout, None
 
-    def tell(self, layout: Layout, handle: Any, *, values: Sequence[float] | None, violation: float) -> None:
-        """``values`` None = a failure (crash/nan: told FAIL); ``violation`` > 0 = infeasible (pruned,
-        oom, timeout: told COMPLETE with penalty values and a positive constraint, so TPE learns)."""
+    def tell(self, layout: Layout, handle: Any, *, values: Sequence[float] | None, violation: float,
+             status: str | None = None) -> None:
+        """``violation`` > 0 = infeasible (pruned, oom, timeout, crash, nan: told COMPLETE with penalty
+        values and a positive constraint, so TPE learns; the loop never sends None any more, which
+        would be told FAIL — ignored by TPE)."""
         import optuna
         from optuna.trial import TrialState
 

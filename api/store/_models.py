@@ -72,6 +72,9 @@ class Sweep(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Fitted tuner.CalibrationFactors (as a dict) and the fit's quality; used for later predictions.
     calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The cluster fingerprint of its measurements (device, torch, NCCL from the trials' env): a later
+    # sweep on the same fingerprint starts from what this one learned (api.engine._learned).
+    fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # Which coordinator runs it (host:pid:uuid) and when it last said so; lets a restart take over.
     runner_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -108,6 +111,7 @@ class Sweep(Base):
         Index(None, "status", "created_at"),
         Index(None, "owner", "created_at"),
         Index(None, "created_at"),
+        Index(None, "fingerprint", "status"),
     )
 
 
@@ -132,6 +136,8 @@ class Trial(Base):
     predicted_step_time_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     predicted_tokens_per_s_per_device: Mapped[float | None] = mapped_column(Float, nullable=True)
     useful_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The sweep's calibration version the predictions above were made under (0: the analytical prior).
+    calibration_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Measurements.
     step_time_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)

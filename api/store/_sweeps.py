@@ -191,6 +191,36 @@ def set_calibration(session: Session, *, sweep_id: int, calibration: dict[str, A
     )
 
 
+def set_fingerprint(session: Session, *, sweep_id: int, fingerprint: str) -> None:
+    session.execute(
+        sa.update(Sweep).where(Sweep.id == sweep_id).values(fingerprint=fingerprint)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def sweeps_on_fingerprint(session: Session, *, fingerprint: str, before_id: int, limit: int = 5) -> list[Sweep]:
+    """Finished sweeps (completed or cancelled) measured on ``fingerprint`` with a calibration,
+    created before sweep ``before_id``, newest first (what a new sweep on that cluster learns from)."""
+    return list(session.scalars(
+        sa.select(Sweep).where(Sweep.fingerprint == fingerprint, Sweep.status.in_(("completed", "cancelled")),
+                               Sweep.id < before_id, Sweep.calibration.is_not(None))
+        .order_by(Sweep.id.desc()).limit(limit)
+    ))
+
+
+def latest_fingerprint(session: Session, *, backend: str, cluster: Any, before_id: int) -> str | None:
+    """The fingerprint of the newest earlier sweep on the same backend and cluster spec (a new
+    sweep's provisional fingerprint until its own first measurement says)."""
+    rows = session.execute(
+        sa.select(Sweep.spec, Sweep.fingerprint).where(Sweep.backend == backend, Sweep.fingerprint.is_not(None),
+                                                      Sweep.id < before_id).order_by(Sweep.id.desc()).limit(50)
+    ).all()
+    for spec, fp in rows:
+        if (spec or {}).get("cluster") == cluster:
+            return fp
+    return None
+
+
 def refresh_sweep_cache(session: Session, *, sweep_id: int) -> None:
     """Recompute the listing cache (counts, device-seconds, best layout) from the trials table."""
     live = sa.and_(Trial.sweep_id == sweep_id, Trial.status != "interrupted")

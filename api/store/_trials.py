@@ -42,6 +42,7 @@ def insert_trial(
     predicted_tokens_per_s_per_device: float | None = None,
     useful_fraction: float | None = None,
     backend: str | None = None,
+    calibration_version: int | None = None,
 ) -> bool:
     """Insert one trial row (ON CONFLICT DO NOTHING); returns whether it was inserted."""
     now = utcnow()
@@ -50,7 +51,7 @@ def insert_trial(
         layout=layout, layout_key=layout_key, world_size=world_size, status=status, cause=cause,
         predicted_memory_bytes=predicted_memory_bytes, predicted_step_time_s=predicted_step_time_s,
         predicted_tokens_per_s_per_device=predicted_tokens_per_s_per_device, useful_fraction=useful_fraction,
-        backend=backend, simulated=False, device_seconds=0.0, created_at=now,
+        calibration_version=calibration_version, backend=backend, simulated=False, device_seconds=0.0, created_at=now,
         started_at=now if status == "running" else None, finished_at=None if status == "running" else now,
     )
     dialect = session.get_bind().dialect.name

@@ -1,0 +1,75 @@
+"""What earlier sweeps on the same cluster learned, for a new sweep to start from.
+
+The cluster fingerprint is what the trials' environment says about the machine and its software
+stack (workers/env.py): device kind and name, torch, CUDA and NCCL versions, and the backend. Host
+names, Python and meshtune versions are left out: they change nothing the calibration describes.
+A sweep's fingerprint is stored on its row when its first measurement arrives; until then, the
+fingerprint of the newest earlier sweep on the same backend and cluster spec stands in, and if the
+first measurement says otherwise, what was inherited is dropped and the sweeps of the real
+fingerprint are used instead.
+
+From each earlier sweep (newest first, at most ``LIMIT``) a new one takes its calibration (time
+weights and memory model, see api.engine._model.Problem.inherit) and the residuals of its measured
+layouts under that calibration, which the surrogate proposer uses as data with extra noise — for
+another model too: what the calibration misses on a cluster (a GEMM-size cliff, a congested link)
+tends to miss the same layouts' shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from api import store
+from api.engine import _calibrate as cal
+from api.spec import SweepSpec
+from tuner import Layout
+
+FINGERPRINT_FIELDS = ("backend", "device_kind", "device_name", "torch", "cuda", "nccl", "driver")
+LIMIT = 5
+MAX_RESIDUALS = 200  # per earlier sweep: the newest measurements
+log = logging.getLogger("meshtune.engine")
+
+
+def fingerprint(env: dict[str, Any] | None, backend: str) -> str | None:
+    if not env:
+        return None
+    picked = {k: env.get(k) for k in FINGERPRINT_FIELDS if k != "backend"}
+    picked["backend"] = backend
+    return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def earlier(session: Any, *, fingerprint: str, sweep_id: int, scaled: Any) -> list[dict[str, Any]]:
+    """Per earlier sweep on ``fingerprint``: id, calibration and (scaled features, residual) pairs;
+    ``scaled(layout)`` maps a layout to the new sweep's feature space."""
+    out = []
+    for sw in store.sweeps_on_fingerprint(session, fingerprint=fingerprint, before_id=sweep_id, limit=LIMIT):
+        try:
+            model, cluster, training = SweepSpec.model_validate(sw.spec).to_problem()
+        except Exception as exc:  # an old spec this version no longer reads: skip it, say so
+            log.warning("sweep %s: earlier sweep %s not learned from (%s)", sweep_id, sw.id, exc)
+            continue
+        calibration = sw.calibration or {}
+        weights = np.array([calibration.get("time", {}).get("weights", {}).get(k, w)
+                            for k, w in zip(cal.TIME_PARTS, (1.0, 1.0, 1.0, 1.0, 0.0), strict=True)])
+        rows = [t for t in store.all_trials(session, sweep_id=sw.id)
+                if t.status == "completed" and t.step_time_s and t.phase == "search"][-MAX_RESIDUALS:]
+        residuals = []
+        import tuner
+
+        for t in rows:
+            layout = Layout(**t.layout)
+            try:
+                est = tuner.estimate_time(layout, model=model, cluster=cluster, training=training)
+            except Exception:  # noqa: BLE001 - a layout this version refuses: nothing to learn from it
+                continue
+            pred = float(np.dot(cal.time_parts(est.breakdown), weights))
+            if pred > 0:
+                residuals.append((scaled(layout), math.log(pred / t.step_time_s)))
+        out.append({"sweep_id": sw.id, "calibration": calibration, "residuals": residuals})
+    return out

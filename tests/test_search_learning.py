@@ -1,0 +1,103 @@
+"""Issue 13: the search learns from every measurement (tiny problems; the benchmark is bench_search.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from api import store
+from api.engine import Problem, SweepRunner
+from api.engine import _calibrate as cal
+from api.services import sweeps as svc
+from api.settings import Settings
+from api.spec import SweepSpec
+from tuner._stats import NOT_COMPARABLE, SLOWER, noise_warning, pooled_noise, rank, versus_best
+
+TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}
+
+
+def test_single_run_clear_of_the_best_is_not_tied():
+    groups = {"best": [606.2, 607.0, 605.5], "steady": [600.0, 601.0, 599.5], "once": [68.5]}
+    pooled = rank(groups)
+    best = pooled[0].interval
+    once = next(r for r in pooled if r.key == "once")
+    assert once.interval.known and not once.tied_with_best  # the pooled noise gives it an interval
+    assert versus_best(once.interval, best, is_best=False) == SLOWER
+    # Without pooling (before issue 13) the single run had no interval and counted as tied.
+    alone = next(r for r in rank(groups, pool=False) if r.key == "once")
+    assert alone.tied_with_best and versus_best(alone.interval, best, is_best=False) == NOT_COMPARABLE
+    # Ties only where the intervals overlap: a single run within the noise of the best stays tied.
+    close = next(r for r in rank({**groups, "near": [606.0]}) if r.key == "near")
+    assert close.tied_with_best
+
+
+def test_noise_warning_names_the_figure():
+    quiet = pooled_noise({"a": [100.0, 101.0, 99.0], "b": [50.0, 50.5]})
+    assert noise_warning(quiet) is None
+    loud = pooled_noise({"a": [100.0, 130.0, 80.0], "b": [50.0, 70.0]})
+    text = noise_warning(loud)
+    assert text and f"{loud.sigma:.1%}" in text and "2 layouts" in text
+
+
+def test_time_fit_is_judged_held_out_and_refused_when_it_ranks_worse():
+    rng = np.random.default_rng(0)
+    parts = np.column_stack([rng.uniform(0.1, 1.0, 10), rng.uniform(0.0, 0.3, 10), np.zeros(10), np.zeros(10),
+                             np.ones(10)])
+    prior = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+    # A CPU-like truth: 3x slower compute and a 2 s fixed cost per step; the prior ranks it, the fit fixes it.
+    measured = 3.0 * parts[:, 0] + parts[:, 1] + 2.0
+    out = cal.judge_time(parts, measured, {"analytical": prior})
+    assert out["accepted"] and out["loo_spearman"] >= out["prior_spearman"]
+    assert out["loo_rms_log_error"] < out["prior_rms_log_error"] / 5
+    # Measurements that no weighting of the parts explains (pure noise): never ranked worse than the prior.
+    noise = rng.uniform(1.0, 2.0, 10)
+    out = cal.judge_time(parts, noise, {"analytical": prior})
+    if not out["accepted"]:
+        assert out["weights"] == dict(zip(cal.TIME_PARTS, prior, strict=True))
+    else:
+        assert out["loo_spearman"] >= out["prior_spearman"]
+    few = cal.judge_time(parts[:3], measured[:3], {"analytical": prior})
+    assert not few["accepted"] and "too few" in few["reason"]
+
+
+def test_an_oom_teaches_the_memory_model_for_the_rest_of_the_sweep():
+    problem = Problem.from_spec(SweepSpec.model_validate(TINY))
+    problem.arrays()
+    fits = [lay for lay in problem.space.layouts if problem.predict(lay).fits]
+    fits.sort(key=lambda lay: problem.predict(lay).memory_bytes)
+    oomed = fits[len(fits) // 2]
+    bigger = [lay for lay in fits if problem.predict(lay).memory_bytes >= problem.predict(oomed).memory_bytes]
+    device = problem.cluster.device_memory
+    problem.observe(SimpleNamespace(layout=dataclasses.asdict(oomed), status="oom", peak_memory_bytes=None,
+                                    error={"bytes_requested": 1 << 20}))
+    assert not problem.predict(oomed).fits
+    assert not any(problem.predict(lay).fits for lay in bigger)  # nothing predicted to need as much runs
+    assert problem.predict(oomed).memory_bytes >= device  # the model now predicts it does not fit
+    assert problem.memory_sigma > 0.10 and problem.version >= 1  # its error grew: more headroom
+
+
+@pytest.fixture
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    engine, sessions = store.open_store(url)
+    yield Settings(database_url=url, home=tmp_path), sessions
+    engine.dispose()
+
+
+def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
+    settings, sessions = db
+    ids = []
+    for model in ("tiny", "tiny-moe"):
+        spec = SweepSpec.model_validate({**TINY, "model": model, "backend": "simulate", "name": model, "search": {
+            "sampler": "surrogate", "max_trials": 6, "warm_start_top_k": 1, "remeasure_top_k": 1, "repeats": 2}})
+        with sessions() as s:
+            ids.append(svc.create_sweep(s, spec=spec, owner="t").id)
+        SweepRunner(settings, sessions=sessions).run_sweep(ids[-1])
+    with sessions() as s:
+        first, second = (store.get_sweep(s, sweep_id=i) for i in ids)
+    assert first.fingerprint and first.fingerprint == second.fingerprint
+    assert first.calibration.get("learned_from", []) == []
+    assert second.calibration["learned_from"] == [ids[0]]
