@@ -101,3 +101,8 @@ def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     assert first.fingerprint and first.fingerprint == second.fingerprint
     assert first.calibration.get("learned_from", []) == []
     assert second.calibration["learned_from"] == [ids[0]]
+    from api.cli.sweep import calibration_lines
+
+    lines = calibration_lines(second.calibration)
+    assert any(f"learned from earlier sweeps on this cluster: #{ids[0]}" in line for line in lines)
+    assert any("held-out (leave-one-out) Spearman" in line for line in lines)

@@ -354,6 +354,37 @@ def list_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibration_lines(calibration: dict | None) -> list[str]:
+    """What the sweep's calibration says (api.engine._calibrate): the held-out rank correlation it
+    was judged by, whether it was kept, the memory model's error, what it learned from, the noise."""
+    from tuner._stats import PooledNoise, noise_warning
+
+    cal = calibration or {}
+    out = []
+    t = cal.get("time")
+    if t:
+        def sp(x):
+            return "-" if x is None else f"{x:+.2f}"
+        verdict = "kept" if t.get("accepted") else "refused, prior kept"
+        out.append(f"calibration v{cal.get('version', 0)} from {t.get('n')} measurements: held-out (leave-one-out) "
+                   f"Spearman {sp(t.get('loo_spearman'))} vs prior ({t.get('prior')}) {sp(t.get('prior_spearman'))}"
+                   f" — {verdict}; fitted " + (", ".join(f"{k}={t['weights'][k]:.3g}" for k in t.get("fitted", []))
+                                             or "nothing"))
+    m = cal.get("memory")
+    if m and (m.get("n") or m.get("n_oom")):
+        err = m.get("loo_rms_log_error") if m.get("accepted") else m.get("prior_rms_log_error")
+        out.append(f"memory model from {m.get('n')} peaks and {m.get('n_oom')} OOMs: error "
+                   f"{'-' if err is None else f'{err:.1%}'} ({'fitted' if m.get('accepted') else 'prior'}); "
+                   f"headroom from a memory error of {cal.get('memory_sigma', 0):.1%}")
+    if cal.get("learned_from"):
+        out.append("learned from earlier sweeps on this cluster: " + ", ".join(f"#{i}" for i in cal["learned_from"]))
+    if cal.get("noise"):
+        noise = PooledNoise(**cal["noise"])
+        out.append(noise_warning(noise) or f"host noise: repeats of one layout spread by {noise.sigma:.1%} "
+                   f"(pooled over {noise.layouts} layouts)")
+    return out
+
+
 def show_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -380,11 +411,8 @@ def show_cmd(args: argparse.Namespace) -> int:
         console.print("Pareto front (tokens/s per device vs peak memory): " + ", ".join(
             f"{fmt.layout_text(p.layout)} ({_fmt(p.tokens_per_s_per_device)}, {_fmt_bytes(p.peak_memory_bytes)})"
             for p in on_front))
-    if sweep.calibration:
-        cal = sweep.calibration
-        console.print(f"calibration from {cal.get('n_time_samples')} measurements: rms log error "
-                      f"{cal.get('rms_log_error_before', float('nan')):.3f} -> {cal.get('rms_log_error_after', float('nan')):.3f}; "
-                      + ", ".join(f"{k}={cal['factors'][k]:.3f}" for k in cal.get("fitted", [])))
+    for line in calibration_lines(sweep.calibration):
+        console.print(line)
     if args.trials:
         table = Table(title="trials")
         for col in ("#", "att", "phase", "layout", "status", "tok/s/dev", "pred", "peak mem", "pred mem", "cause"):

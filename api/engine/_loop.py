@@ -495,7 +495,7 @@ class SweepLoop:
     def _save_calibration(self) -> None:
         calibration = dict(self.problem.calibration)
         noise = pooled_noise(self._groups())
-        calibration["noise_sigma"] = noise.sigma if noise is not None else None
+        calibration["noise"] = dataclasses.asdict(noise) if noise is not None else None
         with store.session_scope(self.r.sessions) as s:
             store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
 
