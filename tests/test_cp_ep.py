@@ -112,7 +112,14 @@ def _check_cp_attention(group, kv_heads: int = 6) -> None:
     k_all, v_all = holder.attention.attn_fn.gather_kv(loc[1].detach(), loc[2].detach())
     assert k_all.shape == v_all.shape == (b, kv_heads, s, d), "the cp gather must move only the kv heads"
     torch.testing.assert_close(k_all, k, rtol=0, atol=0)  # global order restored exactly
-    out = holder.attention.attn_fn(*loc)
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = holder.attention.attn_fn(*loc)
+    # GQA-aware (issue 12): what the backward keeps of the whole sequence is kv_heads-sized; no
+    # K/V repeated to the query heads over more than the local queries' own positions.
+    assert (b, kv_heads, (2 * cp - rank) * c, d) in saved  # the later chunk sees keys up to its end
+    if kv_heads < h:
+        assert not [x for x in saved if len(x) == 4 and x[1] == h and x[2] > s // cp], saved
     (out * gout[:, :, pos]).sum().backward()
     _close(out, out_ref[:, :, pos], f"cp{cp} attention output")
     for name, lt, rt in zip("qkv", loc, ref, strict=True):
