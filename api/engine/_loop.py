@@ -522,18 +522,17 @@ class SweepLoop:
             if t.phase == "remeasure":
                 done.setdefault(t.layout_key, set()).add(t.repeat)
         searched = {t.layout_key for t in rows if t.phase == "search" and t.status == "completed"}
-        ranked = [r for r in rank({key: v for key, v in measured.items() if key in searched})][:k]
+        ranked = rank({key: v for key, v in measured.items() if key in searched})
         if not ranked:
             return []
         if self.problem.listed:
-            contenders = ranked
+            contenders = ranked[:k]
         else:
-            best = ranked[0]
-            separated = len(ranked) < 2 or (best.interval.n >= 2 and best.interval.known
-                                            and not best.interval.overlaps(ranked[1].interval))
-            if separated:
+            best = ranked[0]  # separated from the runner-up of the whole ranking, not only of the top k
+            if best.interval.n >= 2 and (len(ranked) < 2 or (best.interval.known
+                                                             and not best.interval.overlaps(ranked[1].interval))):
                 return []
-            contenders = [r for r in ranked if r.rank == 1 or r.interval.overlaps(best.interval)]
+            contenders = [r for r in ranked[:k] if r.rank == 1 or r.interval.overlaps(best.interval)]
         plan = []
         for r in contenders:
             free = [rep for rep in range(1, repeats) if rep not in done.get(r.key, set())]
