@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 import tuner
 from api import store
-from api.engine import SweepRunner, _loop
+from api.engine import SweepRunner, _claim, _loop
 from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
@@ -50,7 +50,7 @@ def _slow_factory(spec):
 
 @pytest.mark.postgres
 def test_two_runners_racing_write_each_trial_number_once_with_its_own_layout(fresh_pg_url, monkeypatch, caplog):
-    monkeypatch.setattr(_loop, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(_claim, "HEARTBEAT_S", 0.05)
     engine, sessions = store.open_store(fresh_pg_url)
     model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
     layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
@@ -163,7 +163,7 @@ def test_coordinator_loop_survives_database_errors_and_releases_on_transient_one
 
     monkeypatch.setattr(store, "claim_sweep", flaky_claim)
     monkeypatch.setattr(store, "heartbeat", flaky_heartbeat)
-    monkeypatch.setattr(_loop, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(_claim, "HEARTBEAT_S", 0.01)
     stop = threading.Event()
     thread = threading.Thread(target=runner.run_pending, args=(stop,), daemon=True, name="run_pending")
     thread.start()

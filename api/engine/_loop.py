@@ -3,18 +3,10 @@
 All database writes and all Optuna calls happen on the loop's thread; worker threads only call
 ``backend.run`` (so SQLite sees one writer per coordinator and the in-memory study needs no lock).
 
-Budgets: ``max_trials`` counts search trial numbers (pruned ones included); ``max_device_seconds``
-stops new trials once the recorded trials have held devices that long; ``patience`` stops after k
-trials that ran (not pruned) in number order without beating the best measured tokens/s per device.
-Trials in flight when a budget is reached finish and are recorded. Then the top ``remeasure_top_k``
-layouts are topped up to ``repeats`` measurements (within ``max_device_seconds``).
-
-Ownership: the loop heartbeats at least every ``HEARTBEAT_S`` (also while proposals are only pruned,
-and from a helper thread during slow set-up such as starting a local Ray), and every transaction that
-adds trial rows first re-asserts that this runner still owns the sweep (``store.hold_sweep``). A
-runner that finds the sweep taken over (a heartbeat answered by another owner, an insert whose number
-already exists, a result whose row is no longer its own) raises ``LostClaim``: it stops running the
-sweep at once and writes nothing more to it; the new owner re-runs what was in flight.
+The loop is split by concept: who owns the sweep and its heartbeat (api/engine/_claim.py), when the
+search stops and what is re-measured (api/engine/_budget.py), what each outcome teaches the sampler,
+the memory model and the calibration (api/engine/_learning.py); this module proposes, launches and
+collects.
 """
 
 from __future__ import annotations
@@ -22,63 +14,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from api import store
-from api.engine import _learned
+from api.engine._budget import Budget
+from api.engine._claim import Claim, KeepAlive, LostClaim
+from api.engine._learning import Learning
 from api.engine._model import Problem
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
 from api.spec import SweepSpec
 from tuner import BackendError, Layout
-from tuner._stats import pooled_noise, rank
 from workers import BackendUnavailable, TrialError, TrialRequest, TrialResult
 
 if TYPE_CHECKING:
     from api.engine._runner import SweepRunner
 
 MAX_THREADS = 32
-HEARTBEAT_S = 2.0
 # Back-off between attempts when the backend is unavailable (BackendUnavailable: Ray not started,
 # no room, ...); after the last, the sweep is left resumable (see SweepRunner._run_claimed).
 RETRY_DELAYS_S: tuple[float, ...] = (5.0, 20.0, 60.0)
 log = logging.getLogger("meshtune.engine")
-
-
-class LostClaim(Exception):  # noqa: N818 - a control-flow signal, not an error of the sweep
-    """Another coordinator owns the sweep now: stop running it, write nothing more to it."""
-
-
-class KeepAlive:
-    """Heartbeats the sweep from a helper thread while the loop's own thread is busy with slow set-up
-    (building the problem, recovery, starting the backend: a local Ray takes ~40 s)."""
-
-    def __init__(self, runner: SweepRunner, sweep_id: int) -> None:
-        self.r, self.sweep_id = runner, sweep_id
-        self.lost = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"keepalive{sweep_id}", daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.wait(HEARTBEAT_S):
-            try:
-                with store.session_scope(self.r.sessions) as s:
-                    if store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id) is None:
-                        self.lost = True
-                        return
-            except Exception:  # a transient DB error: the loop's own next beat decides
-                continue
-
-    def __enter__(self) -> KeepAlive:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+__all__ = ["KeepAlive", "LostClaim", "SweepLoop", "Ticket"]
 
 
 @dataclass
@@ -93,7 +52,7 @@ class Ticket:
     future: Future | None = None
 
 
-class SweepLoop:
+class SweepLoop(Claim, Budget, Learning):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -136,11 +95,6 @@ class SweepLoop:
         self.rows[number] = row
         return row
 
-    def _hold(self, s: Any) -> None:
-        """First statement of every transaction that adds trial rows (see the module docstring)."""
-        if not store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
-            raise LostClaim(f"sweep {self.sweep_id} is no longer run by {self.r.runner_id}")
-
     def _recover(self) -> list[store.Trial]:
         """The documented restart rule: a trial found "running" belonged to a coordinator that died;
         its row becomes "interrupted" and the trial re-runs under the same number as attempt + 1."""
@@ -176,52 +130,7 @@ class SweepLoop:
         self._update_noise()
         return rows
 
-    def _inherit(self) -> None:
-        """Start from what earlier sweeps on this cluster fingerprint learned (api.engine._learned)."""
-        with self.r.sessions() as s:
-            sweep = store.get_sweep(s, sweep_id=self.sweep_id)
-            self.fingerprint = sweep.fingerprint
-            fp = sweep.fingerprint or store.latest_fingerprint(
-                s, backend=self.spec.backend, cluster=(sweep.spec or {}).get("cluster"), before_id=self.sweep_id)
-            self.inherited_fp = fp
-            if fp is not None:
-                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
-
-    def _note_fingerprint(self, row: store.Trial) -> None:
-        """The first measurement names the sweep's cluster; a wrong provisional guess is undone."""
-        fp = _learned.fingerprint(row.env, self.spec.backend)
-        if fp is None or self.fingerprint is not None:
-            return
-        self.fingerprint = fp
-        with store.session_scope(self.r.sessions) as s:
-            store.set_fingerprint(s, sweep_id=self.sweep_id, fingerprint=fp)
-        if fp != self.inherited_fp and self.problem.learned_from:
-            log.info("sweep %s: cluster fingerprint %s differs from the provisional %s; inherited learning dropped",
-                     self.sweep_id, fp, self.inherited_fp)
-            self.problem.forget_inherited()
-            self.inherited_fp = fp
-            with self.r.sessions() as s:
-                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
-
-    def _update_noise(self) -> None:
-        """The host's run-to-run noise, pooled over every repeated layout (tuner._stats)."""
-        noise = pooled_noise(self._groups())
-        self.problem.noise_sigma = noise.sigma if noise is not None else None
-
-    def _groups(self) -> dict[str, list[float]]:
-        groups: dict[str, list[float]] = {}
-        for t in self._rows():
-            if t.status == "completed" and t.tokens_per_s_per_device is not None:
-                groups.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
-        return groups
-
     # --- the loop ----------------------------------------------------------------------------------
-
-    def _inserted(self, inserted: bool, number: int) -> None:
-        if not inserted:  # the number exists: another coordinator took the sweep and this number
-            raise LostClaim(f"sweep {self.sweep_id}: trial number {number} was taken by another coordinator")
 
     def run(self) -> None:
         with KeepAlive(self.r, self.sweep_id) as keep:
@@ -304,48 +213,7 @@ class SweepLoop:
                 continue
             wait(list(self.in_flight), timeout=self.r.poll_s if halted else 0.5, return_when=FIRST_COMPLETED)
 
-    def _beat(self) -> str | None:
-        now = time.monotonic()
-        if now - self.last_beat < HEARTBEAT_S and hasattr(self, "_status"):
-            return self._status
-        self.last_beat = now
-        with store.session_scope(self.r.sessions) as s:
-            self._status = store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id)
-        if self._status is None:
-            raise LostClaim(f"sweep {self.sweep_id} was taken over by another coordinator")
-        return self._status
-
     # --- budgets -------------------------------------------------------------------------------
-
-    def _search_rows(self) -> list[store.Trial]:
-        return [t for t in self._rows() if t.phase == "search"]
-
-    def _over_device_budget(self) -> bool:
-        limit = self.search.max_device_seconds
-        return limit is not None and self.spent >= limit
-
-    def _search_done(self) -> bool:
-        rows = self._search_rows()
-        if self._over_device_budget():
-            return True
-        if self.problem.listed:  # every listed layout once, whatever max_trials and patience say
-            return len(rows) >= len(self.problem.space) or self._exhausted
-        if len(rows) >= self.search.max_trials:
-            return True
-        if self.search.patience is not None:
-            ran = sorted((t for t in rows if t.status not in ("pruned", "running")), key=lambda t: t.number)
-            best, since = None, 0
-            for t in ran:
-                v = t.tokens_per_s_per_device if t.status == "completed" else None
-                if v is not None and (best is None or v > best):
-                    best, since = v, 0
-                else:
-                    since += 1
-            if since >= self.search.patience:
-                return True
-        return self._exhausted
-
-    _exhausted = False
 
     def _launch_search(self) -> bool:
         """Propose one layout; prune it or start it. False when nothing more can be proposed now."""
@@ -468,78 +336,6 @@ class SweepLoop:
             if not (ticket.phase == "search" and row.status == "completed" and self._maybe_calibrate()) and changed:
                 self._save_calibration()
             self._progress("finished", row)
-
-    def _tell(self, layout: Layout, handle: Any, row: store.Trial) -> None:
-        """Every outcome teaches the sampler: a failure (oom, timeout, crash, nan, pruned) is told as
-        infeasible with its cost (zero throughput, a positive constraint violation), never as Optuna's
-        FAIL, which TPE and GP ignore; the surrogate also keeps it as a failure near which it
-        proposes less."""
-        device_memory = self.problem.cluster.device_memory
-        if row.status == "completed":
-            values = [row.tokens_per_s_per_device or 0.0, float(row.peak_memory_bytes or 0)]
-            self.proposer.tell(layout, handle, values=values, violation=0.0, status=row.status)
-            return
-        peak = row.predicted_memory_bytes if row.status == "pruned" else row.peak_memory_bytes
-        peak = peak or 2 * device_memory
-        violation = max(peak / device_memory - 1.0, 1e-3) if row.status in ("oom", "pruned") else 1.0
-        self.proposer.tell(layout, handle, values=[0.0, float(max(peak, device_memory))], violation=violation,
-                           status=row.status)
-
-    def _maybe_calibrate(self) -> bool:
-        rows = [t for t in self._rows() if t.phase == "search" and t.status == "completed" and t.step_time_s]
-        if self.problem.maybe_calibrate(rows) is None:
-            return False
-        self._save_calibration()
-        return True
-
-    def _save_calibration(self) -> None:
-        calibration = dict(self.problem.calibration)
-        noise = pooled_noise(self._groups())
-        calibration["noise"] = dataclasses.asdict(noise) if noise is not None else None
-        with store.session_scope(self.r.sessions) as s:
-            store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)
-
-    def _remeasure_plan(self) -> list[tuple[Layout, int]]:
-        """The next round of re-measurements, adaptive: rank every completed measurement (search and
-        re-measurement, the host's noise pooled over all repeats: tuner._stats.rank); stop once the
-        best is separated from the runner-up (intervals apart, and the best measured at least twice),
-        else measure once more the best and every contender among the top ``remeasure_top_k`` whose
-        interval overlaps the best's and that has fewer than ``repeats`` measurements. The budget:
-        ``repeats`` per layout, ``max_device_seconds``. A deterministic function of the recorded
-        measurements, so a resume continues the same plan; repeat numbers count earlier re-measurement
-        attempts, so none is repeated. ``search.layouts``: every listed layout to ``repeats``."""
-        k, repeats = self.search.remeasure_top_k, self.search.repeats
-        rows = self._rows()
-        if self.problem.listed:
-            k = len(self.problem.space)
-        if k <= 0 or repeats <= 1:
-            return []
-        measured: dict[str, list[float]] = {}
-        done: dict[str, set[int]] = {}
-        for t in rows:
-            if t.status == "completed" and t.tokens_per_s_per_device is not None:
-                measured.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
-            if t.phase == "remeasure":
-                done.setdefault(t.layout_key, set()).add(t.repeat)
-        searched = {t.layout_key for t in rows if t.phase == "search" and t.status == "completed"}
-        ranked = rank({key: v for key, v in measured.items() if key in searched})
-        if not ranked:
-            return []
-        if self.problem.listed:
-            contenders = ranked[:k]
-        else:
-            best = ranked[0]  # separated from the runner-up of the whole ranking, not only of the top k
-            if best.interval.n >= 2 and (len(ranked) < 2 or (best.interval.known
-                                                             and not best.interval.overlaps(ranked[1].interval))):
-                return []
-            contenders = [r for r in ranked[:k] if r.rank == 1 or r.interval.overlaps(best.interval)]
-        plan = []
-        for r in contenders:
-            free = [rep for rep in range(1, repeats) if rep not in done.get(r.key, set())]
-            if free:
-                layout = self.problem.space.layouts[self.problem.space.index[r.key]]
-                plan += [(layout, rep) for rep in (free if self.problem.listed else free[:1])]
-        return plan
 
     def _progress(self, event: str, row: Any = None) -> None:
         self.on_progress({

@@ -1,0 +1,98 @@
+"""When a sweep's search stops and what it re-measures (mixed into SweepLoop).
+
+Budgets: ``max_trials`` counts search trial numbers (pruned ones included); ``max_device_seconds``
+stops new trials once the recorded trials have held devices that long; ``patience`` stops after k
+trials that ran (not pruned) in number order without beating the best measured tokens/s per device.
+Then re-measurement tops contenders up adaptively (``_remeasure_plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from api import store
+from tuner import Layout
+from tuner._stats import rank
+
+
+class Budget:
+    """Reads the loop's ``rows``, ``spent``, ``search`` and ``problem`` (set by SweepLoop)."""
+
+    rows: dict[int, store.Trial]
+    spent: float
+    search: Any
+    problem: Any
+    _rows: Callable[[], list[store.Trial]]  # SweepLoop's
+
+    def _search_rows(self) -> list[store.Trial]:
+        return [t for t in self._rows() if t.phase == "search"]
+
+    def _over_device_budget(self) -> bool:
+        limit = self.search.max_device_seconds
+        return limit is not None and self.spent >= limit
+
+    def _search_done(self) -> bool:
+        rows = self._search_rows()
+        if self._over_device_budget():
+            return True
+        if self.problem.listed:  # every listed layout once, whatever max_trials and patience say
+            return len(rows) >= len(self.problem.space) or self._exhausted
+        if len(rows) >= self.search.max_trials:
+            return True
+        if self.search.patience is not None:
+            ran = sorted((t for t in rows if t.status not in ("pruned", "running")), key=lambda t: t.number)
+            best, since = None, 0
+            for t in ran:
+                v = t.tokens_per_s_per_device if t.status == "completed" else None
+                if v is not None and (best is None or v > best):
+                    best, since = v, 0
+                else:
+                    since += 1
+            if since >= self.search.patience:
+                return True
+        return self._exhausted
+
+    _exhausted = False
+
+    def _remeasure_plan(self) -> list[tuple[Layout, int]]:
+        """The next round of re-measurements, adaptive: rank every completed measurement (search and
+        re-measurement, the host's noise pooled over all repeats: tuner._stats.rank); stop once the
+        best is separated from the runner-up (intervals apart, and the best measured at least twice),
+        else measure once more the best and every contender among the top ``remeasure_top_k`` whose
+        interval overlaps the best's and that has fewer than ``repeats`` measurements. The budget:
+        ``repeats`` per layout, ``max_device_seconds``. A deterministic function of the recorded
+        measurements, so a resume continues the same plan; repeat numbers count earlier re-measurement
+        attempts, so none is repeated. ``search.layouts``: every listed layout to ``repeats``."""
+        k, repeats = self.search.remeasure_top_k, self.search.repeats
+        rows = self._rows()
+        if self.problem.listed:
+            k = len(self.problem.space)
+        if k <= 0 or repeats <= 1:
+            return []
+        measured: dict[str, list[float]] = {}
+        done: dict[str, set[int]] = {}
+        for t in rows:
+            if t.status == "completed" and t.tokens_per_s_per_device is not None:
+                measured.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
+            if t.phase == "remeasure":
+                done.setdefault(t.layout_key, set()).add(t.repeat)
+        searched = {t.layout_key for t in rows if t.phase == "search" and t.status == "completed"}
+        ranked = rank({key: v for key, v in measured.items() if key in searched})
+        if not ranked:
+            return []
+        if self.problem.listed:
+            contenders = ranked[:k]
+        else:
+            best = ranked[0]  # separated from the runner-up of the whole ranking, not only of the top k
+            if best.interval.n >= 2 and (len(ranked) < 2 or (best.interval.known
+                                                             and not best.interval.overlaps(ranked[1].interval))):
+                return []
+            contenders = [r for r in ranked[:k] if r.rank == 1 or r.interval.overlaps(best.interval)]
+        plan = []
+        for r in contenders:
+            free = [rep for rep in range(1, repeats) if rep not in done.get(r.key, set())]
+            if free:
+                layout = self.problem.space.layouts[self.problem.space.index[r.key]]
+                plan += [(layout, rep) for rep in (free if self.problem.listed else free[:1])]
+        return plan

@@ -1,0 +1,83 @@
+"""Who runs a sweep: the owner heartbeats at least every ``HEARTBEAT_S`` (also while proposals are
+only pruned, and from a helper thread during slow set-up such as starting a local Ray), and every
+transaction that adds trial rows first re-asserts that this runner still owns the sweep
+(``store.hold_sweep``). A runner that finds the sweep taken over (a heartbeat answered by another
+owner, an insert whose number already exists, a result whose row is no longer its own) raises
+``LostClaim``: it stops running the sweep at once and writes nothing more to it; the new owner
+re-runs what was in flight. ``SweepLoop`` (api/engine/_loop.py) takes these checks from ``Claim``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from api import store
+
+if TYPE_CHECKING:
+    from api.engine._runner import SweepRunner
+
+HEARTBEAT_S = 2.0
+
+
+class LostClaim(Exception):  # noqa: N818 - a control-flow signal, not an error of the sweep
+    """Another coordinator owns the sweep now: stop running it, write nothing more to it."""
+
+
+class KeepAlive:
+    """Heartbeats the sweep from a helper thread while the loop's own thread is busy with slow set-up
+    (building the problem, recovery, starting the backend: a local Ray takes ~40 s)."""
+
+    def __init__(self, runner: SweepRunner, sweep_id: int) -> None:
+        self.r, self.sweep_id = runner, sweep_id
+        self.lost = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"keepalive{sweep_id}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            try:
+                with store.session_scope(self.r.sessions) as s:
+                    if store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id) is None:
+                        self.lost = True
+                        return
+            except Exception:  # a transient DB error: the loop's own next beat decides
+                continue
+
+    def __enter__(self) -> KeepAlive:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class Claim:
+    """The loop's ownership checks (mixed into SweepLoop, which sets ``r``, ``sweep_id``, ``last_beat``)."""
+
+    r: SweepRunner
+    sweep_id: int
+    last_beat: float
+    _status: str | None
+
+    def _hold(self, s: Any) -> None:
+        """First statement of every transaction that adds trial rows (see the module docstring)."""
+        if not store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
+            raise LostClaim(f"sweep {self.sweep_id} is no longer run by {self.r.runner_id}")
+
+    def _inserted(self, inserted: bool, number: int) -> None:
+        if not inserted:  # the number exists: another coordinator took the sweep and this number
+            raise LostClaim(f"sweep {self.sweep_id}: trial number {number} was taken by another coordinator")
+
+    def _beat(self) -> str | None:
+        now = time.monotonic()
+        if now - self.last_beat < HEARTBEAT_S and hasattr(self, "_status"):
+            return self._status
+        self.last_beat = now
+        with store.session_scope(self.r.sessions) as s:
+            self._status = store.heartbeat(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id)
+        if self._status is None:
+            raise LostClaim(f"sweep {self.sweep_id} was taken over by another coordinator")
+        return self._status
