@@ -106,3 +106,39 @@ def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     lines = calibration_lines(second.calibration)
     assert any(f"learned from earlier sweeps on this cluster: #{ids[0]}" in line for line in lines)
     assert any("held-out (leave-one-out) Spearman" in line for line in lines)
+
+
+def test_ranking_pred_err_is_computed_under_one_calibration(db):
+    """Rows predicted under different calibration versions are never compared as they were stored:
+    a layout whose stored prediction is of an older version is re-predicted under the sweep's
+    calibration now; one predicted under the current version keeps its own."""
+    from api.engine._model import predict_under
+    from tuner import Layout
+    from workers import TrialResult
+
+    settings, sessions = db
+    spec = SweepSpec.model_validate({**TINY, "backend": "simulate", "name": "v"})
+    model, cluster, training = spec.to_problem()
+    old, new = Layout(dp=4), Layout(tp=2, dp=2)
+    weights = {"time": dict(zip(cal.TIME_PARTS, (3.0, 1.0, 1.0, 1.0, 0.5), strict=True)),
+               "memory": dict(zip(cal.MEMORY_PARTS, (1.0, 1.0, 1.0), strict=True))}
+    calibration = {"version": 2, "in_force": weights}
+    with sessions() as s:
+        sw = svc.create_sweep(s, spec=spec, owner="t")
+        for number, (layout, version, predicted) in enumerate(((old, 0, 999.0), (new, 2, 110.0))):
+            store.insert_trial(s, sweep_id=sw.id, number=number, layout=dataclasses.asdict(layout),
+                               layout_key=layout.key, world_size=4, predicted_tokens_per_s_per_device=predicted,
+                               predicted_memory_bytes=2**30, calibration_version=version)
+            store.record_result(s, sweep_id=sw.id, number=number, attempt=0, useful_fraction=1.0, result=TrialResult(
+                status="completed", backend="test", step_time_s=0.1, tokens_per_s=400.0,
+                tokens_per_s_per_device=100.0, peak_memory_bytes=2**30, device_seconds=1.0))
+        store.set_calibration(s, sweep_id=sw.id, calibration=calibration)
+        s.commit()
+        rows = {r.layout_key: r for r in svc.ranking(s, sweep_id=sw.id).rows}
+    expected, memory = predict_under(calibration, {old.key: old}, model=model, cluster=cluster,
+                                     training=training)[old.key]
+    assert rows[old.key].predicted_tokens_per_s_per_device == pytest.approx(expected) != 999.0
+    assert rows[old.key].prediction_error == pytest.approx((expected - 100.0) / 100.0)
+    assert rows[old.key].predicted_memory_bytes == memory
+    assert rows[new.key].predicted_tokens_per_s_per_device == 110.0  # made under version 2: kept
+    assert rows[new.key].prediction_error == pytest.approx(0.1)

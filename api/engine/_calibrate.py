@@ -125,7 +125,7 @@ def judge_time(parts: np.ndarray, measured: np.ndarray, priors: dict[str, np.nda
            "priors": {k: {"spearman": _f(v), "rms_log_error": _f(errs[k])} for k, v in scores.items()},
            "fitted": [TIME_PARTS[k] for k in free]}
     if n < MIN_JUDGED or not free:
-        return {**out, "accepted": False, "weights": _named(base, TIME_PARTS), "loo_spearman": None,
+        return {**out, "accepted": False, "weights": named(base, TIME_PARTS), "loo_spearman": None,
                 "loo_rms_log_error": None, "reason": f"{n} measurements: too few to judge a fit (need {MIN_JUDGED})"}
     loo = np.empty(n)
     for i in range(n):
@@ -139,7 +139,7 @@ def judge_time(parts: np.ndarray, measured: np.ndarray, priors: dict[str, np.nda
     weights = fit_weights(parts, measured, base, free) if accepted else base
     reason = "ranks held-out layouts at least as well as the prior" if accepted else (
         f"refused: held-out Spearman {loo_sp:+.2f} < prior {scores[base_name]:+.2f}")
-    return {**out, "accepted": bool(accepted), "weights": _named(weights, TIME_PARTS), "loo_spearman": _f(loo_sp),
+    return {**out, "accepted": bool(accepted), "weights": named(weights, TIME_PARTS), "loo_spearman": _f(loo_sp),
             "loo_rms_log_error": _f(loo_err), "reason": reason}
 
 
@@ -161,7 +161,7 @@ def judge_memory(parts: np.ndarray, measured: np.ndarray, lower_parts: np.ndarra
             if loo_err <= prior_err:
                 weights, accepted = _fit_mem(parts, measured, lower_parts, lower_bytes, prior, free), True
     weights = _enforce_lower(weights, lower_parts, lower_bytes)
-    return {**out, "accepted": accepted, "weights": _named(weights, MEMORY_PARTS), "loo_rms_log_error": _f(loo_err)}
+    return {**out, "accepted": accepted, "weights": named(weights, MEMORY_PARTS), "loo_rms_log_error": _f(loo_err)}
 
 
 def _fit_mem(parts, measured, lower_parts, lower_bytes, prior, free) -> np.ndarray:
@@ -192,7 +192,7 @@ def _rms_log(pred: np.ndarray, measured: np.ndarray) -> float:
     return math.sqrt(statistics.fmean(np.log(pred[ok] / measured[ok]) ** 2))
 
 
-def _named(w: np.ndarray, names: Sequence[str]) -> dict[str, float]:
+def named(w: np.ndarray, names: Sequence[str]) -> dict[str, float]:
     return {n: float(v) for n, v in zip(names, w, strict=True)}
 
 

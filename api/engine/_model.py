@@ -348,5 +348,36 @@ class Problem:
         return out
 
     def _store(self, **sections: Any) -> dict[str, Any]:
-        self.calibration = {**self.calibration, **sections, "version": self.version + 1}
+        # "in_force": the weights every prediction of this version is made with (inherited ones
+        # included, which no fit section records), so a reader can re-predict under it (predict_under).
+        in_force = {"time": cal.named(self.time_w, cal.TIME_PARTS), "memory": cal.named(self.mem_w, cal.MEMORY_PARTS)}
+        self.calibration = {**self.calibration, **sections, "in_force": in_force, "version": self.version + 1}
         return self.calibration
+
+
+def weights_in_force(calibration: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
+    """The time and memory weights a stored calibration predicts with (the prior's when it has none)."""
+    calibration = calibration or {}
+    force = calibration.get("in_force") or {
+        k: calibration[k]["weights"] for k in ("time", "memory") if k in calibration}  # before "in_force"
+    time_w = np.array([force["time"][k] for k in cal.TIME_PARTS]) if "time" in force else PRIOR_TIME_W.copy()
+    mem_w = np.array([force["memory"][k] for k in cal.MEMORY_PARTS]) if "memory" in force else PRIOR_MEM_W.copy()
+    return time_w, mem_w
+
+
+def predict_under(calibration: dict[str, Any] | None, layouts: dict[str, Layout], *, model: ModelSpec,
+                  cluster: ClusterSpec, training: TrainingSpec) -> dict[str, tuple[float | None, int | None]]:
+    """key -> (predicted tokens/s per device, predicted peak bytes per device) of each layout under one stored
+    calibration: what the ranking's "pred err" compares with, so that no two rows' errors mix
+    calibrations (the rows' own stored predictions were made under whichever version was in force
+    when each trial started)."""
+    time_w, mem_w = weights_in_force(calibration)
+    tokens = training.global_batch * model.seq_len
+    out: dict[str, tuple[float | None, int | None]] = {}
+    for key, layout in layouts.items():
+        est = tuner.estimate_time(layout, model=model, cluster=cluster, training=training)
+        mem = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
+        step = float(np.dot(cal.time_parts(est.breakdown), time_w))
+        tps = tokens / step / layout.world_size if step > 0 else None
+        out[key] = (tps, int(float(np.dot(cal.memory_parts(mem), mem_w))))
+    return out

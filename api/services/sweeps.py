@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
-from api.engine._model import check_runnable
+from api.engine._model import check_runnable, predict_under
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
 from tuner import ConflictError, Layout, NotFoundError, SpecError
@@ -209,12 +209,13 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             by_key[t.layout_key].append(t)
     ranked = rank({k: [getattr(t, metric) for t in ts] for k, ts in by_key.items()})
     layouts = store.layouts_of(session, sweep_id=sweep.id, keys=list(by_key))
+    predicted = _predicted(sweep, by_key, layouts)
     rows = []
     for r in ranked:
         ts = by_key[r.key]
-        first = ts[0]  # rows come in trial-number order
         tps = _median([t.tokens_per_s_per_device for t in ts])
         peak = _median([t.peak_memory_bytes for t in ts])
+        pred_tps, pred_mem = predicted.get(r.key, (None, None))
         rows.append(RankingRow(
             rank=r.rank, layout_key=r.key, layout=layouts.get(r.key, {}), n=r.interval.n, median=r.interval.median,
             low=r.interval.low, high=r.interval.high, tie_group=r.tie_group, tied_with_best=r.tied_with_best,
@@ -223,13 +224,40 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
                 t.useful_tokens_per_s / t.world_size for t in ts if t.useful_tokens_per_s is not None and t.world_size
             ]),
             peak_memory_bytes=None if peak is None else int(peak),
-            predicted_tokens_per_s_per_device=first.predicted_tokens_per_s_per_device,
-            prediction_error=relative_error(first.predicted_tokens_per_s_per_device, tps),
-            predicted_memory_bytes=first.predicted_memory_bytes,
-            memory_prediction_error=relative_error(first.predicted_memory_bytes, peak),
+            predicted_tokens_per_s_per_device=pred_tps, prediction_error=relative_error(pred_tps, tps),
+            predicted_memory_bytes=pred_mem, memory_prediction_error=relative_error(pred_mem, peak),
             simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
     return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic)
+
+
+def _predicted(sweep: Sweep, by_key: dict[str, list[Any]],
+               layouts: dict[str, dict[str, Any]]) -> dict[str, tuple[float | None, int | None]]:
+    """Each ranked layout's predicted (tokens/s per device, peak bytes) under ONE calibration: the
+    sweep's calibration now (``Ranking.calibration``, its "version"). Each trial stores the
+    prediction made under the version in force when it started (trials.calibration_version;
+    None on rows from before that column: a sweep never calibrated made them under the prior, 0);
+    comparing rows predicted under different versions would mix calibrations (an early row judged
+    against the prior, a late one against a fit that saw it). So a layout keeps a stored prediction
+    made under the current version, and every other layout is re-predicted under it
+    (api.engine._model.predict_under). Errors of calibrated rows are then in-sample (the fit saw
+    them); the held-out figure is the calibration's leave-one-out Spearman (``calibration["time"]``)."""
+    version = int((sweep.calibration or {}).get("version", 0))
+    out: dict[str, tuple[float | None, int | None]] = {}
+    stale: dict[str, Layout] = {}
+    for key, ts in by_key.items():
+        same = [t for t in ts if (t.calibration_version or 0) == version]
+        if same:
+            out[key] = (same[-1].predicted_tokens_per_s_per_device, same[-1].predicted_memory_bytes)
+        elif key in layouts:
+            stale[key] = Layout(**layouts[key])
+    if stale:
+        try:
+            model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+        except ValueError:  # a stored spec this version no longer reads: no error rather than a mixed one
+            return out
+        out.update(predict_under(sweep.calibration, stale, model=model, cluster=cluster, training=training))
+    return out
 
 
 CSV_COLUMNS = (

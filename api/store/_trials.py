@@ -192,7 +192,7 @@ def all_trials(session: Session, *, sweep_id: int) -> list[Trial]:
 RANKING_COLUMNS = (
     Trial.number, Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s,
     Trial.peak_memory_bytes, Trial.predicted_tokens_per_s_per_device, Trial.predicted_memory_bytes,
-    Trial.step_time_s, Trial.simulated, Trial.world_size,
+    Trial.step_time_s, Trial.simulated, Trial.world_size, Trial.calibration_version,
 )
 
 
