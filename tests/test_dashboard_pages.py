@@ -391,3 +391,28 @@ def test_form_text_the_store_cannot_hold_names_the_field(client):
     assert r.status_code == 422 and _form_errors(r.text)[0].startswith("name contains a NUL character")
     r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": 'trial: {options: {"x\\0": 1}}'})
     assert r.status_code == 422 and _form_errors(r.text)[0].startswith("trial.options has a key that contains a NUL")
+
+
+def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(client, stored):
+    """The dashboard prints the lines `meshtune show` prints (issue 13): the held-out (leave-one-out)
+    Spearman against the prior's, and the earlier sweeps on this cluster it learned from."""
+    from api.cli.sweep import calibration_lines
+    from api.spec import SweepSpec
+
+    spec = SweepSpec.model_validate({"name": "calibrated", "model": "tiny", "cluster": "cpu-local",
+                                     "training": {"global_batch": 16}, "backend": "simulate"})
+    time = {"n": 8, "prior": "analytical", "prior_spearman": 0.62, "loo_spearman": 0.81, "accepted": True,
+            "fitted": ["compute"], "weights": {"compute": 2.5, "comm": 1.0, "dp": 1.0, "p2p": 1.0, "latency": 0.0}}
+    calibration = {"version": 3, "time": time, "learned_from": [stored["sid"]]}
+    with stored["sessions"]() as s:
+        sid = service.create_sweep(s, spec=spec, owner="t").id
+        store.set_calibration(s, sweep_id=sid, calibration=calibration)
+        s.commit()
+    page = client.get(f"/sweeps/{sid}")
+    assert page.status_code == 200
+    m = re.search(r'<div class="muted" id="calibration">(.*?)</div></div>', page.text, re.S)
+    assert m, "no calibration lines on the sweep page"
+    shown = [html.unescape(x) for x in re.findall(r"<div>(.*?)</div>", m.group(1) + "</div>")]
+    assert shown == calibration_lines(calibration)
+    assert any("held-out (leave-one-out) Spearman +0.81 vs prior (analytical) +0.62" in x for x in shown)
+    assert f"learned from earlier sweeps on this cluster: #{stored['sid']}" in shown

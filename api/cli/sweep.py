@@ -355,34 +355,10 @@ def list_cmd(args: argparse.Namespace) -> int:
 
 
 def calibration_lines(calibration: dict | None) -> list[str]:
-    """What the sweep's calibration says (api.engine._calibrate): the held-out rank correlation it
-    was judged by, whether it was kept, the memory model's error, what it learned from, the noise."""
-    from tuner._stats import PooledNoise, noise_warning
+    """What the sweep's calibration says (one text for `meshtune show` and the dashboard)."""
+    from api.engine._calibrate import describe
 
-    cal = calibration or {}
-    out = []
-    t = cal.get("time")
-    if t:
-        def sp(x):
-            return "-" if x is None else f"{x:+.2f}"
-        verdict = "kept" if t.get("accepted") else "refused, prior kept"
-        out.append(f"calibration v{cal.get('version', 0)} from {t.get('n')} measurements: held-out (leave-one-out) "
-                   f"Spearman {sp(t.get('loo_spearman'))} vs prior ({t.get('prior')}) {sp(t.get('prior_spearman'))}"
-                   f" — {verdict}; fitted " + (", ".join(f"{k}={t['weights'][k]:.3g}" for k in t.get("fitted", []))
-                                             or "nothing"))
-    m = cal.get("memory")
-    if m and (m.get("n") or m.get("n_oom")):
-        err = m.get("loo_rms_log_error") if m.get("accepted") else m.get("prior_rms_log_error")
-        out.append(f"memory model from {m.get('n')} peaks and {m.get('n_oom')} OOMs: error "
-                   f"{'-' if err is None else f'{err:.1%}'} ({'fitted' if m.get('accepted') else 'prior'}); "
-                   f"headroom from a memory error of {cal.get('memory_sigma', 0):.1%}")
-    if cal.get("learned_from"):
-        out.append("learned from earlier sweeps on this cluster: " + ", ".join(f"#{i}" for i in cal["learned_from"]))
-    if cal.get("noise"):
-        noise = PooledNoise(**cal["noise"])
-        out.append(noise_warning(noise) or f"host noise: repeats of one layout spread by {noise.sigma:.1%} "
-                   f"(pooled over {noise.layouts} layouts)")
-    return out
+    return describe(calibration)
 
 
 def show_cmd(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from api import format as fmt
 from api.dashboard import views
+from api.engine._calibrate import describe
 from api.services import reshard as reshard_service
 from api.services import sweeps as service
 from api.spec import SweepSpec
@@ -161,6 +162,9 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
         "model_label": prob["model_label"], "cluster_label": prob["cluster_label"],
         "global_batch": prob["global_batch"], "simulated": sweep.backend == "simulate",
         "migration_refusal": reshard_service.refusal(sweep),
+        # the calibration's held-out Spearman vs the prior, the memory error, the earlier sweeps it
+        # learned from and the host's noise: the lines `meshtune show` prints (api.engine._calibrate)
+        "calibration_lines": describe(sweep.calibration),
     }
 
 

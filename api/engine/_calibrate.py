@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tuner._stats import PooledNoise, noise_warning
+
 TIME_PARTS = ("compute", "comm", "dp", "p2p", "latency")
 MEMORY_PARTS = ("states", "activations", "overhead")
 SUPPORT_SHARE = 0.02
@@ -202,3 +204,33 @@ def _f(x: float) -> float | None:
 
 def _nz(x: float | None) -> float:
     return -2.0 if x is None or not math.isfinite(x) else x
+
+
+def describe(calibration: dict | None) -> list[str]:
+    """What the sweep's calibration says (api.engine._calibrate): the held-out rank correlation it
+    was judged by, whether it was kept, the memory model's error, what it learned from, the noise
+    (`meshtune show` and the dashboard's sweep page print these lines)."""
+    c = calibration or {}
+    out = []
+    t = c.get("time")
+    if t:
+        def sp(x):
+            return "-" if x is None else f"{x:+.2f}"
+        verdict = "kept" if t.get("accepted") else "refused, prior kept"
+        out.append(f"calibration v{c.get('version', 0)} from {t.get('n')} measurements: held-out (leave-one-out) "
+                   f"Spearman {sp(t.get('loo_spearman'))} vs prior ({t.get('prior')}) {sp(t.get('prior_spearman'))}"
+                   f" — {verdict}; fitted " + (", ".join(f"{k}={t['weights'][k]:.3g}" for k in t.get("fitted", []))
+                                             or "nothing"))
+    m = c.get("memory")
+    if m and (m.get("n") or m.get("n_oom")):
+        err = m.get("loo_rms_log_error") if m.get("accepted") else m.get("prior_rms_log_error")
+        out.append(f"memory model from {m.get('n')} peaks and {m.get('n_oom')} OOMs: error "
+                   f"{'-' if err is None else f'{err:.1%}'} ({'fitted' if m.get('accepted') else 'prior'}); "
+                   f"headroom from a memory error of {c.get('memory_sigma', 0):.1%}")
+    if c.get("learned_from"):
+        out.append("learned from earlier sweeps on this cluster: " + ", ".join(f"#{i}" for i in c["learned_from"]))
+    if c.get("noise"):
+        noise = PooledNoise(**c["noise"])
+        out.append(noise_warning(noise) or f"host noise: repeats of one layout spread by {noise.sigma:.1%} "
+                   f"(pooled over {noise.layouts} layouts)")
+    return out
