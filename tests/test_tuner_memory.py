@@ -268,3 +268,25 @@ def test_workers_model_states_on_the_paper_model(zero: int) -> None:
             3: 3 * 2 * layer}[zero]  # two units' bf16 weights, one unit's bf16 gradients
     assert mem.buffers == int(want)
     assert mem.total == mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers + mem.overhead
+
+
+@pytest.mark.parametrize("measure", ["cuda.max_memory_allocated", "cpu.VmHWM"])
+def test_memory_calibration_compares_like_with_like(measure: str) -> None:
+    # torch.cuda.max_memory_allocated counts tensors only; the prediction it calibrates carries the
+    # fixed 2 GiB CUDA allowance too. A run whose tensors are exactly the model's parts must leave the
+    # memory model where it is (before: the allowance made it look 2 GiB short, and shrank it).
+    import dataclasses
+    from types import SimpleNamespace
+
+    from api.engine import Problem
+    from api.spec import SweepSpec
+
+    problem = Problem.from_spec(SweepSpec.model_validate(
+        {"model": "llama3-1b", "cluster": {"preset": "h100-sxm", "nodes": 1}, "training": {"global_batch": 64}}))
+    layouts = problem.space.layouts[:4]
+    for lay in layouts[:3]:
+        raw = problem.raw_memory_bytes(lay)
+        tensors = raw - OVERHEAD_BYTES["cuda"] if measure.startswith("cuda") else raw
+        problem.observe(SimpleNamespace(layout=dataclasses.asdict(lay), status="completed", error=None,
+                                        peak_memory_bytes=int(tensors), memory_measure=measure))
+    assert problem.predict(layouts[3]).memory_bytes == pytest.approx(problem.raw_memory_bytes(layouts[3]), rel=0.01)

@@ -103,7 +103,9 @@ def layer_activation_bytes(
     # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
     # Under CP the attention keeps the all-gathered K and V of the whole sequence (cp·s tokens).
     kv = h if kv_repeated else max(kv_dim, t * head_dim)
-    attn = elt * (2 * sbh + 2 * cp * s * b * kv)
+    # Under CP (workers/_cp.py) the two chunks' outputs are concatenated head-major, so the out
+    # projection's input is a copy of them: one more sbh.
+    attn = elt * ((2 if cp == 1 else 3) * sbh + 2 * cp * s * b * kv)
     if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
         attn += 4 * a * s * b
     else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
@@ -114,24 +116,27 @@ def layer_activation_bytes(
     # keeps four ffn-wide tensors: the gate (silu's input), silu(gate) and the up projection (the
     # product's inputs) and the product (w2's input); a fused one (Megatron's bias_swiglu) three.
     per_token = (swiglu_saved if mlp == "swiglu" else 2) * ffn
+    routed = 0.0  # MoE tensors every tp rank holds whole (the experts see the whole sequence)
     if moe_top_k:
-        # workers/model.py MoE, per routed copy (top_k per token): the gathered input row, the expert's
-        # ffn-wide tensors, its output and the weighted output (h each), the routing weight (elt), its
-        # fp32 softmax, and three int64 index vectors (top-k choice, token of each row, sort order);
-        # under EP two more (workers/_ep.py's permutation of the received rows and its inverse).
+        # workers/model.py MoE, per routed copy (top_k per token): the expert's ffn-wide tensors (split
+        # over tp with the experts' ffn dim), and, whole on every tp rank, the gathered input row, the
+        # expert's output and the weighted output (h each), the routing weight (elt), its fp32 softmax
+        # and three int64 index vectors (top-k choice, token of each row, sort order); under EP two
+        # more (workers/_ep.py's permutation of the received rows and its inverse).
         rows = moe_top_k * sb
-        mlp_bytes = elt * rows * (per_token + 3 * h) + rows * (elt + 4 + 8 * (3 + (2 if ep > 1 else 0)))
+        mlp_bytes = elt * rows * per_token
+        routed = elt * rows * 3 * h + rows * (elt + 4 + 8 * (3 + (2 if ep > 1 else 0)))
     else:
         mlp_bytes = elt * sb * per_token
     inside = attn + mlp_bytes
     if not sp:
-        return norm_inputs + norm_saved + attn_in + mlp_in + inside / t
+        return norm_inputs + norm_saved + attn_in + mlp_in + routed + inside / t
     seq = (norm_inputs + norm_saved) / t
     if gathered_inputs:  # the checkpointed attention (selective) keeps its sharded argument instead
         seq += (attn_in / t if ac == "selective" else attn_in) + mlp_in
     else:
         seq += (attn_in + mlp_in) / t
-    return seq + inside / t
+    return seq + routed + inside / t
 
 
 def microbatches_in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> float:

@@ -160,8 +160,9 @@ def state_bytes(real: Realisation, dense: float, expert: float, layer_w: float,
     (ZeRO-1/2: the whole stage from forward to the last backward; ZeRO-3: ``fsdp_buffer_units``
     units plus one unit's unsharded gradients), full-size gradients held between micro-batches,
     and autocast's cached low-precision weight copies.
-    ``embedding``: this device's embedding share; without FSDP its gradient is the whole table on
-    every tp rank (DTensor's embedding backward leaves it Replicate, measured by the harness).
+    ``embedding``: this device's embedding share; without a data-parallel wrapper its gradient is the
+    whole table on every tp rank (DTensor's embedding backward leaves it Replicate; measured by the
+    harness, tp=4 on tiny: 12,288 more fp32 gradient elements than parameters).
     """
     ds, es = real.dense, real.experts
     params = dense * ds.weight_bytes / ds.weights
@@ -175,7 +176,7 @@ def state_bytes(real: Realisation, dense: float, expert: float, layer_w: float,
         opt += expert * es.optimizer_bytes / es.optimizer
         sharded_w += expert if es.weights > 1 else 0.0
         sharded_g += expert if es.grads > 1 else 0.0
-    if real.data_parallel != "fsdp" and real.tp > 1:
+    if real.data_parallel == "none" and real.tp > 1:
         grads += embedding * (real.tp - 1) * ds.grad_bytes
     cb = real.compute_bytes
     buffers = 0.0
@@ -232,6 +233,11 @@ class MeshMemory:
                       head_dim=model.head_dim if tp > model.kv_heads else 0)
         # RoPE's cos/sin tables (fp32, s x head_dim/2 each), computed once per forward of a stage chunk.
         self.rope = 4 * s * model.head_dim
+        # Per layer and micro-batch, whatever mbs: on CPU the CP chunk attention's boolean causal mask
+        # (workers/_cp.py chunk_mask) becomes an fp32 additive mask that SDPA saves: each of the two
+        # chunks' c = s/2 queries against (g+1)c keys, (2cp+1)c keys in all (CUDA: a lower-right bias).
+        c = s // 2
+        self.layer_const = 4.0 * c * c * (2 * cp + 1) if cp > 1 and cluster.device_kind == "cpu" else 0.0
         # Per sequence of a micro-batch (everything is linear in mbs): (per layer, working set, logits).
         self.act: dict[tuple[str, bool], tuple[float, float, float]] = {}
         for sp in (False, True):
@@ -289,7 +295,7 @@ class MeshMemory:
         # The last rank keeps logits for every micro-batch in flight there: m under GPipe, else one.
         logits *= m if (schedule == "gpipe" and self.pp > 1) else 1
         last = self.pp - 1
-        row = ActRow(mbs * (layer * n + working + (logits if r == last else 0.0))
+        row = ActRow(mbs * (layer * n + working + (logits if r == last else 0.0)) + self.layer_const * n
                      + self.rope * (n / nl if nl else 1.0)
                      for n, nl, r in zip(inflight, self.layers, self.ranks, strict=True))
         row.mbs, row.schedule, row.m = mbs, schedule, m

@@ -9,7 +9,8 @@ model's harness, tests/test_memory_harness.py; run on every rank of a process gr
   unique storages counted once, parameter storages excluded (they are the params part). A storage
   that several blocks save (RoPE's cos/sin tables, computed once per forward) is held once for the
   whole model: it is reported apart (``shared``), not in any block;
-- peak: the process's peak resident memory over one training step (``workers.measure``).
+- peak: the process's peak resident memory over one training step (``workers.measure``), and its
+  resident memory before the layout was built (``rss_start``: the process's own baseline).
 
 ``probe_many`` measures a list of layouts one after the other in the same process group (each
 builds its own meshes), so a harness pays the ranks' start-up once.
@@ -25,6 +26,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from workers import measure
+from workers.parallelize import coordinate
 from workers.train import build_rank_model, rank_batch, train_step
 
 
@@ -61,21 +63,30 @@ def saved_activations_per_layer(rm, tokens, positions) -> tuple[dict[int, int], 
     """(bytes autograd saves per block during one micro-batch's forward, by layer index; bytes of the
     storages saved by more than one block) for pp = 1."""
     assert rm.schedule is None, "saved activations are probed without a pipeline schedule (pp = 1)"
-    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in _params(rm)}
+    at_rest = {_local(p).untyped_storage().data_ptr() for p in _params(rm)}
+    live: set[int] = set(at_rest)  # parameter storages now: at rest, plus the running block's unsharded ones
     current: list[int | None] = [None]
     per_layer: dict[int, dict[int, int]] = {}
     hooks = []
     (_, model), = rm.par.chunks
+
+    def enter(i: int) -> None:
+        live.clear()
+        live.update(at_rest)
+        current[0] = i
+
+    def unsharded(module: torch.nn.Module) -> None:
+        # FSDP (a block's unit, or a MoE's own unit inside it) has unsharded these weights by now (its
+        # pre-forward hook was registered first, so it runs first): gather buffers, not activations.
+        # Re-collected per block, since a freed buffer's address may come back as an activation's.
+        live.update(_local(p).untyped_storage().data_ptr() for p in module.parameters(recurse=False))
+
     for key, block in model.layers.items():
         idx = int(key)
-        hooks.append(block.register_forward_pre_hook(lambda m, _a, i=idx: enter(m, i)))
+        hooks.append(block.register_forward_pre_hook(lambda _m, _a, i=idx: enter(i)))
+        for mod in block.modules():
+            hooks.append(mod.register_forward_pre_hook(lambda m, _a: unsharded(m)))
         hooks.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None)))
-
-    def enter(block: torch.nn.Module, i: int) -> None:
-        # FSDP has unsharded the block's weights by now (its pre-forward hook runs first): those
-        # storages are the gather buffers, not activations.
-        param_ptrs.update(_local(p).untyped_storage().data_ptr() for p in block.parameters())
-        current[0] = i
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current[0] is not None:
@@ -84,7 +95,7 @@ def saved_activations_per_layer(rm, tokens, positions) -> tuple[dict[int, int], 
                 ptr, nbytes = st.data_ptr(), st.nbytes()
             except RuntimeError:  # a tensor without real storage (an empty placeholder): holds nothing
                 return t
-            if ptr not in param_ptrs:
+            if ptr not in live:
                 d = per_layer.setdefault(current[0], {})
                 d[ptr] = max(d.get(ptr, 0), nbytes)
         return t
@@ -139,7 +150,8 @@ def probe(rm_request, device: torch.device) -> dict[str, Any]:
     train_step(rm, *rank_batch(rm, 1))
     peak, _, how = measure.peak_memory(device)
     return {"params": params, "grads": grads.get("g", 0), "optimizer": optimizer, "activations": acts,
-            "shared_activations": shared, "peak": peak, "peak_measure": how, "rss_start": rss_start}
+            "shared_activations": shared, "peak": peak, "peak_measure": how, "rss_start": rss_start,
+            "pp_rank": coordinate(rm.mesh, "pp")}
 
 
 def probe_many(requests, device: torch.device) -> list[dict[str, Any]]:
