@@ -192,7 +192,7 @@ class Problem:
 
     def predict(self, layout: Layout) -> Prediction:
         tparts, mparts, useful = self.parts(layout)
-        memory = int(float(np.dot(mparts, self.mem_w)))
+        memory = math.ceil(float(np.dot(mparts, self.mem_w)))  # bytes, up: a scaled-up OOM bound stays reached
         step = float(np.dot(tparts, self.time_w))
         if memory > self.cluster.device_memory or memory >= self._oom_floor() or layout.key in self.oom_keys:
             calibrated = " (calibrated)" if self.version else ""
@@ -263,7 +263,13 @@ class Problem:
             self.oom_bytes.append(need)
             self.oom_keys.add(layout.key)
         elif row.status == "completed" and row.peak_memory_bytes:
-            self.peaks[layout.key] = (self.parts(layout)[1], float(row.peak_memory_bytes))
+            mparts = self.parts(layout)[1]
+            peak = float(row.peak_memory_bytes)
+            if getattr(row, "memory_measure", None) == "cuda.max_memory_allocated":
+                # Like with like: torch's allocator counts tensors only, the prediction also carries the
+                # fixed CUDA allowance (context, NCCL, workspaces; tuner OVERHEAD_BYTES): add it back.
+                peak += mparts[cal.MEMORY_PARTS.index("overhead")]
+            self.peaks[layout.key] = (mparts, peak)
         else:
             return False
         self._fit_memory()
@@ -379,5 +385,5 @@ def predict_under(calibration: dict[str, Any] | None, layouts: dict[str, Layout]
         mem = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
         step = float(np.dot(cal.time_parts(est.breakdown), time_w))
         tps = tokens / step / layout.world_size if step > 0 else None
-        out[key] = (tps, int(float(np.dot(cal.memory_parts(mem), mem_w))))
+        out[key] = (tps, math.ceil(float(np.dot(cal.memory_parts(mem), mem_w))))
     return out
