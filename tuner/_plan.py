@@ -153,7 +153,7 @@ def plan(
             entry.layout, entry.microbatches, entry.placement = layout, m, placement
             entry._mem, entry._time = (mm, mem), (mt, mt.estimate(zero, mbs, ac, sp, m), ac)
             # Compare exactly what MemoryEstimate.fits will (whole bytes per part).
-            fits = int(mem[0]) + int(mem[1]) + int(mem[2]) + int(mem[3]) <= budget
+            fits = mm.whole_bytes(mem) <= budget
             (feasible if fits else infeasible).append(entry)
     if infeasible:
         rejected[R_MEMORY] = rejected.get(R_MEMORY, 0) + len(infeasible)
