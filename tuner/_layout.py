@@ -125,27 +125,23 @@ def microbatches(layout: Layout, training: TrainingSpec) -> int:
 # matches what that program holds.
 
 
-def canonical_zero(zero: int, *, data: int, pp: int, microbatches: int | None) -> int:
+def canonical_zero(zero: int, *, data: int, microbatches: int | None) -> int:
     """The ZeRO level that names the program ``zero`` runs with ``data`` = dp*cp*ep data ranks,
-    ``pp`` pipeline ranks and ``microbatches`` per step (None where the batch does not divide):
+    and ``microbatches`` per step (None where the batch does not divide):
 
     - no data axis (``data == 1``): the workers apply neither FSDP nor a gradient all-reduce, so
       ZeRO 1-3 shard nothing and run the ZeRO-0 program (``zero=0``);
     - ZeRO-1 and ZeRO-2 both keep parameters gathered from forward to backward (FSDP2
       ``reshard_after_forward=False``) and differ only in when gradients are reduce-scattered: every
-      micro-batch (ZeRO-2) or once on the step's last (ZeRO-1). With pp > 1 torch.distributed
-      .pipelining drives FSDP's gradient sync itself, once per step for either, so both accumulate
-      unsharded gradients: the ZeRO-1 program (``zero=1``). With pp == 1 and one micro-batch
-      the single reduce-scatter follows the only backward, gradients are never held whole: the
-      ZeRO-2 program (``zero=2``).
+      micro-batch (ZeRO-2) or once on the step's last (ZeRO-1) — with or without a pipeline, since
+      the workers' pipeline stage syncs per ZeRO level too (``tuner._realise``, ``grad_sync``). With
+      one micro-batch the single reduce-scatter follows the only backward and gradients are never
+      held whole: the ZeRO-2 program (``zero=2``).
     """
     if data == 1:
         return 0
-    if zero in (1, 2):
-        if pp > 1:
-            return 1
-        if microbatches == 1:
-            return 2
+    if zero == 1 and microbatches == 1:
+        return 2
     return zero
 
 
@@ -154,7 +150,7 @@ def canonical_layout(layout: Layout, *, training: TrainingSpec) -> Layout:
     the schedule is moot (``1f1b``, vpp 1, as ``Layout.key`` already writes ``nopp``)."""
     per_rank = layout.data_ranks * layout.mbs
     m = training.global_batch // per_rank if training.global_batch % per_rank == 0 else None
-    zero = canonical_zero(layout.zero, data=layout.dp * layout.cp * layout.ep, pp=layout.pp, microbatches=m)
+    zero = canonical_zero(layout.zero, data=layout.dp * layout.cp * layout.ep, microbatches=m)
     schedule = layout.schedule if layout.pp > 1 else "1f1b"
     if zero == layout.zero and schedule == layout.schedule:
         return layout
@@ -169,8 +165,6 @@ def twin_note(given: Layout, canonical: Layout) -> str | None:
     if given.zero != canonical.zero:
         if canonical.zero == 0:
             cause = f"no data axis: dp*cp*ep={given.dp}*{given.cp}*{given.ep}=1"
-        elif given.pp > 1:
-            cause = f"pp={given.pp}: the pipeline syncs gradients once per step"
         else:
             cause = "one micro-batch: gradients are reduce-scattered after its backward"
         why.append(f"zero={given.zero} runs the zero={canonical.zero} program ({cause})")

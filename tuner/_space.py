@@ -161,7 +161,7 @@ def _zeros(space: SearchSpace, data: int, pp: int, m: int | None) -> list[int]:
     data ranks, ``pp`` pipeline ranks and ``m`` micro-batches (None: the batch does not divide)."""
     out: list[int] = []
     for z in space.zero:
-        c = canonical_zero(z, data=data, pp=pp, microbatches=m)
+        c = canonical_zero(z, data=data, microbatches=m)
         if c not in out:
             out.append(c)
     return out
