@@ -85,7 +85,8 @@ def reference_estimates(ref):
     kw = dict(model=ref.model, cluster=ref.cluster, training=ref.training)
     return (estimate_memory(ref.layout, flash_attention=ref.flash_attention, fused_swiglu=ref.fused_swiglu,
                             eager=ref.eager, **kw),
-            estimate_time(ref.layout, placement=placement, flash_attention=ref.flash_attention, **kw))
+            estimate_time(ref.layout, placement=placement, flash_attention=ref.flash_attention,
+                          workers=ref.eager, **kw))
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_LAYOUTS))

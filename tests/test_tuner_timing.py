@@ -143,7 +143,7 @@ AG, RS, AR = 0.002557536, 0.005115072, 0.010230144
 
 
 @pytest.mark.parametrize(("zero", "overlap", "dp_s"), [
-    (0, 0.0, AR), (0, 1.0, AR),              # ZeRO-0: one all-reduce after the last backward, never hidden
+    (0, 0.0, AR), (0, 1.0, 0.0),             # ZeRO-0: replicate's per-unit all-reduces, overlapped
     (1, 0.0, AG + RS), (1, 1.0, 0.0),        # ZeRO-1: one reduce-scatter + all-gather per step
     (2, 0.0, 4 * (AG + RS)),                 # ZeRO-2 (pp=1): reduce-scatter, and so a gather, per micro-batch
     (3, 0.0, 4 * (2 * AG + RS)),             # ZeRO-3 (pp=1): gather forward and backward, reduce-scatter
@@ -155,10 +155,9 @@ def test_data_parallel_traffic_pp1_hand_computed(zero: int, overlap: float, dp_s
     assert t.breakdown["dp_comm_exposed"] == pytest.approx(dp_s, rel=1e-9)
 
 
-def test_data_parallel_traffic_under_pipelining() -> None:
-    # pp=2 x dp=2: torch.distributed.pipelining runs every backward without gradient sync or
-    # reshard and reduce-scatters once after the last one (exposed); ZeRO-1/2 gather once per step,
-    # ZeRO-3 m + 1 times. The largest stage holds psi weights; over 2 ranks a ring moves 1/2.
+def test_data_parallel_traffic_under_pipelining_workers() -> None:
+    # pp=2 x dp=2, the workers' stage (tuner/_realise.py, decision 6): the same rule as without
+    # pipelining, ZeRO-2/3 reduce-scatter every one of the m = 8 micro-batches' backwards.
     model, cluster = model_spec("small"), cluster_spec("cpu-local")
     training = training_spec({"global_batch": 16})  # m = 16 / (2 · 1) = 8
     psi = max(rank_params(model, 1, 1, 2, 1).dense)
@@ -167,11 +166,30 @@ def test_data_parallel_traffic_under_pipelining() -> None:
     dp = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training, factors=f)
           .breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
     assert dp[0] == pytest.approx(2 * rs, rel=1e-9)  # fp32 all-reduce = 2 x the reduce-scatter
+    assert dp[1] == pytest.approx(ag + rs, rel=1e-9)
+    assert dp[2] == pytest.approx(8 * (ag + rs), rel=1e-9)
+    assert dp[3] == pytest.approx(8 * (2 * ag + rs), rel=1e-9)
+
+
+def test_data_parallel_traffic_under_pipelining_published() -> None:
+    # pp=2 x dp=2 as a published run did it (workers=False): torch.distributed.pipelining runs every
+    # backward without gradient sync or reshard and reduce-scatters once after the last one
+    # (exposed); ZeRO-1/2 gather once per step, ZeRO-3 m + 1 times. The largest stage holds psi
+    # weights; over 2 ranks a ring moves 1/2.
+    model, cluster = model_spec("small"), cluster_spec("cpu-local")
+    training = training_spec({"global_batch": 16})  # m = 16 / (2 · 1) = 8
+    psi = max(rank_params(model, 1, 1, 2, 1).dense)
+    ag, rs = 0.5 * 2 * psi / 4e9, 0.5 * 4 * psi / 4e9
+    f = CalibrationFactors(latency_scale=0.0, dp_overlap=0.0)
+    dp = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training, factors=f,
+                           workers=False).breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
+    assert dp[0] == pytest.approx(2 * rs, rel=1e-9)  # fp32 all-reduce = 2 x the reduce-scatter
     assert dp[1] == dp[2] == pytest.approx(ag + rs, rel=1e-9)
     assert dp[3] == pytest.approx(9 * ag + rs, rel=1e-9)
     # Full overlap hides the gathers only: the final reduce-scatter waits for the last backward.
     hidden = CalibrationFactors(latency_scale=0.0, dp_overlap=1.0)
-    z3 = estimate_time(Layout(pp=2, dp=2, zero=3), model=model, cluster=cluster, training=training, factors=hidden)
+    z3 = estimate_time(Layout(pp=2, dp=2, zero=3), model=model, cluster=cluster, training=training, factors=hidden,
+                       workers=False)
     assert z3.breakdown["dp_comm_exposed"] == pytest.approx(rs, rel=1e-9)
 
 

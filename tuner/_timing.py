@@ -144,7 +144,7 @@ class MeshTime:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors,
                  placement: Placement, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int,
-                 flash: bool = True, loss_parallel: bool = True) -> None:
+                 flash: bool = True, loss_parallel: bool = True, workers: bool = True) -> None:
         self.pp, self.vpp = pp, vpp
         world = tp * cp * ep * dp * pp
         elt = 2 if training.precision == "bf16" else 4
@@ -225,17 +225,19 @@ class MeshTime:
                 act = elt * seq_local * h / (tp if sp else 1)
                 self.p2p[sp] = (2 * vpp * act / bw, 2 * vpp * lat)
 
-        # DP, as the workers run it (workers/parallelize.py, workers/_data_parallel.py): weights are
-        # all-gathered in the param dtype, gradients reduced in fp32 (FSDP2 MixedPrecisionPolicy
-        # reduce_dtype=float32; ZeRO-0 all-reduces the fp32 master gradients autocast leaves), the
-        # largest rank's dense weights over dp*ep*cp, its expert weights over dp*cp. Per zero stage:
-        # (hidable, exposed) seconds once per step, and hidable seconds per micro-batch.
-        #   ZeRO-0: one all-reduce after the last backward (GradSync): exposed.
+        # DP: weights are all-gathered in the param dtype, gradients reduced in fp32 (FSDP2
+        # MixedPrecisionPolicy reduce_dtype=float32), the largest rank's dense weights over dp*ep*cp,
+        # its expert weights over dp*cp. Per zero stage: (hidable, exposed) seconds once per step, and
+        # hidable seconds per micro-batch. As the workers run it (tuner/_realise.py ``collectives``),
+        # the same with and without pipelining (their stage syncs FSDP as without it, decision 6):
+        #   ZeRO-0: torch's replicate, per-unit all-reduces overlapped with the last backward.
         #   ZeRO-1: gradients accumulate unsharded, one reduce-scatter in the last backward, one
         #     all-gather of the updated shards in the next forward.
-        #   ZeRO-2, pp == 1: reduce-scatter every backward, so every forward all-gathers again.
-        #   ZeRO-3, pp == 1: all-gather forward and backward, reduce-scatter, per micro-batch.
-        #   pp > 1: torch.distributed.pipelining drives FSDP itself (stage.py): every backward runs
+        #   ZeRO-2: reduce-scatter every backward, so every forward all-gathers again.
+        #   ZeRO-3: all-gather forward and backward, reduce-scatter, per micro-batch.
+        # ``workers=False`` costs a published run's program instead (tuner/_references.py): ZeRO-0's
+        # all-reduce after the pipeline flush, exposed (Narayanan et al. 2021); and under pp > 1
+        #   torch.distributed.pipelining driving FSDP itself (stage.py, torchtitan): every backward runs
         #     without gradient sync and without reshard, and one reduce-scatter runs after the
         #     schedule's last backward (``perform_reduce_grad``), nothing left to hide it behind.
         #     ZeRO-1/2 (reshard_after_forward=False) then gather once per step; ZeRO-3 reshards after
@@ -250,7 +252,9 @@ class MeshTime:
                 ag += allgather_time(pbytes * psi, nd, bw, lat)
                 rs += allgather_time(REDUCE_BYTES * psi, nd, bw, lat)
                 ar += allreduce_time(REDUCE_BYTES * psi, nd, bw, lat)
-        if pp == 1:
+        if workers:
+            self.dp = {0: (ar, 0.0, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
+        elif pp == 1:
             self.dp = {0: (0.0, ar, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
         else:
             self.dp = {0: (0.0, ar, 0.0), 1: (ag, rs, 0.0), 2: (ag, rs, 0.0), 3: (ag, rs, ag)}
@@ -299,10 +303,11 @@ class MeshTime:
 @lru_cache(maxsize=4096)
 def mesh_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors, tp: int,
               cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES,
-              flash: bool = True) -> MeshTime:
+              flash: bool = True, workers: bool = True) -> MeshTime:
     """The prepared (and shared: never mutate it) time model of one mesh placed in ``order``."""
     placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node)
-    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash)
+    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
+                    workers=workers)
 
 
 def estimate_time(
@@ -314,17 +319,19 @@ def estimate_time(
     factors: CalibrationFactors | None = None,
     placement: Placement | None = None,
     flash_attention: bool = True,
+    workers: bool = True,
 ) -> TimeEstimate:
     """Predicted step time of ``layout`` and what follows from it (tokens/s, MFU, useful tokens/s).
 
     ``placement`` (from ``place``) chooses the axis order; without it the default order is used
     (TP across nodes allowed here: ``place``/``plan`` are where that is refused).
-    ``flash_attention=False`` charges the attention's masked half too (see ``MeshTime``)."""
+    ``flash_attention=False`` charges the attention's masked half too; ``workers=False`` costs a
+    published run's data-parallel program instead of the workers' (see ``MeshTime``)."""
     f = factors or CalibrationFactors()
     m = microbatches(layout, training)
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     order = placement.order if placement is not None else AXES
     mt = mesh_time(model, cluster, training, f, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                   order, flash_attention)
+                   order, flash_attention, workers)
     return mt.wrap(mt.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, m), layout.ac)
