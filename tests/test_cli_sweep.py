@@ -223,7 +223,7 @@ def test_show_flags_diagnostic_sweeps_and_one_run_intervals(home, capsys):
     assert main(["show", str(out["sweep"]["id"])]) == 0
     text = capsys.readouterr().out
     assert "diagnostic sweep" in text and "DIAGNOSTIC" in text
-    assert "n=1" in text  # layouts measured once show no interval
+    assert "pooled over" in text  # single runs get their interval from the sweep's pooled noise
     bad = _spec(home, "badopt.yaml", trial={"options": {"fail": "explode"}})
     assert main(["sweep", str(bad)]) == 2
     err = capsys.readouterr().err
@@ -267,7 +267,8 @@ def test_show_explains_the_comparison_and_never_ties_a_single_run(measured, caps
     assert "vs best — tied with best: its 95% interval overlaps" in flat and "not comparable: a single run" in flat
     rows = {x.split("│")[2].strip(): x for x in out.splitlines() if x.startswith("│") and x.split("│")[1].strip().isdigit()}
     assert set(rows) == {"dp2 pp2 1f1b", "dp4 z1 mbs2", "tp2 dp2", "dp4", "tp4 dp1"}  # short forms, whole
-    assert "measured once" in rows["tp4 dp1"] and "tied" not in rows["tp4 dp1"]
+    # measured once, but the sweep's pooled noise gives it an interval clear of the best's: slower
+    assert "slower than best" in rows["tp4 dp1"] and "tied" not in rows["tp4 dp1"] and " - " in rows["tp4 dp1"]
     assert "tied with best" in rows["tp2 dp2"] and "slower than" in rows["dp4"] and "best" in rows["dp4 z1 mbs2"]
     assert "…" not in out and "=1*" not in out  # nothing cut short; the old unexplained notation is gone
     assert "device-seconds=104.0" in out and "simulated" not in out.split("\n")[0]

@@ -361,18 +361,25 @@ def test_pages_fit_1400_px_without_horizontal_scrolling(page, coordinator, artif
 
 
 def test_layouts_measured_once_are_shown_neutral_and_never_as_tied(page, coordinator, artifacts_dir):
-    p = page.page
-    page.goto(f"/sweeps/{coordinator['ids']['small']}")
-    rows = p.locator("#ranking-table tbody tr")
-    once = p.locator("#ranking-table tbody tr[data-versus='not comparable']")
-    assert once.count() >= 1 and rows.count() > once.count()
-    badge = once.first.locator(".badge").first
-    assert badge.inner_text() == "measured once — not comparable"
-    grey, green = "rgb(255, 255, 255)", p.evaluate("getComputedStyle(document.documentElement).getPropertyValue('--ok')")
-    assert badge.evaluate("e => getComputedStyle(e).backgroundColor") == grey and green.strip() == "#2e7d32"
-    assert p.locator("#ranking-table tbody tr[data-versus='not comparable'] .badge.completed").count() == 0
-    # the ≈ mark (CSS ::after on the rank) is only between two known intervals
-    assert p.locator("#ranking-table tbody tr.tied[data-versus='not comparable']").count() == 0
+    """A layout measured once is never shown tied unless its interval overlaps the best's: with the
+    sweep's pooled noise (issue 13) a single run has an interval and reads "slower" when it is clear
+    of the best; without any interval it reads "measured once — not comparable", in a neutral badge."""
+    p, sid = page.page, coordinator["ids"]["small"]
+    page.goto(f"/sweeps/{sid}")
+    ranking = p.request.get(coordinator["base"] + f"/api/sweeps/{sid}/ranking").json()["rows"]
+    best = ranking[0]
+    singles = [r for r in ranking if r["n"] == 1]
+    assert singles and len(ranking) > len(singles)
+    for r in singles:
+        row = p.locator(f"#ranking-table tbody tr[data-key='{r['layout_key']}']")
+        versus, badge = row.get_attribute("data-versus"), row.locator(".badge").first
+        if r["low"] is None or best["low"] is None:
+            assert versus == "not comparable" and badge.inner_text() == "measured once — not comparable"
+            assert badge.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(255, 255, 255)"
+        elif r["high"] < best["low"]:  # clear of the best: slower, never "tied with best" (the ≈
+            # mark is about the row above, tested with the tables fragment in test_display)
+            assert versus == "slower" and "tied" not in badge.inner_text()
+    assert any(r["high"] is not None and best["low"] is not None and r["high"] < best["low"] for r in singles)
     tied = p.locator("#ranking-table tbody tr[data-versus='tied']").count()
     sentence = p.locator("#tied-count").inner_text()
     assert sentence == ("No other layout is tied with the best." if tied == 0 else

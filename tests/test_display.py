@@ -76,12 +76,13 @@ def test_a_layout_measured_once_is_not_comparable_and_never_tied(site):
     tables = site["client"].get(f"/sweeps/{site['ids']['real']}/tables").text
     rows = _rows(tables)
     versus = {key: re.search(r'data-versus="([^"]+)"', html)[1] for key, html in rows.items()}
+    # ONCE (68.5, one run) gets an interval from the sweep's pooled noise (issue 13), clear of the
+    # best's: slower, never tied. A run with no interval at all reads "not comparable" (test_stats).
     assert versus == {BEST.key: "best", CLOSE.key: "tied", LUCKY.key: "tied", SLOW.key: "slower",
-                      ONCE.key: "not comparable"}
+                      ONCE.key: "slower"}
     once = rows[ONCE.key]
-    assert "measured once — not comparable" in once and "tied with best" not in once
-    assert 'class="badge v-once"' in once and "badge completed" not in once  # neutral, not the green of a result
-    assert 'class="tied' not in once  # no ≈ either: one run joins any tie group (tuner._stats.rank)
+    assert "slower than best" in once and "tied with best" not in once
+    assert 'class="tied' not in once  # no ≈ either
     assert "tied with best" in rows[CLOSE.key] and "slower than best" in rows[SLOW.key]
     assert "2 other layouts are tied with the best." in tables  # CLOSE and LUCKY; the best is not counted
     legend = re.search(r'<p class="caption legend" id="ranking-legend">(.*?)</p>', tables, re.S)[1]
