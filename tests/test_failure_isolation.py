@@ -64,7 +64,10 @@ def test_rank_killed_mid_trial_is_one_crash_and_the_next_trial_completes(ray_bac
     again = ray_backend.run(_request())
     assert again.status == "completed", again.error
     now = [s.info["pid"] for s in _gang().ranks]
-    assert now[0] != pids[0] and now[2] != pids[2] and (now[1], now[3]) == (pids[1], pids[3])
+    # The dead ranks are fresh processes. Survivors are reused only if they answer the pre-reuse health
+    # check in time (still unwinding their broken gloo group they may not, and are then replaced too):
+    # either way no dead handle is called.
+    assert now[0] != pids[0] and now[2] != pids[2]
 
 
 def _busy_gang():
