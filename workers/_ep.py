@@ -86,8 +86,9 @@ class ExpertParallelExperts:
         return _AllToAll.apply(out, in_splits, out_splits, self.group)
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Megatron's "f": identity forward, backward sums the gradient over ``group``."""
+class SumGradOverGroup(torch.autograd.Function):
+    """Megatron's "f" (Shoeybi et al. 2019, Sec. 3): identity forward, backward sums the gradient
+    over ``group``. Used by expert TP here and by the replicated K/V projections in parallelize."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
@@ -123,7 +124,7 @@ class TensorParallelExperts:
         self.inner, self.group = inner, group
 
     def __call__(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return _AllReduce.apply(self.inner(_SumGradOverGroup.apply(xs, self.group), counts), self.group)
+        return _AllReduce.apply(self.inner(SumGradOverGroup.apply(xs, self.group), counts), self.group)
 
 
 def apply_expert_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | ProcessGroup) -> None:

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -60,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
 from tuner._realise import Realisation, check_supported
 from workers._data_parallel import ExpertGradScale, apply_fsdp
-from workers._ep import apply_expert_parallel, apply_expert_tensor_parallel
+from workers._ep import SumGradOverGroup, apply_expert_parallel, apply_expert_tensor_parallel
 from workers.model import Transformer
 
 # --- 1. mesh -------------------------------------------------------------------------------------
@@ -146,21 +145,6 @@ def split_stages(model: Transformer, counts: list[int], pp: int, pp_rank: int) -
 # --- 3. tensor + sequence parallel ---------------------------------------------------------------
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group`` (Megatron's "f" operator)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class ReplicatedKV(nn.Module):
     """A k or v projection when tp > kv_heads (tp % kv_heads == 0): the weight stays whole on every tp
     rank, each rank computes all kv heads and keeps the one its query heads use (head
@@ -179,7 +163,7 @@ class ReplicatedKV(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, DTensor):  # sequence parallel hands attention a replicated DTensor
             x = x.to_local()
-        out = _SumGradOverGroup.apply(self.linear(x), self.group)
+        out = SumGradOverGroup.apply(self.linear(x), self.group)
         return out.unflatten(-1, (self.kv_heads, self.head_dim))[..., self.head, :]
 
 
