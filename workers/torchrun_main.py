@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from api.cli.run_trial import build_request
+from workers.cli_request import build_request
 from workers._contract import TrialError, TrialResult
 
 
