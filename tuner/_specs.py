@@ -408,6 +408,8 @@ def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T]) -
                 f"{section}.preset={preset!r} is not a known preset (known: {', '.join(sorted(presets))})"
             )
         base = dataclasses.asdict(presets[preset])  # type: ignore[call-overload]
+        if base.get("head_dim") and base["head_dim"] * base["heads"] == base["hidden"]:
+            del base["head_dim"]  # derived, not explicit: an override of hidden/heads re-derives it
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - fields)
     if unknown:
