@@ -2,7 +2,7 @@
 models read and that ``workers.parallelize.parallelize_model`` asserts (issue 12).
 
 ``realise(layout, model, cluster, training)`` returns a ``Realisation`` or raises ``LayoutError``
-naming what the workers cannot run; ``check_supported(layout, model)`` is the workers' own
+naming what the workers cannot run; ``check_supported(layout, model, capabilities)`` is the workers' own
 pre-launch check (``parallelize_model`` calls it, so there is one rule, here, not a copy).
 Two layouts that run the identical program have equal Realisations (``Layout`` knobs that change
 nothing are not fields: ZeRO 1-3 without a data axis is the ZeRO-0 program, ZeRO-1 with one
@@ -129,9 +129,59 @@ class Realisation:
         assert self.gathered != "unit" or self.fsdp_buffer_units > 0, self
 
 
-def check_supported(layout: Layout, model: ModelSpec) -> None:
+@dataclass(frozen=True)
+class Capabilities:
+    """What a workload (workers/workload.py: the model code a trial trains) declares it can realise,
+    as plain data so that the tuner refuses a layout it cannot run before any process starts (valid
+    means runnable). The built-in model realises everything (the defaults)."""
+
+    workload: str = "builtin"
+    tp: bool = True
+    sp: bool = True
+    pp: bool = True
+    cp: bool = True
+    ep: bool = True
+    ac: tuple[str, ...] = ("none", "selective", "full")
+    replicated_kv: bool = True  # tp > kv_heads (tp % kv_heads == 0): k/v projections kept whole
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "sp", "pp", "cp", "ep", "replicated_kv"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"Capabilities.{f} must be a bool, got {getattr(self, f)!r}")
+        object.__setattr__(self, "ac", tuple(self.ac))
+        if "none" not in self.ac or not set(self.ac) <= {"none", "selective", "full"}:
+            raise ValueError(f"Capabilities.ac must hold 'none' and only none/selective/full, got {self.ac!r}")
+
+    def refusal(self, layout: Layout, model: ModelSpec) -> str | None:
+        """Why this workload cannot realise ``layout`` of ``model``, or None."""
+        for axis in ("tp", "pp", "cp", "ep"):
+            if getattr(layout, axis) > 1 and not getattr(self, axis):
+                return f"workload {self.workload!r} does not support {axis} ({axis}={getattr(layout, axis)})"
+        if layout.sp and layout.tp > 1 and not self.sp:
+            return f"workload {self.workload!r} does not support sequence parallelism (sp=True)"
+        if layout.ac not in self.ac:
+            return f"workload {self.workload!r} does not support ac={layout.ac!r} (supports {', '.join(self.ac)})"
+        if layout.tp > model.kv_heads and not self.replicated_kv:
+            return (f"workload {self.workload!r} needs tp={layout.tp} to divide kv_heads={model.kv_heads} "
+                    "(it cannot keep k/v projections whole)")
+        return None
+
+    def space_limits(self) -> dict[str, tuple]:
+        """The search-space restriction that keeps every enumerated layout realisable."""
+        out: dict[str, tuple] = {axis: (1,) for axis in ("tp", "pp", "cp", "ep") if not getattr(self, axis)}
+        if not self.sp or not self.tp:
+            out["sp"] = (False,)
+        if tuple(self.ac) != ("none", "selective", "full"):
+            out["ac"] = tuple(self.ac)
+        return out
+
+
+def check_supported(layout: Layout, model: ModelSpec, capabilities: Capabilities | None = None) -> None:
     """Raise LayoutError (naming the values) for what the workers cannot build; the check
-    ``parallelize_model`` runs before touching the model."""
+    ``parallelize_model`` runs before touching the model. ``capabilities``: what the trial's
+    workload declares (None: the built-in model, which realises every axis)."""
+    if capabilities is not None and (why := capabilities.refusal(layout, model)) is not None:
+        raise LayoutError(why)
     tp = layout.tp
     if tp > 1 and model.kv_heads % tp and tp % model.kv_heads:
         raise LayoutError(f"tp={tp} and kv_heads={model.kv_heads}: neither divides the other")
@@ -177,10 +227,11 @@ def _collectives(layout: Layout, model: ModelSpec, dp_kind: str, sync: str, zero
     return tuple(out)
 
 
-def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> Realisation:
+def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+            capabilities: Capabilities | None = None) -> Realisation:
     """The workers' realisation of ``layout`` (see the module docstring); LayoutError if they
-    cannot run it."""
-    check_supported(layout, model)
+    cannot run it (``capabilities``: the trial's workload, see ``check_supported``)."""
+    check_supported(layout, model, capabilities)
     m = microbatches(layout, training)
     data = layout.dp * layout.cp * layout.ep
     expert_data = layout.dp * layout.cp
