@@ -76,6 +76,7 @@ class TrialRequest:
     seed: int = 0
     trial_id: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    workload: str = "builtin"  # the model code trained: "builtin", "hf" or "module:attr" (workers/workload.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
