@@ -33,6 +33,7 @@ from api.store._types import UTCDateTime
 
 SWEEP_STATUSES = ("queued", "running", "completed", "cancelled", "failed")
 FINISHED_SWEEP_STATUSES = ("completed", "cancelled", "failed")
+SWEEP_PRIORITIES = ("high", "normal", "low")  # the queue's order after fair share (api/engine/_share.py)
 # "pruned": rejected by the memory model before running (no device time).
 # "interrupted": a stale attempt found running after a coordinator restart (re-run as attempt+1).
 TRIAL_STATUSES = ("running", "pruned", "completed", "oom", "timeout", "crash", "nan", "interrupted")
@@ -66,6 +67,8 @@ class Sweep(Base):
     name: Mapped[str] = mapped_column(String(200))
     owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
+    # The queue's priority (SWEEP_PRIORITIES); fair share between owners comes first (api/engine/_share.py).
+    priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     backend: Mapped[str] = mapped_column(String(200))
     sampler: Mapped[str] = mapped_column(String(16))
@@ -91,6 +94,11 @@ class Sweep(Base):
     best_tokens_per_s_per_device: Mapped[float | None] = mapped_column(Float, nullable=True)
     best_useful_tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     best_peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    # Filled in by the services for the API (not stored): the sweep's place among the queued ones
+    # (1 = next to start; None once it runs) and its trials running now.
+    queue_position = None
+    running_trials = 0
 
     @property
     def diagnostic(self) -> bool:

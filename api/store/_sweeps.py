@@ -11,17 +11,18 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from api.store._models import FINISHED_SWEEP_STATUSES, Sweep, Trial, utcnow
+from api.store._models import FINISHED_SWEEP_STATUSES, SWEEP_PRIORITIES, Sweep, Trial, utcnow
 from tuner._stats import rank
 
 
 def insert_sweep(
     session: Session, *, name: str, owner: str | None, spec: dict[str, Any], backend: str, sampler: str,
-    runner_id: str | None = None,
+    runner_id: str | None = None, priority: str = "normal",
 ) -> Sweep:
     """A queued sweep; with ``runner_id`` it is inserted already running under that runner (the CLI's
     foreground sweep: no coordinator on the same database can claim it between insert and claim)."""
-    sweep = Sweep(name=name, owner=owner, spec=spec, backend=backend, sampler=sampler, status="queued")
+    sweep = Sweep(name=name, owner=owner, spec=spec, backend=backend, sampler=sampler, status="queued",
+                  priority=priority)
     if runner_id is not None:
         now = utcnow()
         sweep.status, sweep.runner_id, sweep.heartbeat_at, sweep.started_at = "running", runner_id, now, now
@@ -279,3 +280,58 @@ def count_trials_by_status(session: Session) -> dict[str, int]:
 
 def total_device_seconds(session: Session) -> float:
     return float(session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0))) or 0.0)
+
+
+# --- sharing one cluster (api/engine/_share.py) ------------------------------------------------------
+
+
+def owner_device_seconds(session: Session, *, owner: str | None, since: datetime) -> float:
+    """Device-seconds the owner's trials held since ``since``: finished trials by their recorded
+    device time, trials still running by the time they have held their devices so far."""
+    base = sa.select(Trial).join(Sweep, Sweep.id == Trial.sweep_id).where(
+        Sweep.owner.is_(None) if owner is None else Sweep.owner == owner)
+    done = session.scalar(
+        sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0)).join(Sweep, Sweep.id == Trial.sweep_id)
+        .where(Sweep.owner.is_(None) if owner is None else Sweep.owner == owner, Trial.finished_at >= since)
+    ) or 0.0
+    now = utcnow()
+    running = 0.0
+    for t in session.scalars(base.where(Trial.status == "running")):
+        if t.started_at is not None:
+            running += max(0.0, (now - max(t.started_at, since)).total_seconds()) * t.world_size
+    return float(done) + running
+
+
+def running_by_sweep(session: Session, *, sweep_ids: list[int] | None = None) -> dict[int, tuple[int, int]]:
+    """Sweep id -> (trials running, devices they hold) for the sweeps with trials running now."""
+    query = sa.select(Trial.sweep_id, sa.func.count(), sa.func.coalesce(sa.func.sum(Trial.world_size), 0)).where(
+        Trial.status == "running").group_by(Trial.sweep_id)
+    if sweep_ids is not None:
+        query = query.where(Trial.sweep_id.in_(sweep_ids))
+    return {int(sid): (int(n), int(devices)) for sid, n, devices in session.execute(query)}
+
+
+def queue_key(*, owner_devices: int, priority: str, created_at: datetime, sweep_id: int) -> tuple:
+    """The fair-share order of the queue, lowest first: the owner holding the fewest devices now,
+    then the priority (high before normal before low), then the oldest (api/engine/_share.py)."""
+    prio = SWEEP_PRIORITIES.index(priority) if priority in SWEEP_PRIORITIES else 1
+    return (owner_devices, prio, created_at, sweep_id)
+
+
+def queue_positions(session: Session) -> dict[int, int]:
+    """Queued sweep id -> its place in the queue (1 = the next to start), in ``queue_key`` order with
+    each owner's devices in use counted from the trials running now."""
+    queued = session.execute(
+        sa.select(Sweep.id, Sweep.owner, Sweep.priority, Sweep.created_at).where(Sweep.status == "queued")
+    ).all()
+    if not queued:
+        return {}
+    held: dict[str | None, int] = {}
+    for owner, devices in session.execute(
+        sa.select(Sweep.owner, sa.func.coalesce(sa.func.sum(Trial.world_size), 0))
+        .join(Trial, Trial.sweep_id == Sweep.id).where(Trial.status == "running").group_by(Sweep.owner)
+    ):
+        held[owner] = int(devices)
+    order = sorted(queued, key=lambda r: queue_key(owner_devices=held.get(r.owner, 0), priority=r.priority,
+                                                   created_at=r.created_at, sweep_id=r.id))
+    return {r.id: i for i, r in enumerate(order, start=1)}
