@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 
+from api.auth import ForbiddenError
 from api.schedules._urls import mask_url
 from api.store import StoreUnavailableError, safe_url
 from tuner import BackendError, ConflictError, MeshtuneError, NotFoundError, SpecError
@@ -154,6 +155,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(NotFoundError, _plain(404))
     app.add_exception_handler(ConflictError, _plain(409))
+    app.add_exception_handler(ForbiddenError, _plain(403))  # a role's limit (api/auth.py)
     app.add_exception_handler(StoreUnavailableError, _plain(503))
     app.add_exception_handler(sa_exc.OperationalError, database_unavailable)  # type: ignore[arg-type]
     app.add_exception_handler(sa_exc.InterfaceError, database_unavailable)  # type: ignore[arg-type]
