@@ -12,6 +12,12 @@ tokens, the name is who a sweep records as its owner. Rules:
 * a token never appears in a response, an exception message or a log line;
 * with no tokens configured at all auth is off (the embedded single-user default): every request
   is served as ``anonymous`` and ``meshtune serve`` logs a warning.
+
+Roles (``MESHTUNE_API_ROLES="alice:admin,dash:read-only"``): a token is an ``admin`` (acts on every
+sweep and schedule), a ``member`` (the default for a token the setting does not name, so token lists
+from before roles keep working: submits, and cancels, changes or deletes only what it owns) or
+``read-only`` (reads only: every mutating endpoint answers 403). Auth off: the one anonymous user
+is an admin (it owns everything anyway). A reader without a token (reads open) is read-only.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, status
 
+from api.settings import ROLES
+from tuner import MeshtuneError
+
 ANONYMOUS = "anonymous"
+
+
+class ForbiddenError(MeshtuneError, PermissionError):
+    """The caller's role does not allow this action (HTTP 403 with the message)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,35 @@ class Principal:
 
     name: str
     authenticated: bool
+    role: str = "admin"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+
+    @property
+    def can_write(self) -> bool:
+        return self.role != "read-only"
+
+    def may_act_on(self, owner: str | None) -> bool:
+        """Whether this caller may cancel, change or delete a thing ``owner`` submitted."""
+        return self.role == "admin" or (self.role == "member" and owner == self.name)
+
+
+def require_writer(who: Principal) -> Principal:
+    if not who.can_write:
+        raise ForbiddenError(f"token {who.name!r} is read-only: it may read, not submit, cancel, change or delete")
+    return who
+
+
+def require_owner(who: Principal | None, *, owner: str | None, what: str) -> None:
+    """Raise ForbiddenError unless ``who`` (None: an in-process caller, e.g. the CLI) may act on
+    ``what``, owned by ``owner``."""
+    if who is None or who.may_act_on(owner):
+        return
+    if not who.can_write:
+        require_writer(who)
+    raise ForbiddenError(f"{what} belongs to {owner!r}; token {who.name!r} (member) may act only on its own")
 
 
 def match_token(presented: str, tokens: Mapping[str, str]) -> str | None:
@@ -53,7 +95,8 @@ def unauthorized(message: str) -> HTTPException:
 
 
 def authenticate(
-    scheme: str | None, credentials: str | None, *, tokens: Mapping[str, str], required: bool
+    scheme: str | None, credentials: str | None, *, tokens: Mapping[str, str], required: bool,
+    roles: Mapping[str, str] | None = None,
 ) -> Principal:
     """Resolve the caller from the ``Authorization`` header parts (already split by HTTPBearer).
 
@@ -61,14 +104,14 @@ def authenticate(
     anonymous but a presented wrong token is still refused (a typo should not silently downgrade).
     """
     if not tokens:
-        return Principal(ANONYMOUS, authenticated=False)
+        return Principal(ANONYMOUS, authenticated=False, role="admin")
     if not credentials:
         if required:
             raise unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-        return Principal(ANONYMOUS, authenticated=False)
+        return Principal(ANONYMOUS, authenticated=False, role="read-only")
     if (scheme or "").lower() != "bearer":
         raise unauthorized("the Authorization header must use the Bearer scheme")
     name = match_token(credentials, tokens)
     if name is None:
         raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail="the bearer token is not valid")
-    return Principal(name, authenticated=True)
+    return Principal(name, authenticated=True, role=(roles or {}).get(name, "member"))

@@ -13,7 +13,7 @@ from fastapi import Depends, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api.auth import Principal, authenticate
+from api.auth import Principal, authenticate, require_writer
 from api.settings import Settings
 
 bearer = HTTPBearer(
@@ -48,17 +48,21 @@ def reader(settings: SettingsDep, credentials: Credentials) -> Principal:
         credentials.credentials if credentials else None,
         tokens=settings.api_tokens,
         required=settings.read_requires_auth,
+        roles=settings.api_roles,
     )
 
 
 def writer(settings: SettingsDep, credentials: Credentials) -> Principal:
-    """The caller of a mutating endpoint: always needs a valid token (unless no tokens are configured)."""
-    return authenticate(
+    """The caller of a mutating endpoint: always needs a valid token (unless no tokens are configured)
+    whose role may write (a read-only token: 403). Whether it may act on a given sweep or schedule
+    (its owner, or an admin) is the service's check (api.auth.require_owner)."""
+    return require_writer(authenticate(
         credentials.scheme if credentials else None,
         credentials.credentials if credentials else None,
         tokens=settings.api_tokens,
         required=True,
-    )
+        roles=settings.api_roles,
+    ))
 
 
 ReaderDep = Annotated[Principal, Depends(reader)]

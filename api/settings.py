@@ -18,6 +18,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+ROLES = ("admin", "member", "read-only")
+
 
 def default_home() -> Path:
     """``$XDG_DATA_HOME/meshtune``, else ``~/.local/share/meshtune``. The XDG Base Directory
@@ -48,6 +50,16 @@ class Settings(BaseSettings):
         default=False, description="Allow webhook URLs on loopback/private addresses (link-local and cloud "
         "metadata targets are refused regardless).")
     scheduler_enabled: bool = True
+    # Roles of the named tokens, "alice:admin,dash:read-only" (or a JSON object): admin, member or
+    # read-only. A token not named here is a member, so configurations from before roles keep working.
+    api_roles: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict, description="token name -> role")
+    # Sharing one cluster (api/engine/_share.py): per-owner limits, "alice:8,*:4" ("*": every other
+    # owner; absent: no limit), and how many sweeps one coordinator runs side by side.
+    owner_max_devices: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="owner -> devices its trials may hold at once")
+    owner_device_hours_per_day: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict, description="owner -> device-hours its trials may hold in any 24 h")
+    max_concurrent_sweeps: int = Field(default=8, ge=1, description="Sweeps one coordinator runs at once.")
 
     @field_validator("api_tokens", mode="before")
     @classmethod
@@ -61,6 +73,44 @@ class Settings(BaseSettings):
                 raise ValueError(f"MESHTUNE_API_TOKENS entry {bad[0]!r} is not name:token")
             return {name.strip(): token.strip() for name, token in pairs}
         return value
+
+    @field_validator("api_roles", "owner_max_devices", "owner_device_hours_per_day", mode="before")
+    @classmethod
+    def _parse_pairs(cls, value: object, info: object) -> object:
+        name = f"MESHTUNE_{getattr(info, 'field_name', '').upper()}"
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            return json.loads(value)
+        if isinstance(value, str):
+            pairs = [p.rsplit(":", 1) for p in value.split(",") if p.strip()]
+            bad = [p[0] for p in pairs if len(p) != 2 or not p[0].strip() or not p[1].strip()]
+            if bad:
+                raise ValueError(f"{name} entry {bad[0]!r} is not name:value")
+            return {k.strip(): v.strip() for k, v in pairs}
+        return value
+
+    @field_validator("api_roles")
+    @classmethod
+    def _check_roles(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, role in value.items():
+            if role not in ROLES:
+                raise ValueError(f"MESHTUNE_API_ROLES: role {role!r} of {name!r} is not one of {', '.join(ROLES)}")
+        return value
+
+    @field_validator("owner_max_devices", "owner_device_hours_per_day")
+    @classmethod
+    def _check_limits(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, limit in value.items():
+            if limit <= 0:
+                raise ValueError(f"owner limit of {name!r} must be positive, got {limit!r}")
+        return value
+
+    def role_of(self, name: str) -> str:
+        """A token's role: as configured, else member (tokens configured before roles existed)."""
+        return self.api_roles.get(name, "member")
+
+    def owner_limit(self, limits: dict, owner: str | None) -> float | None:
+        """The owner's entry of ``limits``, else its "*" entry, else None (no limit)."""
+        return limits.get(owner or "", limits.get("*"))
 
     @property
     def resolved_database_url(self) -> str:
