@@ -127,6 +127,8 @@ class TrialResult:
     stage_times_s: list[float] = field(default_factory=list)  # per pipeline stage, measured
     stage_imbalance: float | None = None  # max/mean of stage_times_s
     env: dict[str, Any] = field(default_factory=dict)
+    # rank -> the (Ray) node id its process ran on, in rank order; empty where no real process ran.
+    rank_nodes: list[str] = field(default_factory=list)
     error: TrialError | None = None
     wall_s: float | None = None  # whole trial incl. launch
     device_seconds: float | None = None  # wall_s * devices held
