@@ -73,7 +73,9 @@ def mesh_axes(layout: Layout, cluster: ClusterSpec) -> tuple[tuple[str, ...], tu
         names = tuple(reversed(AXES))
         shape = tuple(getattr(layout, a) for a in names)
     else:
-        placed = place(layout, cluster)
+        # Whether TP may cross nodes is the launcher's check (check_layout, the request's
+        # allow_tp_across_nodes); the mesh order is the same either way.
+        placed = place(layout, cluster, allow_tp_across_nodes=True)
         names, shape = tuple(placed.mesh_dim_names), tuple(placed.mesh_shape)
     missing = [a for a in AXES if a not in names]  # size-1 axes may be left out by the placement
     names += tuple(missing)
@@ -200,7 +202,8 @@ def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: boo
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+def apply_root_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+    """Embedding, final norm and head of a chunk (the built-in model's and any workload's)."""
     seq = Shard(1) if sp else Replicate()
     root: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -215,6 +218,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     parallelize_module(model, tp_mesh, root)
     if tied:  # both shard the vocab dim: re-tie the embedding's DTensor into the head
         model.output.weight = model.tok_embeddings.weight
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+    apply_root_tp(model, tp_mesh, sp=sp)
     kv_heads, tp = model.spec.kv_heads, tp_mesh.size()
     for block in model.layers.values():
         moe = model.spec.is_moe
@@ -258,7 +265,8 @@ def apply_ac(model: Transformer, mode: str) -> None:
         if mode == "full":
             model.layers[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         else:  # "selective": the attention sub-layer only (see the module docstring)
-            block.attention = checkpoint_wrapper(block.attention, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            name = getattr(model, "selective_ac", None) or "attention"  # a workload names its own
+            setattr(block, name, checkpoint_wrapper(getattr(block, name), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
 # --- 5. data parallel: workers/_data_parallel.py ---------------------------------------------
@@ -297,7 +305,8 @@ def parallelize_model(
     tuner's ``realisation`` of it, assert that what was built is what it says."""
     spec = model.spec
     notes: list[str] = []
-    check_supported(layout, spec)  # the tuner's rule (tuner/_realise.py), not a copy of it
+    # The tuner's rule (tuner/_realise.py), not a copy of it; a workload's declared capabilities too.
+    check_supported(layout, spec, getattr(model, "capabilities", None))
 
     # 2. Pipeline split: keep only this rank's stages (stage s on pp rank s % pp).
     if layout.pp > 1:
@@ -310,7 +319,9 @@ def parallelize_model(
 
     for _, chunk in chunks:
         # 3. Tensor parallel (+ sequence parallel): shard projections, keep norms sequence-sharded.
-        if layout.tp > 1:
+        if layout.tp > 1 and not isinstance(chunk, Transformer):  # a workload's plan (workers/workload.py)
+            chunk.apply_tensor_parallel(mesh["tp"], sp=layout.sp)
+        elif layout.tp > 1:
             apply_tp(chunk, mesh["tp"], sp=layout.sp)
         # 7 (applied here). Expert parallel: it re-shapes the expert weights, so it must come before
         # FSDP wraps them (torchtitan applies EP together with TP for the same reason).
@@ -343,6 +354,8 @@ def parallelize_model(
         for _, chunk in chunks:
             apply_cp(chunk, mesh["cp"])
     par = Parallelized(chunks=chunks, grad_sync=grad_sync, fsdp=fsdp, notes=notes)
+    if getattr(model, "loss", None) is not None:  # a workload's own loss (never under tp: its contract)
+        par.loss_fn = model.loss
     if layout.tp > 1:
         par.loss_fn, par.tp_loss = VocabParallelCrossEntropy(mesh["tp"]), True
     if realisation is not None:
