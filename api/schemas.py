@@ -38,7 +38,8 @@ class ErrorOut(_Out):
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "No bearer token was sent and this endpoint needs one."},
-    403: {"model": ErrorOut, "description": "The bearer token matches none of the configured tokens."},
+    403: {"model": ErrorOut, "description": "The bearer token matches none of the configured tokens, or its role may not take this "
+          "action (a read-only token writing; a member acting on another owner's sweep or schedule)."},
     422: {"model": ValidationErrorOut, "description": "A field has an invalid value (named with its value), or "
           "text the store cannot hold (a NUL character); for a body that is not UTF-8 JSON or nests deeper "
           "than 32 levels the field is 'body'. Ids out of 1..2^31-1 are 422 naming the parameter."},
@@ -82,6 +83,11 @@ class SweepOut(_Out):
     best_peak_memory_bytes: int | None = Field(None, description="Median peak memory of that layout, bytes (max over ranks).")
     diagnostic: bool = Field(False, description="True when trial.options inject failures, slowness or a memory cap "
                              "(fail, sleep_per_step_s, min_step_s, memory_cap_bytes): its numbers are not real measurements.")
+    priority: str = Field("normal", description="Queue priority: high, normal or low (ordered after fair share "
+                          "between owners: the owner holding the fewest devices goes first).")
+    queue_position: int | None = Field(None, description="Place among the queued sweeps (1 = the next to start); "
+                                       "null once it is claimed by a coordinator or finished.")
+    running_trials: int = Field(0, description="Trials of this sweep running now (each on its own placement group).")
 
 
 class SweepPage(_Out):

@@ -173,9 +173,11 @@ def test_unknown_ids_are_404(client: TestClient, finished_sweep: dict) -> None:
 
 def test_cancel_queued_then_conflicts(client: TestClient, finished_sweep: dict) -> None:
     sid = client.post("/api/sweeps", json=TINY, headers=ALICE).json()["id"]
-    r = client.post(f"/api/sweeps/{sid}/cancel", headers=CI)
+    r = client.post(f"/api/sweeps/{sid}/cancel", headers=CI)  # a member acts only on its own (issue 15)
+    assert r.status_code == 403 and "belongs to 'alice'" in r.json()["detail"]
+    r = client.post(f"/api/sweeps/{sid}/cancel", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["finished_at"]
-    r = client.post(f"/api/sweeps/{sid}/cancel", headers=CI)
+    r = client.post(f"/api/sweeps/{sid}/cancel", headers=ALICE)
     assert r.status_code == 409 and "cancelled" in r.json()["detail"]
     r = client.post(f"/api/sweeps/{finished_sweep['id']}/cancel", headers=CI)
     assert r.status_code == 409 and "completed" in r.json()["detail"]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response, status
 
 from api._http import GuardedRoute
-from api.deps import ReaderDep, SessionDep, SweepId, TrialId, WriterDep
-from api.routes._cache import VersionedCache, sweep_version
+from api.deps import ReaderDep, SessionDep, SettingsDep, SweepId, TrialId, WriterDep
+from api.routes._cache import VersionedCache, etag_matches, sweep_version
 from api.schemas import (
     BODY_RESPONSES,
     ERROR_RESPONSES,
@@ -24,10 +23,10 @@ from api.schemas import (
 )
 from api.services import sweeps as service
 from api.spec import SweepSpec
-from api.store import SWEEP_STATUSES, TRIAL_STATUSES
+from api.store import SWEEP_PRIORITIES, SWEEP_STATUSES, TRIAL_STATUSES
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
-_cache = VersionedCache()
+_cache = VersionedCache(max_entries=256)  # ranking pages and Pareto answers, by version
 
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 READ_ONE = {**READ, **NOT_FOUND}
@@ -35,6 +34,7 @@ READ_ONE = {**READ, **NOT_FOUND}
 Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip.")]
 SweepStatus = Literal[SWEEP_STATUSES]  # type: ignore[valid-type]
+Priority = Literal[SWEEP_PRIORITIES]  # type: ignore[valid-type]
 TrialStatus = Literal[TRIAL_STATUSES]  # type: ignore[valid-type]
 Metric = Literal[service.RANKING_METRICS]  # type: ignore[valid-type]
 CSV = "text/csv"
@@ -45,7 +45,8 @@ CSV = "text/csv"
     status_code=status.HTTP_201_CREATED,
     response_model=SweepOut,
     summary="Submit a sweep",
-    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES},
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES,
+               409: {"model": ErrorOut, "description": "The owner's device-hours of the last 24 h are spent."}},
 )
 def create_sweep(
     spec: Annotated[SweepSpec, Body(openapi_examples={
@@ -54,10 +55,15 @@ def create_sweep(
     })],
     session: SessionDep,
     user: WriterDep,
+    settings: SettingsDep,
+    priority: Annotated[Priority, Query(description="Queue priority (after fair share between owners).")] = "normal",
 ) -> SweepOut:
     """Validate the spec, store it as a queued sweep owned by the token's name, and return it.
-    The coordinator's engine starts it as soon as it is free."""
-    return service.create_sweep(session, spec=spec, owner=user.name)
+    The coordinator's engine starts it when the cluster's devices allow (fair share between owners,
+    then priority, then age); a trial needing more devices than the owner may hold is 422, an owner
+    whose device-hours of the day are spent 409."""
+    sweep = service.create_sweep(session, spec=spec, owner=user.name, priority=priority, settings=settings)
+    return service.describe_sweep(session, sweep_id=sweep.id)
 
 
 @router.get("", response_model=SweepPage, summary="List sweeps", responses=READ)
@@ -76,8 +82,8 @@ def list_sweeps(
 
 @router.get("/{sweep_id}", response_model=SweepOut, summary="One sweep", responses=READ_ONE)
 def get_sweep(sweep_id: SweepId, session: SessionDep, _: ReaderDep) -> SweepOut:
-    """The sweep's spec, state, counters and best layout so far."""
-    return service.get_sweep(session, sweep_id=sweep_id)
+    """The sweep's spec, state, counters and best layout so far, its queue position and running trials."""
+    return service.describe_sweep(session, sweep_id=sweep_id)
 
 
 @router.get("/{sweep_id}/trials", response_model=TrialPage, summary="Trials of a sweep", responses=READ_ONE)
@@ -119,36 +125,30 @@ def ranking(
 ) -> Response:
     """Measured layouts ranked by the median of their measurements, with a 95% interval; layouts whose
     intervals overlap the best one's are marked tied. CSV has one row per layout. ``limit``/``offset``
-    page through the rows (``total`` counts them all). Answers are cached per sweep until its next
-    recorded trial (api/routes/_cache.py)."""
+    page through the rows (``total`` counts them all). The ranking is stored and kept up to date as
+    results land (api/store/_ranking.py); each answer has an ETag of the sweep's results version, so
+    ``If-None-Match`` gets 304 until the next result (api/routes/_cache.py)."""
     wants_csv = format == "csv" or (format is None and CSV in request.headers.get("accept", ""))
-    result, json_bytes, csv_text = _cached(
-        session, sweep_id, ("ranking", metric), lambda: _ranking(session, sweep_id, metric)
-    )
-    if limit is not None or offset:  # a page: serialise the slice (the whole answer is cached as bytes)
-        end = None if limit is None else offset + limit
-        page = dataclasses.replace(result, rows=result.rows[offset:end])
-        if wants_csv:
-            csv_text = service.ranking_csv(page)
-        else:
-            json_bytes = _ranking_json(page, total=len(result.rows))
+    tag = service.ranking_tag(session, sweep_id=sweep_id, metric=metric)
+    kind = "csv" if wants_csv else "json"
+    etag = f'"{tag}.{kind}.{offset}.{limit or 0}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept"}
+    if etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    key = (str(session.get_bind().url), sweep_id, metric, kind, offset, limit)
+    body = _cache.get(key, tag, lambda: _ranking_body(session, sweep_id, metric, wants_csv, limit, offset))
     if wants_csv:
-        return Response(
-            csv_text,
-            media_type=CSV,
-            headers={"Content-Disposition": f'attachment; filename="sweep-{sweep_id}-ranking.csv"'},
-        )
-    return Response(json_bytes, media_type="application/json")
+        headers["Content-Disposition"] = f'attachment; filename="sweep-{sweep_id}-ranking.csv"'
+    return Response(body, media_type=CSV if wants_csv else "application/json", headers=headers)
 
 
-def _ranking_json(result: service.Ranking, *, total: int) -> bytes:
-    out = RankingOut.model_validate(result, from_attributes=True)
-    return out.model_copy(update={"total": total}).model_dump_json().encode()
-
-
-def _ranking(session: SessionDep, sweep_id: int, metric: str) -> tuple[service.Ranking, bytes, str]:
-    result = service.ranking(session, sweep_id=sweep_id, metric=metric)
-    return result, _ranking_json(result, total=len(result.rows)), service.ranking_csv(result)
+def _ranking_body(session: SessionDep, sweep_id: int, metric: str, wants_csv: bool, limit: int | None,
+                  offset: int) -> bytes:
+    """One answer (a page, or the whole ranking) serialised from the stored ranking's rows."""
+    result = service.ranking(session, sweep_id=sweep_id, metric=metric, limit=limit, offset=offset)
+    if wants_csv:
+        return service.ranking_csv(result).encode()
+    return RankingOut.model_validate(result, from_attributes=True).model_dump_json().encode()
 
 
 def _cached(session: SessionDep, sweep_id: int, what: tuple, compute):  # noqa: ANN001, ANN202
@@ -179,6 +179,7 @@ def pareto(sweep_id: SweepId, session: SessionDep, _: ReaderDep) -> Response:
         409: {"model": ErrorOut, "description": "The sweep already completed, failed or was cancelled."},
     },
 )
-def cancel_sweep(sweep_id: SweepId, session: SessionDep, _: WriterDep) -> SweepOut:
-    """Stop a queued or running sweep: nothing new starts, running trials finish and are kept."""
-    return service.cancel_sweep(session, sweep_id=sweep_id)
+def cancel_sweep(sweep_id: SweepId, session: SessionDep, user: WriterDep) -> SweepOut:
+    """Stop a queued or running sweep: nothing new starts; its running trials are stopped and their
+    devices freed within seconds (Ray backend). Only its owner or an admin may (403 otherwise)."""
+    return service.cancel_sweep(session, sweep_id=sweep_id, actor=user)

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import threading
+import zlib
 from collections import OrderedDict, defaultdict
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from api import store
+from api.auth import Principal, require_owner
 from api.engine._model import check_runnable, predict_under
+from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
+from api.store._models import utcnow
 from tuner import ConflictError, Layout, NotFoundError, SpecError
 from tuner._stats import pareto_front, rank, relative_error
 
@@ -66,6 +72,7 @@ class Ranking:
     calibration: dict[str, Any] | None
     simulated: bool  # any row comes from the simulate backend
     diagnostic: bool = False  # trial.options injected failures/sleeps/memory caps: not real measurements
+    total: int = 0  # ranked layouts in the whole ranking (rows may be one page of them)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,10 +104,18 @@ def _page_bounds(limit: int, offset: int) -> None:
         raise SpecError(f"offset must be a non-negative integer, got {offset!r}")
 
 
-def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None, runner_id: str | None = None) -> Sweep:
+def create_sweep(
+    session: Session, *, spec: SweepSpec, owner: str | None, runner_id: str | None = None, priority: str = "normal",
+    settings: Settings | None = None,
+) -> Sweep:
     """Store a validated spec as a queued sweep (the engine picks it up); with ``runner_id`` as a
-    sweep already running under that runner (``meshtune sweep`` runs it in the foreground)."""
+    sweep already running under that runner (``meshtune sweep`` runs it in the foreground).
+    ``priority`` orders the queue after fair share; with ``settings`` the owner's limits are checked
+    (``check_owner_limits``)."""
     import tuner
+
+    if priority not in store.SWEEP_PRIORITIES:
+        raise SpecError(f"priority={priority!r} is not a priority (one of {', '.join(store.SWEEP_PRIORITIES)})")
 
     known = getattr(tuner, "REFERENCE_LAYOUTS", {})
     model, cluster, training = spec.to_problem()
@@ -116,12 +131,45 @@ def create_sweep(session: Session, *, spec: SweepSpec, owner: str | None, runner
         except tuner.LayoutError as exc:
             raise SpecError(f"search.reference_layouts[{i}]={name!r} does not fit this sweep: {exc}") from None
     check_runnable(spec)  # a space with no valid layout, an unknown backend: 422 now, not a failed sweep later
+    if settings is not None:
+        check_owner_limits(session, settings=settings, owner=owner, devices=cluster.devices)
     sweep = store.insert_sweep(
         session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
-        sampler=spec.sampler_label, runner_id=runner_id,
+        sampler=spec.sampler_label, runner_id=runner_id, priority=priority,
     )
     session.commit()
     return sweep
+
+
+def check_owner_limits(session: Session, *, settings: Settings, owner: str | None, devices: int) -> None:
+    """Refuse, on submission, a sweep its owner's limits could never run or may not start now: one
+    trial needing more devices than the owner may hold at once (SpecError naming ``cluster``, 422), or
+    an owner whose device-hours of the last 24 h are spent (ConflictError, 409). At launch the engine
+    waits on the same limits instead of failing (api/engine/_share.py)."""
+    cap = settings.owner_limit(settings.owner_max_devices, owner)
+    if cap is not None and devices > cap:
+        raise SpecError(
+            f"cluster: a trial of this sweep needs {devices} devices but owner {owner!r} may hold at most"
+            f" {cap:g} at once (MESHTUNE_OWNER_MAX_DEVICES)")
+    hours = settings.owner_limit(settings.owner_device_hours_per_day, owner)
+    if hours is not None:
+        used = store.owner_device_seconds(session, owner=owner, since=utcnow() - timedelta(days=1)) / 3600
+        if used >= hours:
+            raise ConflictError(
+                f"owner {owner!r} has used {used:.2f} of its {hours:g} device-hours in the last 24 h"
+                " (MESHTUNE_OWNER_DEVICE_HOURS_PER_DAY); submit again when some of them are older than a day")
+
+
+def _with_queue(session: Session, sweeps: list[Sweep]) -> list[Sweep]:
+    """Fill in each sweep's queue position and running trials (not stored: derived now)."""
+    if not sweeps:
+        return sweeps
+    positions = store.queue_positions(session) if any(sw.status == "queued" for sw in sweeps) else {}
+    running = store.running_by_sweep(session, sweep_ids=[sw.id for sw in sweeps])
+    for sw in sweeps:
+        sw.queue_position = positions.get(sw.id)
+        sw.running_trials = running.get(sw.id, (0, 0))[0]
+    return sweeps
 
 
 def list_sweeps(
@@ -131,7 +179,7 @@ def list_sweeps(
         raise SpecError(f"status={status!r} is not a sweep status (one of {', '.join(store.SWEEP_STATUSES)})")
     _page_bounds(limit, offset)
     rows, total = store.list_sweeps(session, status=status, owner=owner, limit=limit, offset=offset)
-    return Page(rows, total, limit, offset)
+    return Page(_with_queue(session, rows), total, limit, offset)
 
 
 def get_sweep(session: Session, *, sweep_id: int) -> Sweep:
@@ -139,6 +187,11 @@ def get_sweep(session: Session, *, sweep_id: int) -> Sweep:
     if sweep is None:
         raise NotFoundError(f"sweep {sweep_id} does not exist")
     return sweep
+
+
+def describe_sweep(session: Session, *, sweep_id: int) -> Sweep:
+    """``get_sweep`` with its queue position and running trials filled in (the API's sweep JSON)."""
+    return _with_queue(session, [get_sweep(session, sweep_id=sweep_id)])[0]
 
 
 def list_trials(
@@ -194,12 +247,70 @@ def _cached(session: Session, sweep: Sweep, what: str, build: Any) -> Any:
     return value
 
 
-def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> Ranking:
-    """Measured layouts ranked by ``metric`` (median over re-measurements, 95% interval, ties)."""
+def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device",
+            limit: int | None = None, offset: int = 0) -> Ranking:
+    """Measured layouts ranked by ``metric`` (median over re-measurements, 95% interval, ties): the
+    stored ranking that results keep up to date (api/store/_ranking.py), ``limit`` rows from
+    ``offset`` (all: None). ``Ranking.total`` counts every ranked layout."""
     if metric not in RANKING_METRICS:
         raise SpecError(f"metric={metric!r} is not a ranking metric (one of {', '.join(RANKING_METRICS)})")
     sweep = get_sweep(session, sweep_id=sweep_id)
-    return _cached(session, sweep, f"ranking:{metric}", lambda: _ranking(session, sweep, metric))
+    state = _ranked_state(session, sweep_id=sweep_id)
+    stored = store.ranked_rows(session, sweep_id=sweep_id, metric=metric, limit=limit, offset=offset)
+    predicted = _predicted_stored(sweep, stored)
+    rows = []
+    for r in stored:
+        peak = r.peak_memory_median
+        pred_tps, pred_mem = predicted.get(r.layout_key, (None, None))
+        rows.append(RankingRow(
+            rank=r.rank, layout_key=r.layout_key, layout=r.layout, n=r.n, median=r.median, low=r.low, high=r.high,
+            tie_group=r.tie_group, tied_with_best=r.tied_with_best, tokens_per_s_per_device=r.tokens_per_s_per_device,
+            useful_tokens_per_s=r.useful_tokens_per_s, useful_tokens_per_s_per_device=r.useful_tokens_per_s_per_device,
+            peak_memory_bytes=None if peak is None else int(peak),
+            predicted_tokens_per_s_per_device=pred_tps, prediction_error=relative_error(pred_tps, r.tokens_per_s_per_device),
+            predicted_memory_bytes=pred_mem, memory_prediction_error=relative_error(pred_mem, peak),
+            simulated=r.simulated, trial_numbers=list(r.trial_numbers),
+        ))
+    summary = (state.summary or {}).get(metric) or {}
+    return Ranking(sweep.id, metric, rows, sweep.calibration, bool(summary.get("simulated")), sweep.diagnostic,
+                   total=int(summary.get("total", 0)))
+
+
+def ranking_tag(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> str:
+    """What a ranking answer of the sweep is a function of: its results version and calibration
+    (one primary-key read). The routes' ETag and response cache key on it. Unknown sweep: NotFoundError."""
+    if metric not in RANKING_METRICS:
+        raise SpecError(f"metric={metric!r} is not a ranking metric (one of {', '.join(RANKING_METRICS)})")
+    state = _ranked_state(session, sweep_id=sweep_id)
+    calibration = json.dumps(state.calibration, sort_keys=True, default=str).encode()
+    return f"{sweep_id}.{state.version}.{zlib.crc32(calibration):08x}.{metric}"
+
+
+def _ranked_state(session: Session, *, sweep_id: int) -> Any:
+    state = store.ranking_state(session, sweep_id=sweep_id)
+    if state is None:
+        raise NotFoundError(f"sweep {sweep_id} does not exist")
+    if state.version is None or state.version != state.ranked_version:
+        # Results stored without the engine's refresh (or a sweep never ranked): rank it now, once.
+        with _RERANK_LOCK:
+            store.ensure_ranked(session, sweep_id=sweep_id)
+            session.commit()
+        state = store.ranking_state(session, sweep_id=sweep_id)
+    return state
+
+
+_RERANK_LOCK = threading.Lock()
+
+
+def ranking_from_trials(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> Ranking:
+    """The ranking recomputed from every trial (what each request did before the stored ranking):
+    the reference the stored one is tested against (tests/test_ranking_incremental.py)."""
+    if metric not in RANKING_METRICS:
+        raise SpecError(f"metric={metric!r} is not a ranking metric (one of {', '.join(RANKING_METRICS)})")
+    sweep = get_sweep(session, sweep_id=sweep_id)
+    result = _ranking(session, sweep, metric)
+    result.total = len(result.rows)
+    return result
 
 
 def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
@@ -229,6 +340,27 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
     return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic)
+
+
+def _predicted_stored(sweep: Sweep, rows: list[Any]) -> dict[str, tuple[float | None, int | None]]:
+    """``_predicted`` on stored rows (each keeps the last prediction made under each calibration
+    version): a row predicted under the current version keeps it, the others are re-predicted."""
+    version = str(int((sweep.calibration or {}).get("version", 0)))
+    out: dict[str, tuple[float | None, int | None]] = {}
+    stale: dict[str, Layout] = {}
+    for r in rows:
+        same = (r.predictions or {}).get(version)
+        if same is not None:
+            out[r.layout_key] = (same[0], same[1])
+        elif r.layout:
+            stale[r.layout_key] = Layout(**r.layout)
+    if stale:
+        try:
+            model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+        except ValueError:
+            return out
+        out.update(predict_under(sweep.calibration, stale, model=model, cluster=cluster, training=training))
+    return out
 
 
 def _predicted(sweep: Sweep, by_key: dict[str, list[Any]],
@@ -308,15 +440,19 @@ def _pareto(session: Session, sweep: Sweep) -> list[ParetoPoint]:
     return sorted(out, key=lambda p: (not p.on_front, p.peak_memory_bytes, -p.tokens_per_s_per_device))
 
 
-def cancel_sweep(session: Session, *, sweep_id: int) -> Sweep:
-    """Cancel a queued or running sweep (running trials finish and are kept; nothing new starts)."""
+def cancel_sweep(session: Session, *, sweep_id: int, actor: Principal | None = None) -> Sweep:
+    """Cancel a queued or running sweep: nothing new starts; on a backend that can stop a trial
+    (Ray) the running ones are stopped within seconds and their devices freed (their rows become
+    "interrupted", cause "sweep cancelled"), elsewhere they finish and are kept. ``actor``: only the
+    sweep's owner or an admin may (api.auth.require_owner); None is an in-process caller (the CLI)."""
     sweep = get_sweep(session, sweep_id=sweep_id)
+    require_owner(actor, owner=sweep.owner, what=f"sweep {sweep_id}")
     if not store.set_sweep_status(session, sweep_id=sweep_id, status="cancelled", only_from=("queued", "running")):
         session.rollback()
         sweep = get_sweep(session, sweep_id=sweep_id)
         raise ConflictError(f"sweep {sweep_id} is already {sweep.status}; only queued or running sweeps can be cancelled")
     session.commit()
-    return get_sweep(session, sweep_id=sweep.id)
+    return describe_sweep(session, sweep_id=sweep.id)
 
 
 def counts(session: Session) -> Counts:
