@@ -212,7 +212,9 @@ class SweepSpec(RequestModel):
     )
 
     name: str = Field("sweep", min_length=1, max_length=200, description="A human-readable label.")
-    model: str | dict[str, Any] = Field(description="Model preset name, or a mapping (optional 'preset' + overrides).")
+    model: str | dict[str, Any] = Field(description="Model preset name, or a mapping (optional 'preset' + overrides), "
+                                        "or {'hf_config': {...config.json object...}, 'seq_len'?, 'name'?} (a path is "
+                                        "refused: the server reads no files).")
     cluster: str | dict[str, Any] = Field(description="Cluster preset name, or a mapping (optional 'preset' + overrides).")
     training: dict[str, Any] = Field(
         description="global_batch (sequences) or global_batch_tokens; critical_batch(_tokens), precision, lr, seed."
@@ -322,7 +324,7 @@ class SweepSpec(RequestModel):
         return SearchSpace.from_mapping(self.space)
 
     def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-        model = model_spec(self.model)
+        model = model_spec(self.model, allow_path=False)  # hf_config: the config object, never a path
         cluster = cluster_spec(self.cluster)
         training = training_spec(self.training, seq_len=model.seq_len)
         return model, cluster, training

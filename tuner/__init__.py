@@ -21,6 +21,12 @@ from tuner._formulas import (
     useful_fraction,
     zero_model_state_bytes,
 )
+from tuner._hf import (
+    SUPPORTED_MODEL_TYPES,
+    load_hf_config,
+    model_arg,
+    model_from_hf_config,
+)
 from tuner._layout import (
     AXES,
     CHECKPOINTING,
@@ -76,6 +82,7 @@ __all__ = [
     "R_MEMORY",
     "R_TP_NODES",
     "SCHEDULES",
+    "SUPPORTED_MODEL_TYPES",
     "AxisPlacement",
     "BackendError",
     "CalibrationFactors",
@@ -112,10 +119,13 @@ __all__ = [
     "korthikanti_layer_activation_bytes",
     "layer_activation_bytes",
     "layout_violation",
+    "load_hf_config",
     "load_problem",
     "microbatches",
     "microbatches_in_flight",
+    "model_arg",
     "model_flops_per_token",
+    "model_from_hf_config",
     "model_spec",
     "partition_stages",
     "pipeline_bubble_fraction",

@@ -235,3 +235,32 @@ def model_from_hf_source(source: Any, *, name: str | None = None, seq_len: int |
         return model_from_hf_config(config, name=name or hf_model_name(source, config), seq_len=seq_len, field=field)
     raise SpecError(f"{field} must be a path to a config.json{' or' if allow_path else ''} a config object, "
                     f"got {type(source).__name__}")
+
+
+def inline_hf_config(model: Any, *, base_dir: str | os.PathLike[str] | None = None,
+                     field: str = "model.hf_config") -> Any:
+    """``model`` with a config.json path in ``hf_config`` replaced by the config object itself (and
+    ``name`` defaulted from the path), so that what is submitted or stored needs no file. A relative
+    path is looked up in ``base_dir`` (a spec file's directory) first, then from the working
+    directory, then as a repo id in the local Hugging Face cache. Anything else is unchanged."""
+    if not isinstance(model, Mapping) or not isinstance(model.get("hf_config"), (str, os.PathLike)):
+        return model
+    given = str(model["hf_config"])
+    if base_dir is not None and not Path(given).expanduser().is_absolute() and (Path(base_dir) / given).exists():
+        given = str(Path(base_dir) / given)
+    config = load_hf_config(given, field=field)
+    out = {k: v for k, v in model.items() if k != "hf_config"}
+    out.setdefault("name", hf_model_name(given, config))
+    return {"hf_config": config, **out}
+
+
+def model_arg(text: str, *, option: str = "--model") -> Any:
+    """The CLI's ``--model`` value: a preset name as given, or ``hf:PATH`` (a config.json, a
+    directory, or a repo id in the local Hugging Face cache) as ``{hf_config: <config>, name}``.
+    The one parser of ``--model`` for plan, run-trial and sweep."""
+    if not text.startswith("hf:"):
+        return text
+    path = text.removeprefix("hf:")
+    if not path:
+        raise SpecError(f"{option}={text!r}: give a config.json path after 'hf:' (e.g. hf:examples/hf/llama3.1-8b.json)")
+    return inline_hf_config({"hf_config": path}, field=option)

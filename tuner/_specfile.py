@@ -90,6 +90,13 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
         raise SpecError(f"{p}: invalid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{p}: spec file must hold a mapping with sections model, cluster, training; got {type(data).__name__}")
+    if "model" in data:  # model: {hf_config: PATH}: the config itself, read relative to this file
+        from tuner._hf import inline_hf_config
+
+        try:
+            data["model"] = inline_hf_config(data["model"], base_dir=p.parent)
+        except SpecError as exc:
+            raise SpecError(f"{p}: {exc}") from None
     return data
 
 

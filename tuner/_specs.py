@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -423,8 +424,46 @@ def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T]) -
         raise SpecError(f"{section}: {exc}") from None
 
 
-def model_spec(value: Any) -> ModelSpec:
+def model_spec(value: Any, *, allow_path: bool = True) -> ModelSpec:
+    """A ModelSpec from a preset name, a mapping (optional ``preset`` + overrides), or a Hugging Face
+    config: ``{hf_config: PATH or config object, seq_len?, name?}`` (tuner/_hf.py). Beside
+    ``hf_config`` only ``name`` and ``seq_len`` may be given: the shape is the config's, so that the
+    workload rebuilding the model from it trains what was planned. ``allow_path=False`` (the API)
+    refuses a path: the server reads no file it is named."""
+    if isinstance(value, Mapping) and value.get("hf_config"):
+        return _hf_model_spec(value, allow_path=allow_path)
     return _build(ModelSpec, "model", value, MODEL_PRESETS)
+
+
+def _hf_model_spec(value: Mapping[str, Any], *, allow_path: bool) -> ModelSpec:
+    from tuner._hf import SPEC_KEYS_BESIDE, model_from_hf_config, model_from_hf_source
+
+    data = dict(value)
+    source = data.pop("hf_config")
+    extra = sorted(set(data) - set(SPEC_KEYS_BESIDE))
+    name, seq_len = data.get("name"), data.get("seq_len")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise SpecError(f"model.name must be a non-empty string, got {name!r}")
+    if not extra:
+        return model_from_hf_source(source, name=name, seq_len=seq_len, allow_path=allow_path)
+    # Every field given: a ModelSpec written out by to_dict, whose hf_config is the canonical JSON.
+    # It must be what that config says (a hand edit of a shape field would train another model).
+    config = None
+    if isinstance(source, str):
+        try:
+            config = json.loads(source)
+        except ValueError:
+            config = None
+    if not isinstance(config, dict):
+        raise SpecError(f"model.{extra[0]} cannot be set beside model.hf_config (the shape is the "
+                        f"config.json's: edit the file); beside it only {', '.join(SPEC_KEYS_BESIDE)}")
+    spec = _build(ModelSpec, "model", value, MODEL_PRESETS)
+    derived = model_from_hf_config(config, name=spec.name, seq_len=spec.seq_len)
+    for f in dataclasses.fields(ModelSpec):
+        if getattr(spec, f.name) != getattr(derived, f.name):
+            raise SpecError(f"model.{f.name}={getattr(spec, f.name)!r} disagrees with model.hf_config "
+                            f"({getattr(derived, f.name)!r}): the shape is the config.json's")
+    return spec
 
 
 def cluster_spec(value: Any) -> ClusterSpec:

@@ -19,6 +19,7 @@ from tuner import (
     canonical_layout,
     check_layout,
     cluster_spec,
+    model_arg,
     model_spec,
     training_spec,
     twin_note,
@@ -82,7 +83,7 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
         raise SpecError(f"--measure must be a positive integer, got {args.measure}")
     if not args.step_timeout > 0:
         raise SpecError(f"--step-timeout must be a positive number, got {args.step_timeout}")
-    model = model_spec(args.model)
+    model = model_spec(model_arg(args.model))  # a preset, or hf:PATH (tuner._hf.model_arg)
     cluster = cluster_spec(args.cluster)
     training = training_spec({"global_batch": args.global_batch, "seed": args.seed}, seq_len=model.seq_len)
     given = parse_layout(args.layout)

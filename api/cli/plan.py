@@ -24,6 +24,7 @@ from tuner import (
     SpecError,
     cluster_spec,
     enumerate_layouts,
+    model_arg,
     model_spec,
     plan,
     read_spec_file,
@@ -44,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and rank the rest by predicted tokens/s per device.",
     )
     p.add_argument("spec_file", nargs="?", metavar="SPEC_FILE", help="YAML/TOML/JSON spec (model, cluster, training, space)")
-    p.add_argument("--model", metavar="PRESET", help=f"model preset (default {DEFAULT_MODEL})")
+    p.add_argument("--model", metavar="PRESET|hf:PATH",
+                   help=f"model preset, or hf:PATH of a Hugging Face config.json (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", metavar="PRESET", help=f"cluster preset (default {DEFAULT_CLUSTER})")
     p.add_argument("--nodes", type=int, metavar="N", help="number of nodes of the cluster")
     batch = p.add_mutually_exclusive_group()
@@ -61,7 +63,7 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
     try:
-        model_data = args.model if args.model is not None else data.get("model", DEFAULT_MODEL)
+        model_data = model_arg(args.model) if args.model is not None else data.get("model", DEFAULT_MODEL)
         cluster_data = args.cluster if args.cluster is not None else data.get("cluster", DEFAULT_CLUSTER)
         if args.nodes is not None:
             cluster_data = {"preset": cluster_data} if isinstance(cluster_data, str) else dict(cluster_data or {})

@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run one layout of a model on a backend (ray: real ranks; simulate: the "
         "analytical model with noise, labelled simulated; or any module:attr) and print the result.",
     )
-    p.add_argument("--model", default="tiny", metavar="PRESET", help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", metavar="PRESET|hf:PATH",
+                   help="model preset, or hf:PATH of a Hugging Face config.json (default tiny)")
     p.add_argument("--cluster", default="cpu-local", metavar="PRESET", help="cluster preset (default cpu-local)")
     p.add_argument("--layout", required=True, metavar="K=V,...", help="e.g. tp=2,dp=2,pp=1,zero=0,ac=none")
     p.add_argument("--global-batch", type=int, default=8, metavar="N", help="sequences per step (default 8)")

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "running are marked interrupted and re-run; none is lost or duplicated)")
     p.add_argument("--backend", help="override the spec's backend: ray, simulate or module:attr")
     p.add_argument("--max-trials", type=int, help="override search.max_trials")
+    p.add_argument("--model", metavar="PRESET|hf:PATH",
+                   help="override the spec's model: a preset, or hf:PATH of a Hugging Face config.json")
     p.add_argument("--json", action="store_true", help="print the final sweep and ranking as JSON")
     p.add_argument("--top", type=int, default=20, help="rows of the ranking to print (default 20)")
     p.set_defaults(func=run_sweep_cmd)
@@ -69,7 +71,8 @@ def _sessions() -> Any:
     return settings, sessions
 
 
-def load_spec(path: str, *, backend: str | None = None, max_trials: int | None = None) -> Any:
+def load_spec(path: str, *, backend: str | None = None, max_trials: int | None = None,
+              model: str | None = None) -> Any:
     """A validated SweepSpec from a file; errors are SpecError naming the file and the field."""
     from pydantic import ValidationError
 
@@ -82,6 +85,10 @@ def load_spec(path: str, *, backend: str | None = None, max_trials: int | None =
     data = read(path)
     if backend:
         data["backend"] = backend
+    if model is not None:
+        from tuner._hf import model_arg
+
+        data["model"] = model_arg(model)
     if max_trials is not None:
         data.setdefault("search", {})
         if isinstance(data["search"], dict):
@@ -259,7 +266,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     elif not args.spec:
         raise SpecError("give a sweep spec file (meshtune sweep SPEC), or --resume ID")
     else:
-        spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials)
+        spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials,
+                         model=getattr(args, "model", None))
         settings, sessions = _sessions()
         runner = SweepRunner(settings, sessions=sessions)
         with sessions() as s:
