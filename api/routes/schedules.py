@@ -101,24 +101,25 @@ def get_schedule(schedule_id: ScheduleId, session: SessionDep, _: ReaderDep) -> 
 
 @router.patch("/api/schedules/{schedule_id}", response_model=ScheduleOut, summary="Change a schedule",
               responses=WRITE_ONE)
-def update_schedule(schedule_id: ScheduleId, data: ScheduleUpdate, session: SessionDep, _: WriterDep) -> ScheduleOut:
-    """Change when it fires, whether it is enabled, its webhook or its alert policy."""
-    return service.describe(service.update_schedule(session, schedule_id=schedule_id, data=data))
+def update_schedule(schedule_id: ScheduleId, data: ScheduleUpdate, session: SessionDep, user: WriterDep) -> ScheduleOut:
+    """Change when it fires, whether it is enabled, its webhook or its alert policy (its owner or an admin)."""
+    return service.describe(service.update_schedule(session, schedule_id=schedule_id, data=data, actor=user))
 
 
 @router.delete("/api/schedules/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT,
                summary="Delete a schedule", responses=WRITE_ONE)
-def delete_schedule(schedule_id: ScheduleId, session: SessionDep, _: WriterDep) -> Response:
-    """Delete the schedule, its fires and alerts; the sweeps it ran are kept."""
-    service.delete_schedule(session, schedule_id=schedule_id)
+def delete_schedule(schedule_id: ScheduleId, session: SessionDep, user: WriterDep) -> Response:
+    """Delete the schedule, its fires and alerts; the sweeps it ran are kept (its owner or an admin)."""
+    service.delete_schedule(session, schedule_id=schedule_id, actor=user)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/api/schedules/{schedule_id}/run-now", status_code=status.HTTP_201_CREATED, response_model=FireOut,
              summary="Fire a schedule now", responses=WRITE_ONE)
 def run_now(schedule_id: ScheduleId, session: SessionDep, user: WriterDep) -> FireOut:
-    """Queue the schedule's sweeps now (a manual fire); the result is checked like a cron fire's."""
-    return service.run_now(session, schedule_id=schedule_id, by=user.name)
+    """Queue the schedule's sweeps now (a manual fire); the result is checked like a cron fire's
+    (its owner or an admin)."""
+    return service.run_now(session, schedule_id=schedule_id, by=user.name, actor=user)
 
 
 @router.get("/api/schedules/{schedule_id}/fires", response_model=FirePage, summary="Fires of a schedule",

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
+from api.auth import Principal, require_owner
 from api.engine._model import check_runnable
 from api.schedules import _store
 from api.schedules._cron import as_utc, next_fire
@@ -78,8 +79,10 @@ def list_schedules(session: Session, *, enabled: bool | None = None, limit: int 
     return _store.list_schedules(session, enabled=enabled, limit=limit, offset=offset)
 
 
-def update_schedule(session: Session, *, schedule_id: int, data: ScheduleUpdate) -> Schedule:
+def update_schedule(session: Session, *, schedule_id: int, data: ScheduleUpdate, actor: Principal | None = None) -> Schedule:
+    """``actor``: only the schedule's owner or an admin may (api.auth.require_owner); None: in process."""
     current = get_schedule(session, schedule_id=schedule_id)
+    require_owner(actor, owner=current.owner, what=f"schedule {schedule_id}")
     values = data.model_dump(exclude_unset=True)
     if "regression" in values:
         values["policy"] = data.regression.model_dump() if data.regression else current.policy
@@ -95,17 +98,21 @@ def update_schedule(session: Session, *, schedule_id: int, data: ScheduleUpdate)
     return get_schedule(session, schedule_id=schedule_id)
 
 
-def delete_schedule(session: Session, *, schedule_id: int) -> None:
-    """Delete a schedule with its fires and alerts (the sweeps it ran are kept)."""
-    get_schedule(session, schedule_id=schedule_id)
+def delete_schedule(session: Session, *, schedule_id: int, actor: Principal | None = None) -> None:
+    """Delete a schedule with its fires and alerts (the sweeps it ran are kept); only by its owner or
+    an admin."""
+    current = get_schedule(session, schedule_id=schedule_id)
+    require_owner(actor, owner=current.owner, what=f"schedule {schedule_id}")
     _store.delete_schedule(session, schedule_id=schedule_id)
     session.commit()
 
 
-def run_now(session: Session, *, schedule_id: int, by: str | None = None) -> ScheduleFire:
+def run_now(session: Session, *, schedule_id: int, by: str | None = None, actor: Principal | None = None) -> ScheduleFire:
     """Fire the schedule now (manual trigger, whether enabled or not); its sweeps are queued at once.
-    Manual fires never count as the cron's fires (they do not move the misfire anchor)."""
+    Manual fires never count as the cron's fires (they do not move the misfire anchor). Only by its
+    owner or an admin."""
     schedule = get_schedule(session, schedule_id=schedule_id)
+    require_owner(actor, owner=schedule.owner, what=f"schedule {schedule_id}")
     fire_id = fire_schedule(session, schedule=schedule, fire_time=utcnow(), claimed_by=f"run-now:{by or '-'}",
                             trigger="manual")
     if fire_id is None:  # another run-now of this schedule in the same microsecond

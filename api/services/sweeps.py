@@ -446,13 +446,24 @@ def cancel_sweep(session: Session, *, sweep_id: int, actor: Principal | None = N
     "interrupted", cause "sweep cancelled"), elsewhere they finish and are kept. ``actor``: only the
     sweep's owner or an admin may (api.auth.require_owner); None is an in-process caller (the CLI)."""
     sweep = get_sweep(session, sweep_id=sweep_id)
-    require_owner(actor, owner=sweep.owner, what=f"sweep {sweep_id}")
+    require_owner(actor, owner=_acting_owner(session, sweep.owner), what=f"sweep {sweep_id}")
     if not store.set_sweep_status(session, sweep_id=sweep_id, status="cancelled", only_from=("queued", "running")):
         session.rollback()
         sweep = get_sweep(session, sweep_id=sweep_id)
         raise ConflictError(f"sweep {sweep_id} is already {sweep.status}; only queued or running sweeps can be cancelled")
     session.commit()
     return describe_sweep(session, sweep_id=sweep.id)
+
+
+def _acting_owner(session: Session, owner: str | None) -> str | None:
+    """Who may act on a sweep owned by ``owner``: a scheduled sweep ("schedule:ID", recorded by
+    api/schedules/_launch.py) belongs to its schedule's owner."""
+    if owner and owner.startswith("schedule:") and owner[9:].isdigit():
+        from api.schedules import _store as schedules
+
+        schedule = schedules.get_schedule(session, schedule_id=int(owner[9:]))
+        return schedule.owner if schedule is not None else owner
+    return owner
 
 
 def counts(session: Session) -> Counts:
