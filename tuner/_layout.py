@@ -236,7 +236,7 @@ def layout_violation(
         from tuner._placement import _place  # placement imports this module
 
         if not _place((layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), AXES,
-                      cluster.devices_per_node).axes["tp"].intra_node:
+                      cluster.devices_per_node, cluster.domain_devices).axes["tp"].in_domain:
             return R_TP_NODES, (f"tp={layout.tp} groups would cross nodes (devices_per_node="
                                 f"{cluster.devices_per_node}) in the workers' placement")
     if layout.sp and model.seq_len % (layout.tp * layout.cp):

@@ -4,7 +4,9 @@ Ranks are numbered node-major (rank r lives on node ``r // devices_per_node``, l
 ``r % devices_per_node``), which is what torchrun/Ray launchers give. The mesh axes are ordered
 innermost-first by how chatty they are (TP > CP > EP > DP > PP by default, Narayanan et al. 2021
 Sec. 3.3 / Llama 3 Sec. 3.3.2): the innermost axis gets stride 1, so its groups are contiguous
-ranks and stay inside a node whenever they fit. torch's ``init_device_mesh(shape, mesh_dim_names)``
+ranks and stay inside a node whenever they fit, and inside a fast domain (whole nodes on one scale-up
+fabric, ``ClusterSpec.fast_domain_devices``) when they do not: the chattiest axis gets the fastest link
+at every tier (node, fast domain, network). torch's ``init_device_mesh(shape, mesh_dim_names)``
 numbers ranks row-major, i.e. its LAST dimension is contiguous: ``mesh_dim_names`` is therefore the
 placement order reversed (outermost first).
 """
@@ -22,17 +24,21 @@ from tuner._specs import ClusterSpec
 
 @dataclass(frozen=True)
 class AxisPlacement:
-    """Where one mesh axis's groups fall. ``nodes`` is the most nodes any one group spans."""
+    """Where one mesh axis's groups fall. ``nodes`` (``domains``) is the most nodes (fast domains)
+    any one group spans."""
 
     name: str
     size: int
     stride: int  # distance in ranks between consecutive members of a group
     intra_node: bool  # every group lies inside one node
     nodes: int
+    in_domain: bool = True  # every group lies inside one fast domain (implied by intra_node)
+    domains: int = 1
 
     @property
     def link(self) -> str:
-        return "intra" if self.intra_node else "inter"
+        """The tier its groups talk over: ``intra`` (node), ``domain`` (fast domain), ``inter`` (network)."""
+        return "intra" if self.intra_node else "domain" if self.in_domain else "inter"
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Placement:
     axes: dict[str, AxisPlacement]
     devices_per_node: int
     summary: str
+    devices_per_domain: int = 0  # 0: the node (no fast-domain tier)
 
     @property
     def world_size(self) -> int:
@@ -90,15 +97,22 @@ def _nodes_spanned(stride: int, size: int, per_node: int, world: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _place(sizes: tuple[int, ...], order: tuple[str, ...], per_node: int) -> Placement:
+def _place(sizes: tuple[int, ...], order: tuple[str, ...], per_node: int, per_domain: int | None = None) -> Placement:
+    """``per_domain``: devices of one fast domain (a multiple of ``per_node``; None: the node)."""
     world = math.prod(sizes)
+    per_domain = per_domain or per_node
     by_name = dict(zip(AXES, sizes, strict=True))
     axes: dict[str, AxisPlacement] = {}
     stride = 1
     for name in order:
         size = by_name[name]
         nodes = _nodes_spanned(stride, size, per_node, world)
-        axes[name] = AxisPlacement(name, size, stride, nodes == 1, nodes)
+        # Domains are blocks of whole nodes, so a group inside one node is inside one domain.
+        if nodes == 1 or per_domain == per_node:
+            domains = nodes
+        else:
+            domains = _nodes_spanned(stride, size, per_domain, world)
+        axes[name] = AxisPlacement(name, size, stride, nodes == 1, nodes, domains == 1, domains)
         stride *= size
     summary = " ".join(f"{a}:{axes[a].link}" for a in order if axes[a].size > 1) or "single device"
     names = tuple(reversed(order))
@@ -109,6 +123,7 @@ def _place(sizes: tuple[int, ...], order: tuple[str, ...], per_node: int) -> Pla
         axes=axes,
         devices_per_node=per_node,
         summary=summary,
+        devices_per_domain=0 if per_domain == per_node else per_domain,
     )
 
 
@@ -126,16 +141,19 @@ def place(
     order: tuple[str, ...] = AXES,
     allow_tp_across_nodes: bool = False,
 ) -> Placement:
-    """Map ``layout``'s mesh onto ``cluster``; raise LayoutError if a TP group would cross a node."""
+    """Map ``layout``'s mesh onto ``cluster``; raise LayoutError if a TP group would leave a node
+    (its fast domain, where the cluster has one: NVL72's NVLink joins trays as a node's joins GPUs)."""
     if layout.world_size != cluster.devices:
         raise LayoutError(
             f"layout world size {layout.world_size} does not equal the device count {cluster.devices}"
         )
     order = check_order(order)
-    p = _place((layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), order, cluster.devices_per_node)
-    if not allow_tp_across_nodes and not p.axes["tp"].intra_node:
+    p = _place((layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), order, cluster.devices_per_node,
+               cluster.domain_devices)
+    if not allow_tp_across_nodes and not p.axes["tp"].in_domain:
         raise LayoutError(
-            f"tp={layout.tp} groups would cross nodes (devices_per_node={cluster.devices_per_node});"
-            " pass allow_tp_across_nodes to allow it"
+            f"tp={layout.tp} groups would cross nodes (devices_per_node={cluster.devices_per_node}"
+            + (f", fast_domain_devices={cluster.domain_devices}" if cluster.fast_domain_devices else "")
+            + "); pass allow_tp_across_nodes to allow it"
         )
     return p

@@ -127,8 +127,8 @@ def plan(
         tp, cp, ep, dp, pp, vpp = first.tp, first.cp, first.ep, first.dp, first.pp, first.vpp
         key = (tp, cp, ep, dp, pp, vpp)
         if key not in meshes:
-            placement = _place((tp, cp, ep, dp, pp), order, per_node)
-            if not allow_tp_across_nodes and not placement.axes["tp"].intra_node:
+            placement = _place((tp, cp, ep, dp, pp), order, per_node, cluster.domain_devices)
+            if not allow_tp_across_nodes and not placement.axes["tp"].in_domain:
                 meshes[key] = None
             else:
                 meshes[key] = (placement, mesh_memory(model, cluster, training, *key),

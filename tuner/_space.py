@@ -242,7 +242,8 @@ def iter_meshes(
                     dp = rest // (ep * pp)
                     bad = degree_violation(tp, cp, ep, dp, pp, model=model, cluster=cluster)
                     if not bad and (tp > 1 and not allow_tp_across_nodes
-                                    and not _place((tp, cp, ep, dp, pp), order, per_node).axes["tp"].intra_node):
+                                    and not _place((tp, cp, ep, dp, pp), order, per_node,
+                                                           cluster.domain_devices).axes["tp"].in_domain):
                         bad = (R_TP_NODES, "")
                     if bad:
                         n = mesh_knobs(tp, cp, ep, dp, pp, space=space, training=training, twins=twins)

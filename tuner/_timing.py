@@ -103,11 +103,15 @@ RECOMPUTE_COLLECTIVES = {"none": (0, 0, 0), "selective": (1, 1, 0), "full": (2, 
 
 
 def _link(placement: Placement, axes: tuple[str, ...], cluster: ClusterSpec, f: CalibrationFactors) -> tuple[float, float]:
-    """(bandwidth, latency) for a group spanning ``axes``: inter-node if any of them leaves a node.
-    Strides multiply outward, so groups of axes that each stay in a node stay in one node together."""
-    intra = all(placement.axes[a].intra_node for a in axes if placement.axes[a].size > 1)
-    if intra:
+    """(bandwidth, latency) for a group spanning ``axes``, at the slowest tier any of them reaches:
+    the node's link, the fast domain's (NVL72's NVLink across trays), else the network. Strides
+    multiply outward, so groups of axes that each stay in a node (domain) stay in one together.
+    The fast domain is a scale-up fabric like the node's, so it takes the node's efficiency."""
+    used = [placement.axes[a] for a in axes if placement.axes[a].size > 1]
+    if all(ax.intra_node for ax in used):
         return cluster.intra_node_bandwidth * f.intra_bw_efficiency, cluster.intra_node_latency * f.latency_scale
+    if all(ax.in_domain for ax in used):
+        return cluster.domain_bandwidth * f.intra_bw_efficiency, cluster.domain_latency * f.latency_scale
     return cluster.inter_node_bandwidth * f.inter_bw_efficiency, cluster.inter_node_latency * f.latency_scale
 
 
@@ -305,7 +309,7 @@ def mesh_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f:
               cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES,
               flash: bool = True, workers: bool = True) -> MeshTime:
     """The prepared (and shared: never mutate it) time model of one mesh placed in ``order``."""
-    placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node)
+    placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node, cluster.domain_devices)
     return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
                     workers=workers)
 
