@@ -258,3 +258,28 @@ def useful_fraction(global_batch: int, critical_batch: int | None) -> float:
     if critical_batch is None:
         return 1.0
     return 1.0 / (1.0 + global_batch / critical_batch)
+
+
+def useful_tokens_per_s(tokens_per_s: float, global_batch: int, critical_batch: int | None) -> float:
+    """Tokens/s of progress: tokens/s x E_min/E (McCandlish et al. 2018, Sec. 2.2, Eq. 2.11). Far above
+    the critical batch it tends to B_crit tokens per step: a bigger batch, or more devices running
+    it, buys no more progress."""
+    return tokens_per_s * useful_fraction(global_batch, critical_batch)
+
+
+# --- budget: time and money of a training run (definitions, no model) ------------------------------
+
+
+def time_to_train_s(train_tokens: float, tokens_per_s: float) -> float:
+    """Seconds to train on ``train_tokens`` at a sustained ``tokens_per_s`` (whole job)."""
+    return train_tokens / tokens_per_s
+
+
+def device_hours(devices: int, seconds: float) -> float:
+    """Device-hours of ``devices`` held for ``seconds`` (what clouds bill)."""
+    return devices * seconds / 3600.0
+
+
+def cost_per_token(price_per_device_hour: float, devices: int, tokens_per_s: float) -> float:
+    """Price of one trained token: the job's price per second over its tokens per second."""
+    return price_per_device_hour * devices / 3600.0 / tokens_per_s
