@@ -127,6 +127,7 @@ def sweep_list_row(s: Any, best: Any | None = None) -> dict[str, Any]:
         "best_key": best.layout_key if best else None,
         "done": s.n_completed + s.n_pruned + s.n_failed, "budget": budget_of(s.spec),
         "device_seconds": s.device_seconds, "simulated": simulated, "started": s.started_at or s.created_at,
+        "priority": s.priority, "queue_position": s.queue_position, "running_trials": s.running_trials,
     }
 
 
@@ -165,6 +166,7 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
         # the calibration's held-out Spearman vs the prior, the memory error, the earlier sweeps it
         # learned from and the host's noise: the lines `meshtune show` prints (api.engine._calibrate)
         "calibration_lines": describe(sweep.calibration),
+        "priority": sweep.priority, "queue_position": sweep.queue_position, "running_trials": sweep.running_trials,
     }
 
 
@@ -181,7 +183,7 @@ _live: dict[int, tuple[float, dict[str, Any]]] = {}
 
 def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     """Sweep header, trial rows, ranking rows and chart bundle of one sweep (raises NotFoundError)."""
-    sweep = service.get_sweep(session, sweep_id=sweep_id)
+    sweep = service.describe_sweep(session, sweep_id=sweep_id)
     if sweep.status in LIVE_STATUSES:
         now = time.monotonic()
         with _finished_lock:

@@ -46,7 +46,7 @@ from api.services import sweeps as service
 from api.settings import Settings
 from api.spec import SAMPLERS
 from api.store import SWEEP_STATUSES
-from tuner import CLUSTER_PRESETS, MODEL_PRESETS, NotFoundError
+from tuner import CLUSTER_PRESETS, MODEL_PRESETS, ConflictError, NotFoundError
 
 HERE = Path(__file__).resolve().parent
 COOKIE = "meshtune_token"
@@ -115,6 +115,18 @@ def _can_read(request: Request, settings: Settings) -> bool:
     return bool(token) and match_token(token, settings.api_tokens) is not None
 
 
+def _can_write(request: Request, settings: Settings) -> bool:
+    """Whether to show actions (submit, check migration): hidden only when the signed-in token (the
+    cookie, or a bearer header) is read-only; without one the forms ask for a token and the API
+    decides (api/auth.py)."""
+    token = request.cookies.get(COOKIE) or ""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        token = header[7:]
+    name = match_token(token, settings.api_tokens) if token and settings.api_tokens else None
+    return name is None or settings.role_of(name) != "read-only"
+
+
 def _login(request: Request, *, error: str | None = None, status_code: int = 401) -> HTMLResponse:
     return templates.TemplateResponse(
         request, "login.html", {"next": request.url.path, "error": error}, status_code=status_code
@@ -171,7 +183,7 @@ def _sweeps_page(
     ctx = {
         **_list_ctx(request, session, status=status, page=page, refresh_ms=refresh_ms),
         "form": state, "model_presets": sorted(MODEL_PRESETS), "cluster_presets": sorted(CLUSTER_PRESETS),
-        "samplers": SAMPLERS, "auth_on": bool(settings.api_tokens),
+        "samplers": SAMPLERS, "auth_on": bool(settings.api_tokens), "can_write": _can_write(request, settings),
     }
     return templates.TemplateResponse(request, "sweeps.html", ctx, status_code=status_code)
 
@@ -220,12 +232,16 @@ def _submit(request: Request, session: Any, settings: Settings, raw: dict[str, s
                 "token: missing — this coordinator needs a token to submit" if not token else "token: not a valid token"])
             return _sweeps_page(request, session, settings, status=None, page=1, state=state,
                                 status_code=401 if not token else 403)
+        if settings.role_of(owner) == "read-only":  # as POST /api/sweeps answers a read-only token
+            state = form.FormState(values=values, fields={"token"}, errors=[
+                f"token: {owner!r} is read-only — it may read, not submit"])
+            return _sweeps_page(request, session, settings, status=None, page=1, state=state, status_code=403)
     spec, state = form.validate(values)
     code = 422
     if spec is not None and not state.errors:
         try:
-            sweep = service.create_sweep(session, spec=spec, owner=owner)
-        except ValueError as exc:  # e.g. an unknown reference layout, named by the service
+            sweep = service.create_sweep(session, spec=spec, owner=owner, settings=settings)
+        except (ValueError, ConflictError) as exc:  # an unknown reference layout, an owner's limit: named by the service
             state.errors.append(str(exc))
         else:
             return RedirectResponse(request.url_for("dashboard_sweep", sweep_id=sweep.id).path, status_code=303)
@@ -275,6 +291,7 @@ def _load_sweep_tables(request: Request, session, settings: Settings, sweep_id: 
     except NotFoundError as exc:
         return _not_found(request, str(exc))
     ctx = _tables_ctx(request, session, state, rank_page=rank_page, trial_page=trial_page, trial_status=trial_status)
+    ctx["can_write"] = _can_write(request, settings)
     return state, ctx
 
 
