@@ -1,10 +1,11 @@
-"""A small versioned response cache for the read routes that recompute a whole sweep (ranking, Pareto).
+"""A small versioned response cache for the sweep read routes (ranking pages, Pareto), and ETags.
 
-A ranking is a pure function of the sweep's measurements, and every recorded result goes with a
-refresh of the sweep row's counters in the same transaction (api.engine), so the sweep row's counters
-and calibration are a version of its ranking: a cached answer is served only while that version is
-unchanged. On a 10,000-trial sweep the ranking takes ~1 s of CPU to compute and a coordinator serving
-50 concurrent readers would otherwise recompute it for each of them (see benchmarks/bench_api_latency.py).
+The ranking is stored and kept in order as results land (api/store/_ranking.py), with a results
+version per sweep: an answer (a page, or the whole 2.6 MB ranking of a 10,000-trial sweep) is a pure
+function of that version and the sweep's calibration (``api.services.sweeps.ranking_tag``), so its
+serialised bytes are kept and served while the version is unchanged, and the same version is the
+answer's ETag (``If-None-Match`` gets 304). The Pareto answer keys on the sweep row's counters
+(``sweep_version``), which each recorded result refreshes in the same transaction (api.engine).
 
 Concurrent misses for one key compute once (single flight); the others wait for that result.
 """
@@ -26,6 +27,16 @@ def sweep_version(sweep: Any) -> tuple:
         sweep.created_at, sweep.status, sweep.n_trials, sweep.n_completed, sweep.n_pruned, sweep.n_failed, sweep.device_seconds,
         sweep.best_tokens_per_s_per_device, repr(sorted(calibration.items())) if calibration else None,
     )
+
+
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """RFC 9110 section 13.1.2: ``If-None-Match`` matches when it is ``*`` or lists the entity tag
+    (weak comparison: a ``W/`` prefix is ignored)."""
+    if not if_none_match:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    return any(tag.strip().removeprefix("W/") == etag for tag in if_none_match.split(","))
 
 
 class VersionedCache:

@@ -29,6 +29,7 @@ from api.store._models import (
     Sweep,
     Trial,
 )
+from api.store._ranking import RankedLayout, RankingState, ensure_ranked, ranked_rows, ranking_state
 from api.store._sweeps import (
     claim_sweep,
     count_sweeps_by_status,
@@ -77,6 +78,8 @@ __all__ = [
     "TRIAL_STATUSES",
     "VERSION_TABLE",
     "Base",
+    "RankedLayout",
+    "RankingState",
     "StoreUnavailableError",
     "Sweep",
     "Trial",
@@ -90,6 +93,7 @@ __all__ = [
     "create_engine",
     "current_revision",
     "downgrade",
+    "ensure_ranked",
     "env_fingerprint",
     "get_sweep",
     "get_trial",
@@ -107,6 +111,8 @@ __all__ = [
     "new_runner_id",
     "next_number",
     "open_store",
+    "ranked_rows",
+    "ranking_state",
     "owner_device_seconds",
     "queue_key",
     "queue_positions",

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from api.store import _ranking
 from api.store._models import FINISHED_SWEEP_STATUSES, SWEEP_PRIORITIES, Sweep, Trial, utcnow
-from tuner._stats import rank
 
 
 def insert_sweep(
@@ -248,26 +247,15 @@ def refresh_sweep_cache(session: Session, *, sweep_id: int) -> None:
 def _ranked_best(session: Session, *, sweep_id: int) -> dict[str, Any]:
     """The ``best_*`` columns from the ranking's first row (best median tokens/s per device over a
     layout's measurements, ``tuner.rank``'s order), not the single fastest trial: a lucky run of a
-    noisy layout must not make the sweeps list name another layout than the ranking does."""
-    by_key: dict[str, list[Any]] = {}
-    for t in session.execute(
-        sa.select(Trial.layout_key, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s, Trial.peak_memory_bytes)
-        .where(Trial.sweep_id == sweep_id, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None))
-    ):
-        by_key.setdefault(t.layout_key, []).append(t)
-    if not by_key:
+    noisy layout must not make the sweeps list name another layout than the ranking does. The
+    stored ranking is put in order first (api/store/_ranking.py), so this reads one row."""
+    _ranking.ensure_ranked(session, sweep_id=sweep_id)
+    first = _ranking.best_row(session, sweep_id=sweep_id)
+    if first is None:
         return {}
-    first = rank({k: [t.tokens_per_s_per_device for t in ts] for k, ts in by_key.items()})[0]
-    ts = by_key[first.key]
-
-    def median_of(column: str) -> float | None:
-        known = [getattr(t, column) for t in ts if getattr(t, column) is not None]
-        return float(statistics.median(known)) if known else None
-
-    peak = median_of("peak_memory_bytes")
-    return {"best_layout_key": first.key, "best_tokens_per_s_per_device": first.interval.median,
-            "best_useful_tokens_per_s": median_of("useful_tokens_per_s"),
-            "best_peak_memory_bytes": None if peak is None else int(peak)}
+    return {"best_layout_key": first.layout_key, "best_tokens_per_s_per_device": first.median,
+            "best_useful_tokens_per_s": first.useful_tokens_per_s,
+            "best_peak_memory_bytes": None if first.peak_memory_median is None else int(first.peak_memory_median)}
 
 
 def count_sweeps_by_status(session: Session) -> dict[str, int]:

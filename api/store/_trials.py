@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from api.store import _ranking
 from api.store._models import Sweep, Trial, utcnow
 from workers import TrialResult
 
@@ -125,7 +126,15 @@ def record_result(
     if runner_id is not None:
         owned = sa.select(Sweep.id).where(Sweep.id == sweep_id, Sweep.runner_id == runner_id).scalar_subquery()
         stmt = stmt.where(Trial.sweep_id == owned)
-    return bool(session.execute(stmt).rowcount)
+    if not session.execute(stmt).rowcount:
+        return False
+    if layout_key is None:
+        layout_key = session.scalar(sa.select(Trial.layout_key).where(
+            Trial.sweep_id == sweep_id, Trial.number == number, Trial.attempt == attempt))
+    # The stored ranking follows in the same transaction (api/store/_ranking.py).
+    _ranking.note_result(session, sweep_id=sweep_id, layout_key=layout_key,
+                         completed=result.status == "completed" and result.tokens_per_s_per_device is not None)
+    return True
 
 
 RESTART_CAUSE = "coordinator stopped while the trial ran; re-run as attempt+1"
