@@ -110,11 +110,11 @@ def ranked_best(session: Session, sweep: Any) -> Any | None:
     """The ranking's first row (best median over its measurements), or None before any measurement.
     The sweep row's cached ``best_*`` is the single fastest trial, which a lucky run of a noisy
     layout can hold while the ranking puts another first: wherever a sweep's "best" is shown it is
-    this row, so that the list, the sweep page and ``meshtune sweeps`` name the same layout. The
-    ranking is cached per sweep until its next recorded trial (api.services.sweeps)."""
+    this row, so that the list, the sweep page and ``meshtune sweeps`` name the same layout. It is
+    the stored ranking's first row (api/store/_ranking.py): one row read, not the whole ranking."""
     if not sweep.n_completed:
         return None
-    rows = service.ranking(session, sweep_id=sweep.id).rows
+    rows = service.ranking(session, sweep_id=sweep.id, limit=1).rows
     return rows[0] if rows else None
 
 
