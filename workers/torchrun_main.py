@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.cli_request import build_request
 from workers._contract import TrialError, TrialResult
+from workers.cli_request import build_request
 
 
 def _parser() -> argparse.ArgumentParser:
