@@ -283,11 +283,66 @@ def device_time(real_s: float, simulated_s: float) -> dict[str, str]:
     return {"value": duration(simulated_s), "label": "simulated device time (no real device used)", "simulated": ""}
 
 
+# --- budget: time and cost of training, and of the search ---------------------------------------
+
+def money(v: float | None, *, dash: str = DASH) -> str:
+    """An amount in the price's own currency (meshtune never assumes one): ``12.34``, ``1,234,567``;
+    below one cent, 3 significant digits (``0.00123``)."""
+    if v is None or not math.isfinite(v):
+        return dash
+    if v and abs(v) < 0.01:
+        return _fixed(v, 3)
+    return f"{v:,.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def train_time(seconds: float | None, *, dash: str = DASH) -> str:
+    """Time to train: ``duration`` up to two days, then days (``41.3 days``), then years."""
+    if seconds is None or not math.isfinite(seconds):
+        return dash
+    days = seconds / 86400
+    if days < 2:
+        return duration(seconds)
+    return f"{_fixed(days, 3)} days" if days < 730 else f"{_fixed(days / 365.25, 3)} years"
+
+
+def tokens_text(n: float | None, *, dash: str = DASH) -> str:
+    """A token count: ``15T``, ``2.1B``, ``4.19M``."""
+    if n is None:
+        return dash
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{_fixed(n / size, 3)}{unit}"
+    return f"{n:,.0f}"
+
+
+def budget_cells(budget: Mapping[str, Any] | Any | None, *, simulated: bool = False,
+                 dash: str = DASH) -> dict[str, str]:
+    """A layout's time and cost to train the token budget (``tuner._scaling.Budget`` or its dict)
+    as table cells; from simulated throughput they say so."""
+    if budget is None:
+        return {"time": dash, "cost": dash, "per_mtok": dash}
+    b = budget if isinstance(budget, Mapping) else budget.to_dict()
+    tag = " (simulated)" if simulated else ""
+    cpt = b.get("cost_per_token")
+    cells = {"time": train_time(b.get("time_to_train_s"), dash=dash), "cost": money(b.get("cost"), dash=dash),
+             "per_mtok": money(None if cpt is None else cpt * 1e6, dash=dash)}
+    return {k: v + tag if v != dash else v for k, v in cells.items()}
+
+
+def search_spent(device_seconds: float, *, price_per_device_hour: float | None, simulated: bool) -> str:
+    """What a sweep's search spent, in device-hours and (priced) money; simulate-backend seconds are
+    time the modelled runs would take, which no device spent, and are said to be."""
+    hours = device_seconds / 3600
+    cost = "" if price_per_device_hour is None else f", cost {money(hours * price_per_device_hour)}"
+    text = f"{_fixed(hours, 3) if hours else '0'} device-hours{cost}"
+    return f"simulated {text} (no real device time)" if simulated else text
+
+
 def jinja_filters() -> dict[str, Any]:
     """The dashboard templates' filters (api/dashboard/router.py registers them)."""
     return {
         "num": num, "pct": pct, "signed_pct": signed_pct, "sci": sci, "gib": gib_text, "bytes": bytes_text,
         "seconds": duration, "duration": duration, "when": when, "errclass": error_class,
         "layout_label": layout_text, "key_label": key_text, "cause": cause_text, "layout_fields": layout_fields,
-        "value": value_text,
+        "value": value_text, "money": money, "train_time": train_time, "tokens": tokens_text,
     }
