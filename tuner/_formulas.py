@@ -74,6 +74,10 @@ def layer_activation_bytes(
     gathered_inputs: bool = False,
     ep: int = 1,
     head_dim: int = 0,
+    q_dim: int = 0,
+    norms: int = 2,
+    qk_norm_head_dim: int = 0,
+    shared_ffn: int = 0,
 ) -> float:
     """One layer's saved activations for one micro-batch of b sequences of s tokens (this rank's CP
     share), generalising Korthikanti et al. 2022 Sec. 4 to GQA, SwiGLU, MoE, no dropout, flash attention.
@@ -92,20 +96,31 @@ def layer_activation_bytes(
     ``gathered_inputs``: under sequence parallelism DTensor's all-gather hands the attention and the
     MLP the whole sequence and their matmuls save it (Megatron re-gathers it in the backward instead);
     ``head_dim``: the kv heads one rank keeps when t > kv_heads (one per rank, ReplicatedKV).
+
+    Shapes of published models (tuner/_hf.py): ``q_dim`` the query and attention-output width
+    heads x head_dim (0: h); ``norms`` RMSNorms per layer (Gemma's sandwich norms: 4, each keeping its
+    input); ``qk_norm_head_dim`` (0: none) the per-head query/key RMSNorms (their inputs, and eagerly
+    the normalised input and the fp32 rstd per head row); ``shared_ffn`` a shared expert beside the routed ones (a dense MLP of that width on
+    every token, plus its gate's output).
     """
+    q_dim = q_dim or h
     sbh, sb = s * b * h, s * b
     if ac == "full":  # only the layer input is kept (Korthikanti Table 2, "full recompute")
         return elt * sbh / (t if sp else 1)
     # Outside the TP region: two norm inputs, attention input, MLP input (+ 1-byte dropout masks).
-    norm_inputs = elt * 2 * sbh + (2 * sbh if dropout else 0)
-    norm_saved = 2 * (elt * sbh + 4 * sb) if eager_norms else 0.0
+    norm_inputs = elt * norms * sbh + (2 * sbh if dropout else 0)
+    norm_saved = norms * (elt * sbh + 4 * sb) if eager_norms else 0.0
     attn_in = mlp_in = elt * sbh
     # Inside the TP region (sharded by t): Q, K, V, the attention output fed to the out projection.
     # Under CP the attention keeps the all-gathered K and V of the whole sequence (cp·s tokens).
     kv = h if kv_repeated else max(kv_dim, t * head_dim)
     # Under CP (workers/_cp.py) the two chunks' outputs are concatenated head-major, so the out
     # projection's input is a copy of them: one more sbh.
-    attn = elt * ((2 if cp == 1 else 3) * sbh + 2 * cp * s * b * kv)
+    sbq = s * b * q_dim
+    attn = elt * ((2 if cp == 1 else 3) * sbq + 2 * cp * s * b * kv)
+    if qk_norm_head_dim:  # q/k RMSNorms: their inputs; eagerly also the normalised input and the rstd
+        qk = sbq + s * b * kv
+        attn += elt * qk * (2 if eager_norms else 1) + (4 * qk / qk_norm_head_dim if eager_norms else 0)
     if flash:  # flash attention keeps the fp32 log-sum-exp per query instead of the scores (Dao 2022)
         attn += 4 * a * s * b
     else:  # softmax output (+ dropout mask and output): Korthikanti's 5as²b
@@ -128,6 +143,9 @@ def layer_activation_bytes(
         routed = elt * rows * 3 * h + rows * (elt + 4 + 8 * (3 + (2 if ep > 1 else 0)))
     else:
         mlp_bytes = elt * sb * per_token
+    if shared_ffn:  # the shared expert: a dense MLP of every token, and its sigmoid gate's output
+        mlp_bytes += elt * sb * (swiglu_saved if mlp == "swiglu" else 2) * shared_ffn
+        routed += elt * sb * 2
     inside = attn + mlp_bytes
     if not sp:
         return norm_inputs + norm_saved + attn_in + mlp_in + routed + inside / t
@@ -171,7 +189,8 @@ def matmul_flops_per_token(weights: float) -> float:
 
 
 def attention_core_flops_per_token(h: int, s: int, *, causal: bool) -> float:
-    """Training FLOPs per token of one layer's scores and softmax·V, 12·h·s (PaLM App. B). A causal
+    """Training FLOPs per token of one layer's scores and softmax·V, 12·h·s (PaLM App. B), h the
+    query width heads x head_dim (``ModelSpec.q_dim``; = hidden unless head_dim is explicit). A causal
     kernel that skips the masked half (flash attention, Dao et al. 2022 Sec. 3.1 block-sparse case;
     its benchmarks count causal as half) does half of it: that is the step time's count, the full
     one is PaLM's MFU convention."""
@@ -187,7 +206,7 @@ def layer_flops_per_token(model: ModelSpec, *, causal: bool = False) -> float:
     """Training FLOPs of one layer per token: 6 x active weights + 12·h·s attention (PaLM App. B),
     the attention core halved when ``causal`` (see ``attention_core_flops_per_token``)."""
     active = model.attention_params_per_layer + model.active_mlp_params_per_layer
-    return matmul_flops_per_token(active) + attention_core_flops_per_token(model.hidden, model.seq_len, causal=causal)
+    return matmul_flops_per_token(active) + attention_core_flops_per_token(model.q_dim, model.seq_len, causal=causal)
 
 
 def model_flops_per_token(model: ModelSpec) -> float:
@@ -197,7 +216,7 @@ def model_flops_per_token(model: ModelSpec) -> float:
     (tuner/_timing.py, workers/aggregate.py) both use this one."""
     n = model.active_params - model.embedding_params + (model.embedding_params if model.tied_embeddings else 0)
     return matmul_flops_per_token(n) + model.layers * attention_core_flops_per_token(
-        model.hidden, model.seq_len, causal=False)
+        model.q_dim, model.seq_len, causal=False)
 
 
 def recompute_flops_split(model: ModelSpec, ac: str, *, causal: bool = False) -> tuple[float, float]:
@@ -211,7 +230,7 @@ def recompute_flops_split(model: ModelSpec, ac: str, *, causal: bool = False) ->
     """
     if ac == "none":
         return 0.0, 0.0
-    core = attention_core_flops_per_token(model.hidden, model.seq_len, causal=causal) / 3
+    core = attention_core_flops_per_token(model.q_dim, model.seq_len, causal=causal) / 3
     weights = model.attention_params_per_layer + (model.active_mlp_params_per_layer if ac == "full" else 0)
     return matmul_flops_per_token(weights) / 3, core
 

@@ -116,17 +116,18 @@ class RankParams:
 def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int) -> RankParams:
     """Per pp rank: layers held (stage s on rank s % pp) and parameter counts per device."""
     layers = partition_stages(model, pp * vpp).rank_layers(pp) if pp > 1 else (model.layers,)
-    mats = 3 if model.mlp == "swiglu" else 2
-    expert = model.experts * mats * model.hidden * model.expert_ffn / (tp * ep) if model.is_moe else 0.0
-    attention = model.attention_params_per_layer / tp
-    if tp > model.kv_heads:  # wk/wv stay whole on every tp rank (workers/parallelize.py ReplicatedKV)
-        kv = 2 * model.hidden * model.kv_heads * model.head_dim
+    # Per layer, the mean over the layers where dense_layers mixes dense and MoE MLPs.
+    expert = model.routed_expert_params_per_layer / (tp * ep)
+    qk_norm = model.qk_norm_params_per_layer  # per-head norm weights: whole on every tp rank
+    attention = (model.attention_params_per_layer - qk_norm) / tp + qk_norm
+    if tp > model.kv_heads:  # wk/wv (+ biases) stay whole on every tp rank (workers/parallelize.py ReplicatedKV)
+        kv = 2 * (model.hidden + (1 if model.qkv_bias else 0)) * model.kv_heads * model.head_dim
         attention += kv * (1 - 1 / tp)
-    dense = (
-        attention
-        + 2 * model.hidden
-        + (model.hidden * model.experts if model.is_moe else model.mlp_params_per_layer / tp)
-    )
+    moe_share = model.moe_layers / model.layers
+    # Router (+ shared-expert gate) replicated over tp; the shared expert and dense MLPs split by tp.
+    mlp = (moe_share * (model.router_params + model.shared_expert_params / tp)
+           + (1 - moe_share) * model.dense_mlp_params / tp)
+    dense = attention + model.norm_params_per_layer + mlp
     emb = model.embedding_params / tp  # vocab-parallel embedding (Shoeybi et al. 2019 Sec. 3)
     dense_r = [n * dense for n in layers]
     dense_r[0] += emb
@@ -230,7 +231,9 @@ class MeshMemory:
                       ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
                       flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp, ep=ep,
                       swiglu_saved=swiglu, kv_repeated=kv_repeated, eager_norms=eager, gathered_inputs=eager,
-                      head_dim=model.head_dim if tp > model.kv_heads else 0)
+                      head_dim=model.head_dim if tp > model.kv_heads else 0, q_dim=model.q_dim,
+                      norms=model.norms_per_layer, qk_norm_head_dim=model.head_dim if model.qk_norm else 0,
+                      shared_ffn=model.shared_expert_ffn)
         # RoPE's cos/sin tables (fp32, s x head_dim/2 each), computed once per forward of a stage chunk.
         self.rope = 4 * s * model.head_dim
         # Per layer and micro-batch, whatever mbs: on CPU the CP chunk attention's boolean causal mask
