@@ -129,6 +129,8 @@ class TrialOut(_Out):
     stage_imbalance: float | None = Field(None, description="max/mean of the stage times (1.0 = balanced).")
     env: dict[str, Any] | None = Field(None, description="Environment of the run (torch version, devices, hosts).")
     env_fingerprint: str | None = Field(None, description="Hash of the environment, to compare like with like.")
+    rank_nodes: list[Any] | None = Field(
+        None, description="Node id each rank's process ran on, in rank order (where the placement landed; real runs).")
     backend: str | None = Field(None, description="Backend that ran the trial.")
     simulated: bool = Field(False, description="True when the numbers come from the simulate backend, not a real run.")
     wall_s: float | None = Field(None, description="Wall time of the whole trial including launch, seconds.")

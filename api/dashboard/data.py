@@ -97,6 +97,8 @@ def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: in
         "started_at": t.started_at, "finished_at": t.finished_at or (t.created_at if t.status == "pruned" else None),
         "reference": t.source == "reference",
         "nodes": _nodes(t.env),
+        # rank -> node map, one row per node (a trial row from elsewhere may not have the column)
+        "rank_nodes": getattr(t, "rank_nodes", None) or [], "node_rows": views.rank_nodes(getattr(t, "rank_nodes", None)),
     }
 
 

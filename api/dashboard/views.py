@@ -306,3 +306,20 @@ def chart_bundle(
         "stages": stage_bars(trials),
         "losses": loss_curves(trials),
     }
+
+
+def rank_nodes(nodes: Sequence[str] | None) -> list[dict[str, Any]]:
+    """The trial's rank -> node map as one row per node, in order of its first rank: node number,
+    short id, its ranks as ranges ("0-1, 4") and their count (empty when none was recorded)."""
+    rows: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes or ()):
+        rows.setdefault(str(node), []).append(rank)
+    out = []
+    for i, (node, ranks) in enumerate(rows.items()):
+        spans, start = [], ranks[0]
+        for a, b in zip(ranks, [*ranks[1:], None], strict=True):
+            if b != a + 1:
+                spans.append(f"{start}" if start == a else f"{start}-{a}")
+                start = b
+        out.append({"node": i, "node_id": node[:12], "ranks": ", ".join(spans), "count": len(ranks)})
+    return out

@@ -161,6 +161,8 @@ class Trial(Base):
     stage_imbalance: Mapped[float | None] = mapped_column(Float, nullable=True)
     env: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     env_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # rank -> the node id its process ran on (TrialResult.rank_nodes): where the placement landed.
+    rank_nodes: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     backend: Mapped[str | None] = mapped_column(String(200), nullable=True)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     wall_s: Mapped[float | None] = mapped_column(Float, nullable=True)

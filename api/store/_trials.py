@@ -108,6 +108,7 @@ def record_result(
         stage_imbalance=result.stage_imbalance,
         env=result.env or None,
         env_fingerprint=env_fingerprint(result.env),
+        rank_nodes=list(result.rank_nodes) or None,
         backend=result.backend,
         simulated=bool(result.simulated),
         wall_s=result.wall_s,
