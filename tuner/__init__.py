@@ -13,6 +13,8 @@ from tuner._errors import (
     SpecError,
     UnknownPresetError,
 )
+from tuner._export import FORMATS as EXPORT_FORMATS
+from tuner._export import Export, check_format, export_layout
 from tuner._formulas import (
     korthikanti_layer_activation_bytes,
     microbatches_in_flight,
@@ -75,6 +77,7 @@ __all__ = [
     "CHECKPOINTING",
     "CLUSTER_PRESETS",
     "EMBEDDING_COST",
+    "EXPORT_FORMATS",
     "MODEL_PRESETS",
     "OVERHEAD_BYTES",
     "PRECISIONS",
@@ -89,6 +92,7 @@ __all__ = [
     "ClusterSpec",
     "ConflictError",
     "Enumeration",
+    "Export",
     "Layout",
     "LayoutError",
     "MemoryEstimate",
@@ -108,6 +112,7 @@ __all__ = [
     "UnknownPresetError",
     "canonical_layout",
     "canonical_zero",
+    "check_format",
     "check_layout",
     "cluster_spec",
     "degree_violation",
@@ -116,6 +121,7 @@ __all__ = [
     "equal_count_split",
     "estimate_memory",
     "estimate_time",
+    "export_layout",
     "korthikanti_layer_activation_bytes",
     "layer_activation_bytes",
     "layout_violation",
