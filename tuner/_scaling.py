@@ -62,7 +62,7 @@ def check_node_counts(nodes: Any, *, field: str = "nodes") -> tuple[int, ...]:
         parsed = []
         for p in items:
             if not p.isdigit():
-                raise SpecError(f"{field}={nodes!r}: {p!r} is not a positive integer")
+                raise SpecError(f"{field}={nodes}: {p!r} is not a positive integer")
             parsed.append(int(p))
         items = parsed
     elif isinstance(nodes, (list, tuple)):
@@ -71,14 +71,15 @@ def check_node_counts(nodes: Any, *, field: str = "nodes") -> tuple[int, ...]:
         raise SpecError(f"{field} must be a list of node counts, got {nodes!r}")
     if not items:
         raise SpecError(f"{field} must name at least one node count, got {nodes!r}")
+    shown = nodes if isinstance(nodes, str) else ",".join(str(n) for n in items)
     for n in items:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise SpecError(f"{field}={nodes!r}: {n!r} is not a positive integer")
+            raise SpecError(f"{field}={shown}: {n!r} is not a positive integer")
     dupes = sorted({n for n in items if items.count(n) > 1})
     if dupes:
-        raise SpecError(f"{field}={nodes!r}: {dupes[0]} is given twice")
+        raise SpecError(f"{field}={shown}: {dupes[0]} is given twice")
     if len(items) > MAX_SIZES:
-        raise SpecError(f"{field}={nodes!r}: {len(items)} node counts, above the limit of {MAX_SIZES}")
+        raise SpecError(f"{field}={shown}: {len(items)} node counts, above the limit of {MAX_SIZES}")
     return tuple(items)
 
 

@@ -2,6 +2,8 @@
 
 The problem comes from a spec file (YAML/TOML/JSON with model, cluster, training and optional space
 sections) and/or flags; flags override the file. Without either it plans the tiny CPU preset.
+``--nodes 4,8,16`` (or ``--plot FILE``) compares cluster sizes instead: the best layout at each, its
+tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget (tuner._scaling).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -28,8 +31,10 @@ from tuner import (
     model_spec,
     plan,
     read_spec_file,
+    to_dict,
     training_spec,
 )
+from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_CLUSTER = "cpu-local"
@@ -48,7 +53,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="PRESET|hf:PATH",
                    help=f"model preset, or hf:PATH of a Hugging Face config.json (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", metavar="PRESET", help=f"cluster preset (default {DEFAULT_CLUSTER})")
-    p.add_argument("--nodes", type=int, metavar="N", help="number of nodes of the cluster")
+    p.add_argument("--nodes", type=_node_list, metavar="N[,N...]",
+                   help="number of nodes of the cluster; a list (4,8,16) compares cluster sizes")
+    p.add_argument("--plot", metavar="FILE", help="write the cluster-size comparison as a plotly HTML page")
+    p.add_argument("--scale-batch", action="store_true",
+                   help="with a list of sizes, grow the global batch with the devices from the first size's")
+    p.add_argument("--price-per-device-hour", type=float, metavar="PRICE",
+                   help="price of one device-hour (cluster.price_per_device_hour), for costs")
+    p.add_argument("--train-tokens", type=float, metavar="N",
+                   help="token budget of the training run (training.train_tokens), e.g. 15e12")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, metavar="N", help="sequences per optimiser step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="N", help="tokens per optimiser step")
@@ -59,15 +72,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _node_list(text: str) -> list[int]:
+    """``8`` or ``4,8,16``: the integers (their values are checked where they are used)."""
+    out = []
+    for part in text.split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {part.strip()!r}") from None
+    return out
+
+
 def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
     try:
         model_data = model_arg(args.model) if args.model is not None else data.get("model", DEFAULT_MODEL)
         cluster_data = args.cluster if args.cluster is not None else data.get("cluster", DEFAULT_CLUSTER)
-        if args.nodes is not None:
+        if args.nodes is not None or args.price_per_device_hour is not None:
             cluster_data = {"preset": cluster_data} if isinstance(cluster_data, str) else dict(cluster_data or {})
-            cluster_data["nodes"] = args.nodes
+        if args.nodes is not None:
+            cluster_data["nodes"] = args.nodes[0]
+        if args.price_per_device_hour is not None:
+            cluster_data["price_per_device_hour"] = args.price_per_device_hour
         training_data = data.get("training")
         if training_data is None:
             training_data = {}
@@ -85,6 +112,8 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
             training_data["global_batch"] = DEFAULT_GLOBAL_BATCH
         if args.precision is not None:
             training_data["precision"] = args.precision
+        if args.train_tokens is not None:
+            training_data["train_tokens"] = args.train_tokens
         model = model_spec(model_data)
         cluster = cluster_spec(cluster_data)
         training = training_spec(training_data, seq_len=model.seq_len)
@@ -98,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
     model, cluster, training, space = _problem(args)
+    if (args.nodes is not None and len(args.nodes) > 1) or args.plot:
+        return _run_sizes(args, model, cluster, training, space)
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
                              allow_tp_across_nodes=args.allow_tp_across_nodes)
     if not enum.valid:  # nothing to rank: the problem (or the space) admits no layout at all
@@ -147,6 +178,10 @@ def _print(result: Plan, top: int) -> None:
         ("MFU", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    priced = t.train_tokens is not None or c.price_per_device_hour is not None
+    if priced:
+        table.add_column("time to train", justify="right")
+        table.add_column("cost", justify="right")
     for i, e in enumerate(shown, 1):
         lay, mem, tm = e.layout, e.memory, e.time
         sched = "-" if lay.pp == 1 else (f"interleaved v{lay.vpp}" if lay.schedule == "interleaved" else lay.schedule)
@@ -155,6 +190,7 @@ def _print(result: Plan, top: int) -> None:
             str(lay.mbs), str(e.microbatches), lay.ac, "y" if lay.sp else "n", sched, e.placement.summary,
             "/".join(f"{x / size:.1f}" for x in (mem.params, mem.grads, mem.optimizer, mem.activations)),
             f"{mem.total / size:.1f}", f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
+            *(budget_columns(e, c, t) if priced else ()),
         )
     if shown:
         console.print(table)
@@ -169,3 +205,72 @@ def _print(result: Plan, top: int) -> None:
         console.print(rej)
     if not result.entries:
         console.print("[bold red]No layout fits in device memory[/]: see the rejected reasons above.")
+
+
+def _run_sizes(args: argparse.Namespace, model: Any, cluster: Any, training: Any, space: SearchSpace) -> int:
+    counts = check_node_counts(args.nodes if args.nodes is not None else [cluster.nodes], field="--nodes")
+    points = plan_sizes(model=model, cluster=cluster, training=training, nodes=counts, space=space,
+                        allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch)
+    figure = sizes_figure(points, title=_sizes_title(model, cluster, training))
+    if args.plot:
+        import plotly.graph_objects as go
+
+        try:  # self-contained: plotly.js inlined, the page opens with no network
+            Path(args.plot).write_text(go.Figure(figure).to_html(include_plotlyjs=True, full_html=True))
+        except OSError as exc:
+            raise SpecError(f"--plot={args.plot!r}: cannot write it ({exc.strerror or exc})") from None
+    if args.json:
+        json.dump({"model": to_dict(model), "cluster": to_dict(cluster), "training": to_dict(training),
+                   "scale_batch": args.scale_batch, "simulated": False, "predicted": True,
+                   "sizes": [p.to_dict() for p in points], "figure": figure}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_sizes(points, model, cluster, training, plot=args.plot)
+    return 0
+
+
+def _sizes_title(model: Any, cluster: Any, training: Any) -> str:
+    batch = f"global batch {training.global_batch} x {model.seq_len} tokens"
+    return f"{model.name} on {cluster.name}: best predicted layout per cluster size ({batch})"
+
+
+def _print_sizes(points: list[SizePoint], model: Any, cluster: Any, training: Any, *, plot: str | None) -> None:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    budget = (f"; token budget {fmt.tokens_text(training.train_tokens)}" if training.train_tokens
+              else "; no token budget (--train-tokens)")
+    price = (f"; {fmt.money(cluster.price_per_device_hour)} per device-hour" if cluster.price_per_device_hour is not None
+             else "; no price (--price-per-device-hour)")
+    console.print(f"[bold]{model.name}[/] ({_count(model.params)} params) on [bold]{cluster.name}[/] "
+                  f"({cluster.devices_per_node} per node){budget}{price}")
+    table = Table(box=box.SIMPLE_HEAD, title="Best predicted layout per cluster size (analytical model, not measured)")
+    for col in ("nodes", "devices", "batch", "best layout", "placement", "tok/s", "tok/s/dev", "MFU",
+                "useful tok/s", "time to train", "cost / 1M tok", "total cost"):
+        table.add_column(col, justify="left" if col in ("best layout", "placement") else "right")
+    for p in points:
+        if p.layout is None:
+            table.add_row(str(p.nodes), str(p.devices), str(p.global_batch), p.why or "-", "", *[fmt.DASH] * 7)
+            continue
+        cells = fmt.budget_cells(p.budget)
+        table.add_row(str(p.nodes), f"{p.devices:,}", f"{p.global_batch:,}", fmt.layout_text(p.layout),
+                      p.placement or "", fmt.num(p.tokens_per_s), fmt.num(p.tokens_per_s_per_device), fmt.pct(p.mfu),
+                      fmt.num(p.useful_tokens_per_s), cells["time"], cells["per_mtok"], cells["cost"])
+    console.print(table)
+    if training.critical_batch is None:
+        console.print("useful tok/s equals tok/s: no critical batch given (training.critical_batch_tokens)",
+                      style="dim")
+    else:
+        console.print(f"useful tok/s: tokens/s x 1/(1 + B/B_crit), B_crit = {training.critical_batch:,} sequences "
+                      "(McCandlish et al. 2018): beyond the critical batch more tokens per step buy little progress",
+                      style="dim")
+    if plot:
+        console.print(f"plot written to {plot}")
+
+
+def budget_columns(entry: Any, cluster: Any, training: Any) -> tuple[str, str]:
+    """(time to train, cost) of one planned layout's predicted tokens/s."""
+    b = training_budget(entry.time.tokens_per_s, devices=cluster.devices, train_tokens=training.train_tokens,
+                        price_per_device_hour=cluster.price_per_device_hour)
+    cells = fmt.budget_cells(b)
+    return cells["time"], cells["cost"]
