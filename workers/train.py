@@ -30,8 +30,9 @@ from tuner._realise import realise
 from workers import measure
 from workers._contract import TrialRequest
 from workers._data_parallel import is_expert_param, zero1_micro_batch
-from workers.model import Transformer, synthetic_batch
+from workers.model import synthetic_batch
 from workers.parallelize import Parallelized, build_mesh, coordinate, cross_entropy, parallelize_model
+from workers.workload import build_model, capabilities_of
 
 
 class NonFiniteLoss(RuntimeError):
@@ -75,14 +76,13 @@ def reference_losses(request: TrialRequest, *, steps: int | None = None) -> tupl
     """The single-process, non-distributed reference: whole global batch, one device, fp32.
     Returns (loss per step, global gradient norm per step)."""
     spec, training = request.model, request.training
-    torch.manual_seed(training.seed)
-    model = Transformer(spec)
-    model.init_weights(training.seed)
+    model = build_model(spec, training, torch.device("cpu"), request.workload)
+    loss_fn = getattr(model, "loss", None) or cross_entropy
     opt = torch.optim.AdamW(model.parameters(), lr=training.lr)
     losses, norms = [], []
     for step in range(steps if steps is not None else request.warmup_steps + request.measure_steps):
         tokens, targets = synthetic_batch(spec, batch=training.global_batch, step=step, seed=training.seed)
-        loss = cross_entropy(model(tokens), targets)
+        loss = loss_fn(model(tokens), targets)
         loss.backward()
         norms.append(math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters())))
         opt.step()
@@ -246,12 +246,9 @@ def build_rank_model(request: TrialRequest, device: torch.device, *, notes: list
     dtype = _precision(training, device, notes, dict(request.options))
     # 1. Mesh and the model, built identically on every rank before any sharding.
     mesh = build_mesh(layout, request.cluster, device.type)
-    torch.manual_seed(training.seed)
-    with torch.device(device):
-        model = Transformer(spec)
-    model.init_weights(training.seed)
+    model = build_model(spec, training, device, request.workload)  # workers/workload.py
     # 2.-7. Parallelisms, in the order documented in workers/parallelize.py.
-    realisation = realise(layout, spec, request.cluster, training)  # what the tuner models: asserted
+    realisation = realise(layout, spec, request.cluster, training, capabilities_of(model))  # asserted
     par = parallelize_model(model, mesh, layout, param_dtype=dtype, realisation=realisation)
     notes += par.notes
     optimizer = torch.optim.AdamW([p for _, c in par.chunks for p in c.parameters()], lr=training.lr)

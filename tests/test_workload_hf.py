@@ -1,0 +1,138 @@
+"""The Hugging Face workload (workload: hf) trains like its single-process reference on 4 CPU ranks.
+
+A shrunken Llama config (and a shrunken Qwen3-MoE one, without ep) is built by
+``transformers.AutoModelForCausalLM.from_config`` with random weights and laid out by meshtune:
+dp, ZeRO-3, TP/SP (tp=4 > kv_heads=2 keeps k/v whole), PP (1F1B, GPipe), activation checkpointing
+(full and selective). Same tolerance rule as tests/test_workers_numerics.py (rtol 1e-5 on the per-step
+loss and the global gradient norm over 4 fp32 steps, which only reduction order can move; a wrong
+1/m, 1/dp or 1/tp factor moves the gradient norm >= 2x). All layouts run in one spawn of 4 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+
+import pytest
+import torch
+from _dist import run_ranks
+from test_workers_numerics import RTOL, STEPS
+
+from tuner import Layout, LayoutError, ModelSpec, cluster_spec, training_spec
+from workers import TrialRequest
+
+pytest.importorskip("transformers")
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 192, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 256,
+             "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+def spec_of(cfg: dict) -> ModelSpec:
+    """The ModelSpec the tuner plans with (hand-written, as tuner._hf would parse it)."""
+    moe = cfg["model_type"] == "qwen3_moe"
+    return ModelSpec(f"hf-{cfg['model_type']}-shrunk", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                     heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
+                     ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], seq_len=64,
+                     experts=cfg.get("num_experts", 0), top_k=cfg.get("num_experts_per_tok", 0),
+                     expert_ffn=cfg.get("moe_intermediate_size", 0), head_dim=cfg.get("head_dim", 0), qk_norm=moe,
+                     hf_config=json.dumps(cfg, sort_keys=True))
+
+
+LAYOUTS = {
+    "dp4": (LLAMA, Layout(dp=4)),
+    "dp4-zero3-ac-selective": (LLAMA, Layout(dp=4, zero=3, ac="selective")),
+    "tp2-dp2-sp": (LLAMA, Layout(tp=2, dp=2, sp=True)),
+    "tp4-sp-ac-full": (LLAMA, Layout(tp=4, sp=True, ac="full")),  # tp > kv_heads: k/v kept whole
+    "pp2-dp2-1f1b-zero3": (LLAMA, Layout(pp=2, dp=2, schedule="1f1b", zero=3)),
+    "tp2-pp2-gpipe": (LLAMA, Layout(tp=2, pp=2, schedule="gpipe")),
+    "qwen3moe-pp2-dp2-zero3-ac-full": (QWEN3_MOE, Layout(pp=2, dp=2, zero=3, ac="full")),
+}
+
+
+def make_request(cfg: dict, layout: Layout) -> TrialRequest:
+    return TrialRequest(
+        model=spec_of(cfg),
+        cluster=cluster_spec({"preset": "cpu-local", "devices_per_node": layout.world_size}),
+        training=training_spec({"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}, seq_len=64),
+        layout=layout, warmup_steps=1, measure_steps=STEPS - 1, options={"grad_norm": True}, workload="hf",
+    )
+
+
+def _run_layouts(rank: int, world: int, requests: dict[str, TrialRequest]) -> dict[str, object]:
+    from workers.train import train_trial
+
+    out: dict[str, object] = {}
+    for name, request in requests.items():
+        try:
+            out[name] = train_trial(request, device=torch.device("cpu"))
+        except Exception:  # one broken layout must not hide the others' results
+            out[name] = traceback.format_exc()[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], list[float]]]:
+    from workers.train import reference_losses
+
+    return {cfg["model_type"]: reference_losses(make_request(cfg, Layout()), steps=STEPS) for cfg in (LLAMA, QWEN3_MOE)}
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, object]]:
+    requests = {k: make_request(cfg, layout) for k, (cfg, layout) in LAYOUTS.items()}
+    return run_ranks(4, _run_layouts, requests, timeout_s=540)
+
+
+def test_hf_reference_is_the_transformers_model_and_learns(references):
+    """The workload's model computes what the transformers model computes, and the losses move far
+    more than the tolerance (so the comparison below means something)."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.workload import build_model
+    from workers.workload_hf import hf_config
+
+    request = make_request(LLAMA, Layout())
+    ours = build_model(request.model, request.training, torch.device("cpu"), "hf")
+    torch.manual_seed(request.training.seed)
+    theirs = AutoModelForCausalLM.from_config(hf_config(LLAMA, request.model), attn_implementation="sdpa",
+                                              dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(tokens), theirs(tokens).logits)
+    for losses, norms in references.values():
+        assert len(losses) == STEPS and all(n > 0 for n in norms)
+        assert max(losses) - min(losses) > 1000 * RTOL * max(losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the first case also runs the shared 4-rank fixture
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_hf_layout_matches_reference(name, references, four_rank_results):
+    cfg, layout = LAYOUTS[name]
+    ref_losses, ref_norms = references[cfg["model_type"]]
+    reports = [per_rank[name] for per_rank in four_rank_results]
+    for r in reports:
+        assert not isinstance(r, str), f"{name} failed:\n{r}"
+    for r in reports:
+        assert r.losses == pytest.approx(ref_losses, rel=RTOL), name
+        assert r.grad_norms == pytest.approx(ref_norms, rel=RTOL), name
+    if layout.pp > 1:
+        assert sorted({r.pp_stage for r in reports}) == list(range(layout.pp))
+
+
+@pytest.mark.parametrize(("cfg", "layout", "why"), [
+    (LLAMA, Layout(cp=2, dp=2), "does not support cp"),
+    (QWEN3_MOE, Layout(ep=2, dp=2), "does not support ep"),
+    (QWEN3_MOE, Layout(tp=2, dp=2), "does not support tp"),
+])
+def test_hf_refuses_what_it_cannot_realise_at_validation(cfg, layout, why):
+    from tuner._realise import realise
+    from workers.workload_hf import capabilities
+
+    request = make_request(cfg, layout)
+    with pytest.raises(LayoutError, match=why):
+        realise(layout, request.model, request.cluster, request.training, capabilities(request.model))

@@ -1,0 +1,351 @@
+"""The workload contract: the model code a trial trains, and what meshtune needs to lay it out.
+
+A sweep spec names its workload with a top-level ``workload:`` key: ``"builtin"`` (the default,
+``workers.model.Transformer``), ``"hf"`` (the Hugging Face ``transformers`` implementation of the
+spec's ``model.hf_config``, ``workers.workload_hf``) or ``"module:attr"``, an importable ``Workload``:
+
+    WORKLOAD = Workload(name="mine", build=build, capabilities=Capabilities(workload="mine", cp=False, ep=False))
+
+- ``build(model: ModelSpec, training: TrainingSpec) -> Parts`` builds the model with random weights
+  (called identically on every rank after ``torch.manual_seed(training.seed)``, inside a
+  ``torch.device`` context: create parameters without an explicit device);
+- ``capabilities`` (a ``tuner.Capabilities``, or a function of the ModelSpec returning one) declares
+  which of tp, sp, pp, cp, ep and activation checkpointing modes it can realise: the tuner refuses any
+  other layout at validation, before a process starts (``tuner._realise.check_supported``).
+
+``Parts`` is the model cut where parallelisation needs it: the embedding, the ordered blocks
+(pipeline stages take contiguous runs of them), the final norm and the output head (an
+``nn.Linear`` over the vocabulary), a ``context`` module computing what every block needs besides
+the hidden states (e.g. rotary cos/sin from the positions; run once per pipeline stage), the TP plan
+of one block as a plain dict, and the loss. A block is called as ``block(h, **context(h, positions))``
+and returns the new hidden states [batch, seq, hidden].
+
+TP plan values (fqn patterns relative to a block, as ``parallelize_module`` takes them):
+``"colwise"`` / ``"rowwise"`` (Megatron's column / row split, Shoeybi et al. 2019, Sec. 3; the row
+output is a sequence shard under sp), ``"sequence_parallel"`` (a norm kept sequence-sharded under sp,
+Korthikanti et al. 2022; nothing without sp), ``"sequence_gather"`` (a sub-layer whose hidden-state
+input, first positional or ``hidden_states=``, is gathered from the sequence shards under sp), or a
+torch ``ParallelStyle`` used as given. Head counts: attention must reshape with -1 heads; with
+``kv_projections`` named, tp > kv_heads keeps k/v whole and each rank picks its kv head
+(``workers.parallelize.ReplicatedKV``); ``on_tp(block, q_heads_local, kv_heads_local)`` fixes any
+attribute that still holds a global head count.
+
+The built-in model runs its own path (``workers.parallelize``), unchanged; ``builtin_parts`` is the
+same model cut to this contract, so the generic path is tested against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from tuner import ModelSpec, SpecError, TrainingSpec
+from tuner._realise import Capabilities
+
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "sequence_gather")
+_MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass
+class Parts:
+    """What a workload's ``build`` returns (see the module docstring)."""
+
+    embed: nn.Module  # token ids [b, s] -> hidden [b, s, h]
+    blocks: Sequence[nn.Module]  # in order; block(h, **context) -> h
+    norm: nn.Module | None  # the final norm (None: none)
+    head: nn.Linear  # hidden -> logits [b, s, vocab]
+    context: nn.Module | None = None  # context(h, positions) -> dict of keyword arguments for every block
+    tp_plan: Mapping[str, str | ParallelStyle] = field(default_factory=dict)
+    kv_projections: tuple[str, str] | None = None  # block fqns of the k and v projections (tp > kv_heads)
+    on_tp: Callable[[nn.Module, int, int], None] | None = None  # (block, q heads, kv heads) per tp rank
+    selective_ac: str | None = None  # the block's sub-module that ac="selective" recomputes
+    # None: mean token cross-entropy (vocab-parallel under tp). A callable (logits, targets) -> loss
+    # sees whole logits, so a workload with its own loss cannot declare tp.
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    build: Callable[[ModelSpec, TrainingSpec], Parts]
+    capabilities: Capabilities | Callable[[ModelSpec], Capabilities] = field(default_factory=Capabilities)
+
+    def capabilities_for(self, model: ModelSpec) -> Capabilities:
+        caps = self.capabilities(model) if callable(self.capabilities) else self.capabilities
+        if not isinstance(caps, Capabilities):
+            raise TypeError(f"capabilities must be a tuner.Capabilities, got {type(caps).__name__}")
+        return caps
+
+
+class WorkloadError(SpecError):
+    """The ``workload`` field names something that cannot be imported or does not meet the contract."""
+
+
+# --- the built-in model, cut to the contract -----------------------------------------------------
+
+
+class RopeContext(nn.Module):
+    """The built-in blocks' context: rotary cos/sin of the positions (workers.model.rope_angles)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        from workers.model import rope_angles
+
+        cos, sin = rope_angles(self.head_dim, positions)
+        return {"cos": cos, "sin": sin}
+
+
+def builtin_parts(model: ModelSpec, training: TrainingSpec) -> Parts:
+    """``workers.model.Transformer`` (dense) as Parts, weights as the built-in path draws them."""
+    from workers.model import Transformer
+
+    t = Transformer(model)
+    t.init_weights(training.seed)
+    plan: dict[str, str] = {
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise", "feed_forward.w2": "rowwise",
+        "attention_norm": "sequence_parallel", "ffn_norm": "sequence_parallel",
+        "attention": "sequence_gather", "feed_forward": "sequence_gather",
+    }
+    if model.mlp == "swiglu":
+        plan["feed_forward.w3"] = "colwise"
+    return Parts(embed=t.tok_embeddings, blocks=list(t.layers.values()), norm=t.norm, head=t.output,
+                 context=RopeContext(model.head_dim), tp_plan=plan,
+                 kv_projections=("attention.wk", "attention.wv"), selective_ac="attention")
+
+
+def _builtin_capabilities(model: ModelSpec) -> Capabilities:
+    return Capabilities(workload="builtin")
+
+
+BUILTIN = Workload(name="builtin", build=builtin_parts, capabilities=_builtin_capabilities)
+
+
+# --- resolving and checking the ``workload`` field -----------------------------------------------
+
+
+def resolve(name: str) -> Workload:
+    """The Workload that ``workload=name`` selects; WorkloadError (one line naming it) otherwise."""
+    where = f"workload={name!r}"
+    if name == "builtin":
+        return BUILTIN
+    if name == "hf":
+        try:
+            from workers.workload_hf import HF
+        except ImportError as exc:
+            raise WorkloadError(f"{where} needs the transformers package ({exc})") from None
+        return HF
+    if not isinstance(name, str) or not _MODULE_ATTR.match(name):
+        raise WorkloadError(f"{where} is not 'builtin', 'hf' nor an importable 'module:attr' path")
+    module, attr = name.split(":", 1)
+    try:
+        obj = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's, named
+        raise WorkloadError(f"{where}: cannot import module {module!r} ({type(exc).__name__}: {exc})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise WorkloadError(f"{where}: module {module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, Workload):
+        raise WorkloadError(f"{where} is a {type(obj).__name__}, not a workers.workload.Workload "
+                            "(name, build(model, training) -> Parts, capabilities)")
+    return obj
+
+
+@functools.lru_cache(maxsize=64)
+def check_workload(name: str, model: ModelSpec, training: TrainingSpec) -> Capabilities:
+    """Resolve ``name``, take its capabilities for ``model`` and build it on the meta device (no
+    memory) to check that what ``build`` returns meets the contract. WorkloadError naming the field
+    and value otherwise. The check the sweep spec runs before anything is stored or launched."""
+    workload = resolve(name)
+    where = f"workload={name!r}"
+    try:
+        caps = workload.capabilities_for(model)
+    except (TypeError, ValueError) as exc:
+        raise WorkloadError(f"{where}: {exc}") from None
+    if name == "builtin":
+        return caps
+    try:
+        with torch.device("meta"):
+            parts = workload.build(model, training)
+    except SpecError as exc:
+        raise WorkloadError(f"{where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's build failed: name it, no traceback
+        raise WorkloadError(f"{where}: build(model, training) raised {type(exc).__name__}: {exc}") from None
+    why = contract_problem(parts, caps, model)
+    if why is not None:
+        raise WorkloadError(f"{where}: {why}")
+    return caps
+
+
+def contract_problem(parts: Any, caps: Capabilities, model: ModelSpec) -> str | None:
+    """Why ``parts`` does not meet the contract, or None."""
+    if not isinstance(parts, Parts):
+        return f"build(model, training) returned {type(parts).__name__}, not workers.workload.Parts"
+    for f in ("embed", "head"):
+        if not isinstance(getattr(parts, f), nn.Module):
+            return f"Parts.{f} must be an nn.Module, got {type(getattr(parts, f)).__name__}"
+    if not isinstance(parts.head, nn.Linear):
+        return f"Parts.head must be an nn.Linear (it is split over the vocabulary), got {type(parts.head).__name__}"
+    if parts.head.out_features != model.vocab:
+        return f"Parts.head has {parts.head.out_features} outputs but model.vocab={model.vocab}"
+    blocks = list(parts.blocks)
+    if len(blocks) != model.layers or not all(isinstance(b, nn.Module) for b in blocks):
+        return f"Parts.blocks must be model.layers={model.layers} nn.Modules, got {len(blocks)}"
+    for f in ("norm", "context"):
+        if getattr(parts, f) is not None and not isinstance(getattr(parts, f), nn.Module):
+            return f"Parts.{f} must be an nn.Module or None, got {type(getattr(parts, f)).__name__}"
+    for key, style in dict(parts.tp_plan).items():
+        if not (style in TP_STYLES or isinstance(style, ParallelStyle)):
+            return f"Parts.tp_plan[{key!r}]={style!r} is not one of {', '.join(TP_STYLES)} nor a ParallelStyle"
+    if caps.tp and not parts.tp_plan:
+        return "capabilities declare tp but Parts.tp_plan is empty"
+    if caps.tp and parts.loss is not None:
+        return "capabilities declare tp but Parts.loss is custom (tp keeps logits vocab-sharded: cross-entropy only)"
+    if caps.tp and caps.replicated_kv and parts.kv_projections is None and model.kv_heads < model.heads:
+        return "capabilities declare replicated_kv but Parts.kv_projections is None"
+    if "selective" in caps.ac and not (parts.selective_ac and all(hasattr(b, parts.selective_ac) for b in blocks)):
+        return f"capabilities declare ac='selective' but Parts.selective_ac={parts.selective_ac!r} is not a block sub-module"
+    if caps.cp or caps.ep:
+        return "context and expert parallelism are realised for the built-in model only: declare cp=False, ep=False"
+    return None
+
+
+# --- the generic model and its tensor parallelism ------------------------------------------------
+
+
+class WorkloadModel(nn.Module):
+    """Parts arranged as ``workers.model.Transformer`` is (``tok_embeddings``, ``layers`` keyed by
+    global index, ``norm``, ``output``), so the pipeline split, activation checkpointing and data
+    parallelism of ``workers.parallelize`` apply to it unchanged."""
+
+    def __init__(self, parts: Parts, spec: ModelSpec, capabilities: Capabilities) -> None:
+        super().__init__()
+        self.spec, self.capabilities = spec, capabilities
+        self.tok_embeddings: nn.Module | None = parts.embed
+        self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(parts.blocks)})
+        self.norm: nn.Module | None = parts.norm
+        self.output: nn.Linear | None = parts.head
+        self.context = parts.context
+        self.tp_plan = dict(parts.tp_plan)
+        self.kv_projections, self.on_tp = parts.kv_projections, parts.on_tp
+        self.selective_ac = parts.selective_ac
+        self.loss = parts.loss
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        ctx = self.context(h, positions) if self.context is not None else {}
+        for layer in self.layers.values():
+            h = layer(h, **ctx)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def apply_tensor_parallel(self, tp_mesh, *, sp: bool) -> None:
+        """This chunk's TP/SP: the root as the built-in model's, then each block's plan."""
+        from workers.parallelize import ReplicatedKV, apply_root_tp
+
+        apply_root_tp(self, tp_mesh, sp=sp)
+        tp, kv_heads = tp_mesh.size(), self.spec.kv_heads
+        replicate_kv = kv_heads % tp != 0
+        for block in self.layers.values():
+            plan = {k: s for k, v in self.tp_plan.items()
+                    if (s := _style(v, sp)) is not None
+                    and not (replicate_kv and self.kv_projections and k in self.kv_projections)}
+            parallelize_module(block, tp_mesh, plan)
+            if replicate_kv:
+                for fqn in self.kv_projections:
+                    parent, _, leaf = fqn.rpartition(".")
+                    owner = block.get_submodule(parent) if parent else block
+                    setattr(owner, leaf, ReplicatedKV(getattr(owner, leaf), head_dim=self.spec.head_dim,
+                                                      kv_heads=kv_heads, tp_mesh=tp_mesh))
+            if self.on_tp is not None:
+                self.on_tp(block, self.spec.heads // tp, max(1, kv_heads // tp))
+
+
+class GatherSequence(ParallelStyle):
+    """Under sequence parallelism: the module's hidden-state input (its first positional argument,
+    else ``hidden_states=``) arrives as a sequence shard and is gathered (a Replicate DTensor), as
+    ``PrepareModuleInput`` does for a fixed signature."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(device_mesh, [Replicate()])
+            if isinstance(x, torch.Tensor):
+                return DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False).redistribute(
+                    device_mesh, [Replicate()])
+            return x
+
+        def hook(mod, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise ValueError(f"sequence_gather on {type(mod).__name__}: no positional nor hidden_states input")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _style(value: str | ParallelStyle, sp: bool) -> ParallelStyle | None:
+    if isinstance(value, ParallelStyle):
+        return value
+    if value == "colwise":
+        return ColwiseParallel()
+    if value == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    if value == "sequence_parallel":
+        return SequenceParallel() if sp else None
+    if value == "sequence_gather":
+        return GatherSequence() if sp else None
+    raise ValueError(f"unknown tp_plan style {value!r}")
+
+
+# --- what the ranks call -------------------------------------------------------------------------
+
+
+def build_model(spec: ModelSpec, training: TrainingSpec, device: torch.device, workload: str = "builtin") -> nn.Module:
+    """The model of ``workload``, built identically on every rank (seeded from ``training.seed``):
+    the built-in ``Transformer`` exactly as before the contract existed, or a ``WorkloadModel``."""
+    torch.manual_seed(training.seed)
+    if workload == "builtin":
+        from workers.model import Transformer
+
+        with torch.device(device):
+            model = Transformer(spec)
+        model.init_weights(training.seed)
+        return model
+    w = resolve(workload)
+    caps = w.capabilities_for(spec)
+    with torch.device(device):
+        parts = w.build(spec, training)
+    why = contract_problem(parts, caps, spec)
+    if why is not None:
+        raise WorkloadError(f"workload={workload!r}: {why}")
+    return WorkloadModel(parts, spec, caps)
+
+
+def capabilities_of(model: nn.Module) -> Capabilities | None:
+    """What ``parallelize_model`` checks a layout against (None: the built-in model)."""
+    return getattr(model, "capabilities", None)
