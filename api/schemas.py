@@ -179,6 +179,12 @@ class ClusterPresetOut(_Out):
     intra_node_latency: float = Field(description="Seconds per message inside a node.")
     inter_node_latency: float = Field(description="Seconds per message between nodes.")
     device_kind: str = Field(description="cuda or cpu.")
+    fast_domain_devices: int | None = Field(None, description="Devices of one fast domain (whole nodes on one "
+                                            "scale-up fabric, e.g. 72 for GB200 NVL72); null: the node.")
+    fast_domain_bandwidth: float | None = Field(None, description="Bytes/s per device, one direction, inside a fast "
+                                                "domain; null: the node's.")
+    fast_domain_latency: float | None = Field(None, description="Seconds per message inside a fast domain; null: the node's.")
+    price_per_device_hour: float | None = Field(None, description="Price of one device-hour (null: unknown); set it per sweep.")
     devices: int = Field(description="nodes x devices_per_node.")
 
 
@@ -226,6 +232,10 @@ class RankingRowOut(_Out):
     memory_prediction_error: float | None = Field(description="(predicted - measured) / measured for peak memory.")
     simulated: bool = Field(description="True when the measurements come from the simulate backend.")
     trial_numbers: list[int] = Field(description="Numbers of the trials that measured this layout.")
+    budget: dict[str, Any] | None = Field(
+        None, description="Time and cost to train the sweep's training.train_tokens at this layout's median measured "
+        "tokens/s (time_to_train_s, device_hours, cost, cost_per_token at cluster.price_per_device_hour; null parts "
+        "where no budget or price is set); simulated when the row is.")
 
 
 class RankingOut(_Out):
@@ -240,6 +250,9 @@ class RankingOut(_Out):
     simulated: bool = Field(description="True when any row comes from the simulate backend.")
     diagnostic: bool = Field(False, description="True when the sweep's trial.options are diagnostic (injected "
                              "failures, sleeps or memory caps): never mistake these numbers for real measurements.")
+    budget: dict[str, Any] | None = Field(
+        None, description="The sweep's budget: train_tokens, price_per_device_hour, devices, and what its search "
+        "spent (search_device_seconds, search_device_hours, search_cost; simulated on the simulate backend).")
 
 
 class ParetoPointOut(_Out):
@@ -274,6 +287,19 @@ class PlannedLayoutOut(_Out):
         description="Predicted step_time_s, tokens_per_s, tokens_per_s_per_device, mfu, hfu, useful_tokens_per_s, "
         "and the step-time breakdown (compute, communication, bubble, ... seconds)."
     )
+
+
+class PlanSizesOut(_Out):
+    model: dict[str, Any] = Field(description="The resolved model spec.")
+    cluster: dict[str, Any] = Field(description="The resolved cluster spec (nodes: the first size).")
+    training: dict[str, Any] = Field(description="The resolved training spec (the first size's batch).")
+    scale_batch: bool = Field(description="Whether the global batch grows with the device count.")
+    sizes: list[dict[str, Any]] = Field(
+        description="Per node count: devices, global_batch, the best predicted layout (null when none fits, with "
+        "why), tokens_per_s, tokens_per_s_per_device, mfu, useful_tokens_per_s (critical batch), budget "
+        "(time_to_train_s, device_hours, cost, cost_per_token).")
+    figure: dict[str, Any] = Field(description="The comparison as a plotly figure (data and layout) for plotly.js.")
+    seconds: float = Field(description="Time the analytical planner took, seconds.")
 
 
 class PlanOut(_Out):
