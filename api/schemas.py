@@ -287,6 +287,9 @@ class PlannedLayoutOut(_Out):
         description="Predicted step_time_s, tokens_per_s, tokens_per_s_per_device, mfu, hfu, useful_tokens_per_s, "
         "and the step-time breakdown (compute, communication, bubble, ... seconds)."
     )
+    budget: dict[str, Any] | None = Field(
+        None, description="Time and cost to train training.train_tokens at the predicted tokens/s: time_to_train_s, "
+        "device_hours, cost, cost_per_token (null parts where no budget or price is given).")
 
 
 class PlanSizesOut(_Out):
