@@ -176,11 +176,43 @@ class Capabilities:
         return out
 
 
+def builtin_capabilities(model: ModelSpec) -> Capabilities:
+    """What the built-in model (workers/model.py) realises for ``model``'s shape.
+
+    Every axis for a Llama-style shape, an explicit head_dim, q/k/v biases and GeGLU MLPs. Shapes of
+    published models its parallelisation does not split: the per-head q/k RMSNorm and the shared
+    expert sit outside its TP plan (their weights' gradients would be partial sums over tp), so
+    tp=1 only; Gemma's sandwich norms (norms_per_layer=4) take the whole sequence, so no sequence
+    parallelism. The transformers workload (workers/workload_hf.py) declares its own."""
+    return Capabilities(workload="builtin", tp=not (model.qk_norm or model.shared_expert_ffn),
+                        sp=model.norms_per_layer == 2)
+
+
+def builtin_refusal(layout: Layout, model: ModelSpec) -> str | None:
+    """Why the built-in model cannot train ``model`` under ``layout`` (``builtin_capabilities``,
+    with the reason named), or None. Whole shapes it does not build: dense layers inside a MoE model
+    (``dense_layers``) and non-SwiGLU experts."""
+    if model.is_moe and model.dense_layers:
+        return (f"the built-in model has no dense layers in a MoE model (dense_layers="
+                f"{list(model.dense_layers)}): use the transformers workload")
+    if model.is_moe and model.mlp != "swiglu":
+        return f"the built-in model's experts are SwiGLU, not mlp={model.mlp!r}: use the transformers workload"
+    if layout.tp > 1 and model.qk_norm:
+        return f"the built-in model realises qk_norm only at tp=1 (tp={layout.tp})"
+    if layout.tp > 1 and model.shared_expert_ffn:
+        return f"the built-in model realises a shared expert only at tp=1 (tp={layout.tp})"
+    if layout.tp > 1 and layout.sp and model.norms_per_layer != 2:
+        return f"the built-in model realises norms_per_layer={model.norms_per_layer} only without sp"
+    return builtin_capabilities(model).refusal(layout, model)
+
+
 def check_supported(layout: Layout, model: ModelSpec, capabilities: Capabilities | None = None) -> None:
     """Raise LayoutError (naming the values) for what the workers cannot build; the check
     ``parallelize_model`` runs before touching the model. ``capabilities``: what the trial's
-    workload declares (None: the built-in model, which realises every axis)."""
+    workload declares (None: the built-in model, ``builtin_refusal``)."""
     if capabilities is not None and (why := capabilities.refusal(layout, model)) is not None:
+        raise LayoutError(why)
+    if (capabilities is None or capabilities.workload == "builtin") and (why := builtin_refusal(layout, model)):
         raise LayoutError(why)
     tp = layout.tp
     if tp > 1 and model.kv_heads % tp and tp % model.kv_heads:

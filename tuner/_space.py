@@ -15,7 +15,7 @@ given.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tuner._errors import SpecError
@@ -35,6 +35,7 @@ from tuner._layout import (
     degree_violation,
 )
 from tuner._placement import _place, check_order
+from tuner._realise import Capabilities, builtin_capabilities
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 R_MAX_LAYOUTS = "beyond space.max_layouts"
@@ -252,6 +253,20 @@ def iter_meshes(
                     yield tp, cp, ep, dp, pp
 
 
+def within_capabilities(space: SearchSpace, capabilities: Capabilities) -> SearchSpace:
+    """``space`` cut to what ``capabilities`` realises (``Capabilities.space_limits``); SpecError
+    naming the field when the space asks only for values the workload cannot run."""
+    changes: dict[str, tuple] = {}
+    for name, allowed in capabilities.space_limits().items():
+        given = getattr(space, name)
+        kept = allowed if given is None else tuple(v for v in given if v in allowed)
+        if not kept:
+            raise SpecError(f"space.{name}={list(given)}: workload {capabilities.workload!r} realises only "
+                            f"{name} in {list(allowed)} for this model")
+        changes[name] = kept
+    return replace(space, **changes) if changes else space
+
+
 def enumerate_layouts(
     *,
     model: ModelSpec,
@@ -260,10 +275,14 @@ def enumerate_layouts(
     space: SearchSpace | None = None,
     allow_tp_across_nodes: bool = False,
     order: tuple[str, ...] = AXES,
+    capabilities: Capabilities | None = None,
 ) -> Enumeration:
     """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted.
+    ``capabilities``: what the trial's workload realises (None: the built-in model for this shape).
     TP groups stay inside a node (placed in ``order``) unless ``allow_tp_across_nodes``."""
     space = space or SearchSpace()
+    # Only what the workload realises is enumerated (valid means runnable); None: the built-in model.
+    space = within_capabilities(space, capabilities or builtin_capabilities(model))
     order = check_order(order)
     out = Enumeration()
     rejected = out.rejected
