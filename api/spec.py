@@ -6,6 +6,7 @@ tuner's frozen specs, re-raising their ``SpecError`` as a validation error that 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from tuner import (
     twin_note,
 )
 from tuner._plan import check_planning_work
+from tuner._realise import check_supported
 
 SAMPLERS = ("surrogate", "tpe", "nsga2", "gp", "random", "grid")
 # Sanity bounds far above any real job. 2^18 devices is above the largest accelerator clusters built
@@ -40,6 +42,7 @@ MAX_TRIALS = 10_000
 # engine: ~1 s of enumeration on one core; 2^18 devices have ~5 x 10^5.
 MAX_CANDIDATES = 4_000_000
 _BACKEND = re.compile(r"^(ray|simulate|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
+_WORKLOAD = re.compile(r"^(builtin|hf|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")
 
 
 def text_problem(value: str) -> str | None:
@@ -229,6 +232,17 @@ class SweepSpec(RequestModel):
         default_factory=TrialSettings, description="How each trial is run: warm-up and measured steps, watchdog."
     )
     backend: str = Field("ray", description="Trial backend: 'ray', 'simulate', or an importable 'module:attr'.")
+    workload: str = Field(
+        "builtin", description="The model code trials train: 'builtin' (meshtune's decoder), 'hf' (the transformers "
+        "implementation of model.hf_config) or an importable 'module:attr' Workload (workers/workload.py); layouts "
+        "it does not declare support for are refused.")
+
+    @field_validator("workload")
+    @classmethod
+    def _check_workload(cls, value: str) -> str:
+        if not _WORKLOAD.match(value):
+            raise ValueError(f"workload={value!r} is not 'builtin', 'hf' nor an importable 'module:attr' path")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -240,6 +254,7 @@ class SweepSpec(RequestModel):
     @model_validator(mode="after")
     def _check_problem(self) -> SweepSpec:
         model, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        self.workload_capabilities()  # imports and checks a workload's contract (WorkloadError naming it)
         if cluster.devices > MAX_DEVICES:
             raise SpecError(
                 f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} "
@@ -299,6 +314,7 @@ class SweepSpec(RequestModel):
             try:
                 layout = layout_from_mapping(data)
                 check_layout(layout, model=model, cluster=cluster, training=training)
+                check_supported(layout, model, self.workload_capabilities())  # valid means runnable
             except (SpecError, TypeError) as exc:
                 raise SpecError(_layout_error(where, str(exc), given)) from None
             # Measured and ranked under its canonical key: a twin of a listed layout is that layout.
@@ -314,14 +330,36 @@ class SweepSpec(RequestModel):
         return out
 
     def search_space(self) -> Any:
-        """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``); None if empty."""
-        if not self.space:
+        """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``), narrowed to what
+        the workload declares it can realise; None if neither restricts anything."""
+        caps = self.workload_capabilities()
+        limits = caps.space_limits() if caps is not None else {}
+        if not self.space and not limits:
             return None
         try:
             from tuner import SearchSpace
         except ImportError:  # pragma: no cover - until tuner re-exports it
             from tuner._space import SearchSpace
-        return SearchSpace.from_mapping(self.space)
+        space = SearchSpace.from_mapping(self.space)
+        narrowed = {}
+        for name, allowed in limits.items():
+            given = getattr(space, name)
+            keep = tuple(v for v in (given if given is not None else allowed) if v in allowed)
+            if not keep:
+                raise SpecError(f"space.{name}={list(given)} leaves nothing that workload {self.workload!r} "
+                                f"can realise (it supports {name} in {list(allowed)})")
+            narrowed[name] = keep
+        return dataclasses.replace(space, **narrowed) if narrowed else space
+
+    def workload_capabilities(self) -> Any:
+        """What the workload declares (tuner.Capabilities), checked against its contract; None for the
+        built-in model, which realises every layout. Imports torch only for another workload."""
+        if self.workload == "builtin":
+            return None
+        from workers.workload import check_workload
+
+        model, _, training = self.to_problem()
+        return check_workload(self.workload, model, training)
 
     def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
         model = model_spec(self.model, allow_path=False)  # hf_config: the config object, never a path
