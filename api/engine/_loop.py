@@ -270,6 +270,7 @@ class SweepLoop(Claim, Budget, Learning):
             layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=trial.measure_steps,
             step_timeout_s=trial.step_timeout_s, seed=self.spec.search.seed,
             trial_id=f"{self.sweep_id}-{ticket.number}-{ticket.attempt}", options=trial.options.to_worker(),
+            workload=self.spec.workload,
         )
         ticket.future = self.pool.submit(self._run_one, request)
         self.in_flight[ticket.future] = ticket
