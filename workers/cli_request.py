@@ -87,7 +87,9 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     cluster = cluster_spec(args.cluster)
     training = training_spec({"global_batch": args.global_batch, "seed": args.seed}, seq_len=model.seq_len)
     given = parse_layout(args.layout)
-    check_layout(given, model=model, cluster=cluster, training=training)
+    options = parse_options(args.option)
+    check_layout(given, model=model, cluster=cluster, training=training,
+                 allow_tp_across_nodes=options.get("allow_tp_across_nodes") is True)
     # A twin runs (and is reported) as its canonical layout: one key per distinct program.
     layout = canonical_layout(given, training=training)
     note = twin_note(given, layout)
@@ -102,5 +104,5 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
         measure_steps=args.measure,
         step_timeout_s=args.step_timeout,
         seed=args.seed,
-        options=parse_options(args.option),
+        options=options,
     )
