@@ -1,5 +1,12 @@
 """A Llama-style decoder (RMSNorm, RoPE, GQA through SDPA, SwiGLU, optional top-k MoE) from a ModelSpec.
 
+Shapes of published models it builds as their ModelSpec says (tuner/_hf.py): an explicit head_dim,
+q/k/v biases (Qwen2), the per-head q/k RMSNorm (Qwen3), GeGLU MLPs and sandwich norms (Gemma 2/3:
+``norms_per_layer=4``), a shared expert with its sigmoid gate beside the routed ones (Qwen2-MoE).
+It is a look-alike, not those models' code (no soft-capping, sliding windows or scaled embeddings):
+the transformers workload (workers/workload_hf.py) trains the real one. What its parallelisation
+does not split is refused at validation (``tuner._realise.builtin_capabilities``).
+
 Written so that the parallelisms can be applied from outside, torchtitan-style:
 - ``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage deletes the layers
   it does not own and ``tok_embeddings``/``norm``/``output`` may be ``None`` on middle stages;
@@ -63,10 +70,13 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.head_dim = spec.head_dim
-        self.wq = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
-        self.wk = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
-        self.wv = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.wq = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=spec.qkv_bias)
+        self.wk = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.wv = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+        # Qwen3's RMSNorm of each query and key head (one head_dim weight shared by the heads).
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
         self.attn_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_sdpa
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +85,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # k, v stay un-repeated (kv heads only): attn_fn does grouped-query attention itself.
         out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -82,18 +94,20 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020) or the GPT-style GELU MLP."""
+    """SwiGLU or GeGLU with tanh GELU (Shazeer 2020), or the GPT-style GELU MLP."""
 
     def __init__(self, hidden: int, ffn: int, kind: str = "swiglu") -> None:
         super().__init__()
         self.kind = kind
         self.w1 = nn.Linear(hidden, ffn, bias=False)
         self.w2 = nn.Linear(ffn, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False) if kind == "swiglu" else None
+        self.w3 = nn.Linear(hidden, ffn, bias=False) if kind != "gelu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
             return self.w2(F.gelu(self.w1(x)))
+        if self.kind == "geglu":
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -148,10 +162,27 @@ class Block(nn.Module):
         self.attention = Attention(spec)
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
         self.feed_forward: nn.Module = MoE(spec) if spec.is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
+        # Gemma 2/3's sandwich norms: each sub-layer's output is normalised before the residual add.
+        sandwich = spec.norms_per_layer == 4
+        self.post_attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
+        self.post_ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
+        # Qwen2-MoE's shared expert: a dense MLP of every token beside the routed experts, outside
+        # the MoE module so that data parallelism treats it as dense (workers/_data_parallel.py).
+        shared = spec.is_moe and spec.shared_expert_ffn > 0
+        self.shared_expert = FeedForward(spec.hidden, spec.shared_expert_ffn, spec.mlp) if shared else None
+        self.shared_expert_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cos, sin)
+        x = x + (self.post_attention_norm(h) if self.post_attention_norm is not None else h)
+        h = self.ffn_norm(x)
+        out = self.feed_forward(h)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(h)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(h)) * shared
+            out = out + shared
+        return x + (self.post_ffn_norm(out) if self.post_ffn_norm is not None else out)
 
 
 class Transformer(nn.Module):
@@ -174,7 +205,9 @@ class Transformer(nn.Module):
         std = 0.02
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if p.dim() == 1:  # norm weights
+                if name.endswith(".bias"):  # q/k/v biases
+                    p.zero_()
+                elif p.dim() == 1:  # norm weights
                     p.fill_(1.0)
                 else:
                     # Residual-out projections scaled by depth (GPT-2, Radford et al. 2019, Sec. 2.3).
