@@ -94,8 +94,17 @@ class Plan:
             "infeasible": len(self.infeasible),
             "rejected": dict(sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))),
             "twins": self.twins,
-            "entries": [e.to_dict() for e in entries],
+            "entries": [self._with_budget(e.to_dict()) for e in entries],
         }
+
+    def _with_budget(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """An entry's time and cost to train ``training.train_tokens`` at its predicted tokens/s."""
+        from tuner._scaling import training_budget  # _scaling plans through this module
+
+        entry["budget"] = training_budget(
+            entry["time"]["tokens_per_s"], devices=self.cluster.devices, train_tokens=self.training.train_tokens,
+            price_per_device_hour=self.cluster.price_per_device_hour).to_dict()
+        return entry
 
 
 def plan(

@@ -61,7 +61,7 @@ def check_node_counts(nodes: Any, *, field: str = "nodes") -> tuple[int, ...]:
         items = [p.strip() for p in nodes.split(",")]
         parsed = []
         for p in items:
-            if not p.isdigit():
+            if not (p.isascii() and p.isdigit()):
                 raise SpecError(f"{field}={nodes}: {p!r} is not a positive integer")
             parsed.append(int(p))
         items = parsed

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import ReaderDep
-from api.schemas import ERROR_RESPONSES, ErrorOut, PlanOut
+from api.schemas import ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
 from tuner import (
     ClusterSpec,
     ModelSpec,
@@ -32,9 +32,11 @@ from tuner import (
     cluster_spec,
     model_spec,
     plan,
+    to_dict,
     training_spec,
 )
 from tuner._plan import check_planning_work
+from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
 
 router = APIRouter(tags=["plan"])
 
@@ -94,6 +96,12 @@ def _plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> tup
     return answer
 
 
+TrainTokens = Annotated[float | None, Query(gt=0, le=1e18, description="Token budget of the training run "
+                                             "(training.train_tokens): time and cost to train it.")]
+Price = Annotated[float | None, Query(ge=0, le=1e6, description="Price of one device-hour "
+                                      "(cluster.price_per_device_hour), any currency.")]
+
+
 @router.get(
     "/api/plan",
     response_model=PlanOut,
@@ -120,19 +128,34 @@ def get_plan(
     ] = None,
     precision: Annotated[Literal["bf16", "fp32"], Query(description="Training precision.")] = "bf16",
     top: Annotated[int, Query(ge=1, le=MAX_TOP, description="How many of the fastest layouts to return.")] = 10,
+    train_tokens: TrainTokens = None,
+    price_per_device_hour: Price = None,
 ) -> PlanOut:
     """Enumerate every valid layout of the model on the cluster, drop those predicted not to fit,
-    and return the fastest predicted ones with their memory and time breakdowns."""
+    and return the fastest predicted ones with their memory and time breakdowns (and, given
+    train_tokens / price_per_device_hour, each one's time and cost to train the budget)."""
+    m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
+                       critical_batch_tokens, precision, train_tokens, price_per_device_hour)
+    answer = _cached((m, c, t))
+    if answer is None:
+        _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
+                                                     remedy="plan it with `meshtune plan`, which has no such limit"))
+        answer = _plan(m, c, t)
+    result, seconds = answer
+    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+
+
+def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
+             global_batch_tokens: int | None, critical_batch_tokens: int | None, precision: str,
+             train_tokens: float | None, price_per_device_hour: float | None,
+             ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
     if (global_batch is None) == (global_batch_tokens is None):
         raise SpecError("global_batch: give exactly one of global_batch and global_batch_tokens")
     m = model_spec(model)
-    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node)) if v is not None}
+    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
+                                   ("price_per_device_hour", price_per_device_hour)) if v is not None}
     c = cluster_spec({"preset": cluster, **overrides})
-    if c.devices > MAX_DEVICES:
-        raise SpecError(
-            f"cluster.nodes x cluster.devices_per_node = {c.devices} devices exceeds this endpoint's limit of "
-            f"{MAX_DEVICES}; plan larger clusters with `meshtune plan`"
-        )
+    _check_devices(c)
     training: dict[str, Any] = {"precision": precision}
     if global_batch is not None:
         training["global_batch"] = global_batch
@@ -140,18 +163,87 @@ def get_plan(
         training["global_batch_tokens"] = global_batch_tokens
     if critical_batch_tokens is not None:
         training["critical_batch_tokens"] = critical_batch_tokens
-    t = training_spec(training, seq_len=m.seq_len)
-    answer = _cached((m, c, t))
+    if train_tokens is not None:
+        training["train_tokens"] = train_tokens
+    return m, c, training_spec(training, seq_len=m.seq_len)
+
+
+def _check_devices(c: ClusterSpec) -> None:
+    if c.devices > MAX_DEVICES:
+        raise SpecError(
+            f"cluster.nodes x cluster.devices_per_node = {c.devices} devices exceeds this endpoint's limit of "
+            f"{MAX_DEVICES}; plan larger clusters with `meshtune plan`"
+        )
+
+
+def _charge(request: Request, caller: Any, cost: int) -> None:
+    """Charge an anonymous caller's planning budget (429 with Retry-After when it is spent)."""
+    if caller.authenticated:
+        return
+    client = request.client.host if request.client else "unknown"
+    wait = request.app.state.plan_budget.charge(client, cost)
+    if wait:
+        raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(
+            f"planning budget of anonymous client {client} is spent: this plan considers up to "
+            f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
+
+
+_SIZES: OrderedDict[tuple[Any, ...], tuple[Any, float]] = OrderedDict()
+
+
+@router.get(
+    "/api/plan/sizes",
+    response_model=PlanSizesOut,
+    summary="How many devices: the best layout at each cluster size (analytical, no device time)",
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
+        "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}},
+)
+def get_plan_sizes(
+    request: Request,
+    caller: ReaderDep,
+    model: Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")],
+    cluster: Annotated[str, Query(max_length=100, description="Cluster preset name (see /api/presets).")],
+    nodes: Annotated[str, Query(max_length=400, description="Node counts to compare, comma-separated: 4,8,16,32,64.")],
+    devices_per_node: Annotated[
+        int | None, Query(ge=1, le=1024, description="Override the preset's devices per node.")
+    ] = None,
+    global_batch: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Sequences per optimiser step.")] = None,
+    global_batch_tokens: Annotated[
+        int | None, Query(ge=1, le=2**40, description="Tokens per step (a multiple of the model's seq_len).")
+    ] = None,
+    critical_batch_tokens: Annotated[
+        int | None, Query(ge=1, le=2**40, description="Critical batch in tokens (useful tokens/s level off past it).")
+    ] = None,
+    precision: Annotated[Literal["bf16", "fp32"], Query(description="Training precision.")] = "bf16",
+    scale_batch: Annotated[bool, Query(description="Grow the global batch with the devices from the first size's.")] = False,
+    train_tokens: TrainTokens = None,
+    price_per_device_hour: Price = None,
+) -> PlanSizesOut:
+    """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
+    batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
+    counts = check_node_counts(nodes, field="nodes")
+    m, c, t = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
+                       critical_batch_tokens, precision, train_tokens, price_per_device_hour)
+    key = (m, c, t, counts, scale_batch)
+    with _CACHE_LOCK:
+        answer = _SIZES.get(key)
     if answer is None:
-        cost = check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
-                                   remedy="plan it with `meshtune plan`, which has no such limit")
-        if not caller.authenticated:
-            client = request.client.host if request.client else "unknown"
-            wait = request.app.state.plan_budget.charge(client, cost)
-            if wait:
-                raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(
-                    f"planning budget of anonymous client {client} is spent: this plan considers up to "
-                    f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
-        answer = _plan(m, c, t)
-    result, seconds = answer
-    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+        cost = 0
+        for n in counts:
+            size = cluster_spec({**to_dict(c), "nodes": n})
+            _check_devices(size)
+            cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
+                                        remedy="plan it with `meshtune plan`, which has no such limit")
+        _charge(request, caller, cost)
+        started = time.perf_counter()
+        points = plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch)
+        answer = (points, time.perf_counter() - started)
+        with _CACHE_LOCK:
+            _SIZES[key] = answer
+            while len(_SIZES) > _CACHE_SIZE:
+                _SIZES.popitem(last=False)
+    points, seconds = answer
+    title = f"{m.name} on {c.name}: best predicted layout per cluster size"
+    return PlanSizesOut(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
+                        sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),
+                        seconds=round(seconds, 4))
