@@ -79,9 +79,9 @@ def test_readme_example_meets_the_contract_and_its_spec_validates(example):
     assert space.cp == (1,) and space.ep == (1,)  # narrowed to what the workload declares
     with pytest.raises(ValueError, match=r"search\.layouts\[0\]\.cp: workload 'my_model' does not support cp"):
         SweepSpec.model_validate({**example, "search": {"layouts": [{"cp": 2, "dp": 2}]}}).listed_layouts()
-    from workers.train import reference_losses
-    from workers import TrialRequest
     from tuner import cluster_spec
+    from workers import TrialRequest
+    from workers.train import reference_losses
 
     request = TrialRequest(model=model, cluster=cluster_spec("cpu-local"), training=training, layout=Layout(),
                            workload=spec.workload)
