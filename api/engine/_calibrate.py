@@ -10,8 +10,9 @@ breakdown). The calibrated step time is a weighted sum of those parts plus a con
 i.e. one scale per resource (compute, link bandwidth by collective family) and a fixed per-step
 latency (optimiser step, launch overheads: what dominates a tiny CPU run). A part is fitted only
 when the samples support it (it is >= 2% of the predicted step in at least two samples and there are
-two more samples than fitted parameters); the fit is least squares on relative error with a ridge
-pull towards the prior weights, so a few samples move it only as far as they must. This replaces
+two more samples than fitted parameters); the fit is in log space around the prior weights (each a
+scale with a log-normal prior, bounded; see ``fit_weights``), so a few samples move it only as far
+as they must and no weight reaches 0 or infinity. This replaces
 fitting tuner.CalibrationFactors by Nelder-Mead, which on 8 CPU layouts drove compute efficiency to
 0.009 and turned a +0.76 rank correlation into +0.07 (issue 13): nothing judged the fit on layouts it
 had not seen.
@@ -40,7 +41,10 @@ from tuner._stats import PooledNoise, noise_warning
 TIME_PARTS = ("compute", "comm", "dp", "p2p", "latency")
 MEMORY_PARTS = ("states", "activations", "overhead")
 SUPPORT_SHARE = 0.02
-RIDGE = 0.05  # pull of each weight towards its prior, relative to one sample's squared relative error
+FIT_LOG_SIGMA = 0.10  # misfit of the weighted parts to one measurement, log units
+LOG_WEIGHT_SIGMA = 1.0  # prior sd of log(w / prior w): e times faster or slower than modelled is 1 sd
+LOG_WEIGHT_BOUND = 100.0  # no fitted weight moves further than this factor from its prior
+CONST_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measurement
 MIN_JUDGED = 4  # below this a held-out rank correlation means nothing: the prior stays
 
 
@@ -49,6 +53,25 @@ def time_parts(breakdown: dict[str, float]) -> list[float]:
     b = breakdown
     return [b["compute"] + b["pp_bubble"], b["tp_comm"] + b["cp_comm"] + b["ep_comm"], b["dp_comm_exposed"],
             b["pp_p2p"], 1.0]
+
+
+# The surrogate's finer split (api.engine._surrogate): one part per program that a real cluster runs
+# at its own efficiency. Data-parallel traffic is a different collective program per ZeRO level (one
+# all-reduce; reduce-scatter; + all-gather of parameters: Rajbhandari et al. 2020, Sec. 5) and, under
+# pipelining, per micro-batch rather than once per step, overlapped differently: each gets its own weight.
+PROGRAM_PARTS = ("compute", "pp_bubble", "tp_comm", "cp_comm", "ep_comm",
+                 *(f"dp_z{z}_{'pp' if pp else 'nopp'}" for z in range(4) for pp in (False, True)), "pp_p2p", "latency")
+PROGRAM_OF = {"compute": "compute", "pp_bubble": "compute", "tp_comm": "comm", "cp_comm": "comm",
+              "ep_comm": "comm", "pp_p2p": "p2p", "latency": "latency",
+              **{f"dp_z{z}_{pp}": "dp" for z in range(4) for pp in ("pp", "nopp")}}
+
+
+def program_parts(breakdown: dict[str, float], layout) -> list[float]:
+    """The analytical step time's parts as PROGRAM_PARTS (latency: 1 second)."""
+    b = breakdown
+    dp = [b["dp_comm_exposed"] if (layout.zero == z and (layout.pp > 1) == pp) else 0.0
+          for z in range(4) for pp in (False, True)]
+    return [b["compute"], b["pp_bubble"], b["tp_comm"], b["cp_comm"], b["ep_comm"], *dp, b["pp_p2p"], 1.0]
 
 
 def memory_parts(mem) -> list[float]:
@@ -79,25 +102,46 @@ def _ranks(x: Sequence[float]) -> np.ndarray:
 
 def fit_weights(parts: np.ndarray, y: np.ndarray, prior: np.ndarray, free: Sequence[int],
                 lower: np.ndarray | None = None) -> np.ndarray:
-    """Weights minimising sum((parts @ w / y - 1)^2) + RIDGE * sum(((w_k - prior_k) * scale_k)^2)
-    over the ``free`` columns (the others stay at ``prior``), with w >= ``lower`` (default 0);
-    scale_k is column k's typical share of y, so the ridge is in units of relative error."""
-    from scipy.optimize import lsq_linear
+    """MAP weights in log space around ``prior``, over the ``free`` columns (the others stay at prior).
+
+    A column with a positive prior weight is a scale: w_k = prior_k * exp(theta_k), theta_k ~ N(0,
+    LOG_WEIGHT_SIGMA^2) and bounded to a factor ``LOG_WEIGHT_BOUND`` either way; a column whose prior
+    weight is 0 (the per-step constant) is linear, w_k >= max(0, ``lower``), pulled to 0 with an sd of
+    CONST_SIGMA of the median measurement. The data term is the log error sum((log(parts @ w / y) /
+    FIT_LOG_SIGMA)^2). Why: the earlier linear fit on relative error, bounded only by w >= 0 and with a
+    ridge scaled by each column's (tiny) share, slid along nearly collinear columns of a CPU run to
+    compute 5e-16 and comm 149: numbers no machine has. In log space a weight can move as far as the
+    data insist, but never to zero, never past the bounds, and only a little where the data are mute."""
+    from scipy.optimize import least_squares
 
     w = prior.astype(float).copy()
     free = list(free)
     if not free or len(y) == 0:
         return w
-    rel = parts / y[:, None]
-    fixed = [k for k in range(parts.shape[1]) if k not in free]
-    target = 1.0 - rel[:, fixed] @ w[fixed] if fixed else np.ones(len(y))
-    scale = np.maximum(np.median(np.abs(rel[:, free]), axis=0), 1e-12)
-    a = np.vstack([rel[:, free], math.sqrt(RIDGE) * np.diag(scale)])
-    b = np.concatenate([target, math.sqrt(RIDGE) * scale * prior[free]])
-    lo = np.zeros(len(free)) if lower is None else lower[free]
-    res = lsq_linear(a, b, bounds=(lo, np.full(len(free), np.inf)))
-    w[free] = res.x
-    return w
+    scale_cols = [k for k in free if prior[k] > 0]
+    lin_cols = [k for k in free if prior[k] <= 0]
+    c_sd = CONST_SIGMA * float(np.median(y))
+    lo_lin = np.array([max(0.0, float(lower[k])) if lower is not None else 0.0 for k in lin_cols])
+    hi_lin = np.maximum(lo_lin + 1e-12, float(np.min(y)) * np.ones(len(lin_cols)))
+    bound = math.log(LOG_WEIGHT_BOUND)
+
+    def unpack(x: np.ndarray) -> np.ndarray:
+        v = w.copy()
+        v[scale_cols] = prior[scale_cols] * np.exp(x[: len(scale_cols)])
+        v[lin_cols] = x[len(scale_cols):]
+        return v
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        pred = np.maximum(parts @ unpack(x), 1e-30)
+        return np.concatenate([np.log(pred / y) / FIT_LOG_SIGMA, x[: len(scale_cols)] / LOG_WEIGHT_SIGMA,
+                               (x[len(scale_cols):] - lo_lin) / max(c_sd, 1e-30)])
+
+    lo = np.concatenate([np.full(len(scale_cols), -bound), lo_lin])
+    hi = np.concatenate([np.full(len(scale_cols), bound), hi_lin])
+    # start inside the box: trf started on a bound can stop there at once (ftol after two steps)
+    x0 = np.concatenate([np.zeros(len(scale_cols)), lo_lin + 0.1 * (hi_lin - lo_lin)])
+    res = least_squares(resid, x0, bounds=(lo, hi), method="trf", x_scale="jac", max_nfev=300)
+    return unpack(res.x)
 
 
 def supported(parts: np.ndarray, y: np.ndarray, prior: np.ndarray, order: Sequence[int]) -> list[int]:

@@ -160,17 +160,26 @@ class Problem:
     # --- the analytical model's parts --------------------------------------------------------------
 
     def _layout_parts(self, layout: Layout) -> tuple[list[float], list[float], float]:
+        return self._layout_parts_full(layout)[:3]
+
+    def _layout_parts_full(self, layout: Layout) -> tuple[list[float], list[float], float, list[float]]:
         est = tuner.estimate_time(layout, model=self.model, cluster=self.cluster, training=self.training)
         mem = tuner.estimate_memory(layout, model=self.model, cluster=self.cluster, training=self.training)
         useful = est.useful_tokens_per_s / est.tokens_per_s if est.tokens_per_s else None
-        return cal.time_parts(est.breakdown), cal.memory_parts(mem), useful
+        return cal.time_parts(est.breakdown), cal.memory_parts(mem), useful, cal.program_parts(est.breakdown, layout)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Time and memory parts of every layout of the space (computed once: ~30 us a layout)."""
         if self._arrays is None:
-            rows = [self._layout_parts(lay) for lay in self.space.layouts]
+            rows = [self._layout_parts_full(lay) for lay in self.space.layouts]
             self._arrays = (np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), rows[0][2])
+            self._programs = np.array([r[3] for r in rows])
         return self._arrays[0], self._arrays[1]
+
+    def program_arrays(self) -> np.ndarray:
+        """The step time's parts per collective program of every layout (api.engine._calibrate.PROGRAM_PARTS)."""
+        self.arrays()
+        return self._programs
 
     def parts(self, layout: Layout) -> tuple[list[float], list[float], float | None]:
         i = self.space.index.get(layout.key)

@@ -1,18 +1,29 @@
-"""The ``surrogate`` proposer: the analytical model as the prior, the sweep's measurements as data.
+"""The ``surrogate`` proposer (the default sampler): the analytical model's *parts* as the prior,
+the sweep's measurements as data.
 
 Why not only TPE: TPE samples each knob independently (Bergstra et al. 2011) and most of its asks
 are projected onto valid layouts, so it learns little per trial, and it ignores failures; against
 truths that differ from meshtune's model it did no better than random in its first 20 trials
-(issue 13). Here the model is:
+(issue 13). Here the model of a layout's log tokens/s per device is
 
-    log tokens/s(layout) = log prior(layout) + r(layout),
+    y(layout) = log(T / sum_k w_k parts_k(layout)) + r(layout),
 
-``prior`` is the calibrated analytical prediction (api.engine._model.Problem) and ``r`` a Gaussian
-process over the layout features (log2 degrees, ZeRO level, micro-batch size, recompute, schedule;
-``_space._features`` scaled to [0, 1]) fitted to the measured residuals (Rasmussen & Williams 2006,
-Alg. 2.1; Matern 5/2 kernel, constant mean = the mean residual, length-scale and signal variance
-chosen by marginal likelihood on a small grid). Residuals inherited from earlier sweeps on the same
-cluster join as data with extra noise (each sweep's own mean removed: only the shape transfers).
+where ``parts`` are the analytical step time's parts (compute + bubble, tp/cp/ep collectives,
+exposed gradient traffic, pipeline sends, a per-step constant: api.engine._calibrate.TIME_PARTS) and
+
+- ``w`` is fitted to the measurements in log space around the weights in force (the sweep's, or
+  inherited from earlier sweeps on the cluster): each w_k = w0_k exp(theta_k), theta_k ~ N(0, 1)
+  a priori, MAP by bounded least squares, with its Laplace covariance (MacKay 1992). A model that is
+  structurally wrong about one resource (a collective charged per micro-batch that the cluster
+  overlaps, a GEMM-size cliff) is wrong about every layout that leans on it: one weight moves them
+  all, and a layout leaning on a weight the data have not pinned down keeps a wide prediction, so
+  expected improvement goes and looks;
+- ``r`` is a Gaussian process over the layout features (log2 degrees, ZeRO level, micro-batch size,
+  recompute, schedule; ``_space._features`` scaled to [0, 1]) fitted to what the weights leave
+  unexplained (Rasmussen & Williams 2006, Alg. 2.1; Matern 5/2 kernel, constant mean, length-scale
+  and signal variance chosen by marginal likelihood on a small grid). Residuals inherited from
+  earlier sweeps on the same cluster join as data with extra noise (each sweep's own mean removed:
+  only the shape transfers).
 
 Each proposal is the enumerated, unseen layout with the largest expected improvement (Jones et al.
 1998) over the best measured one, times the probability that it fits in memory under the memory
@@ -30,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from api.engine import _calibrate as cal
 from api.engine._space import LayoutSpace, _features, knob_values
 from tuner import Layout
 
@@ -39,6 +51,12 @@ TRANSFER_SIGMA = 0.08  # extra noise of a residual measured on another model or 
 LENGTH_SCALES = (0.2, 0.35, 0.6, 1.0)
 SIGNAL_SIGMAS = (0.05, 0.12, 0.25)
 FAIL_LENGTH = 0.15
+WEIGHT_SIGMA = 1.0  # prior sd of log(w_k / w0_k): a resource e times faster or slower than modelled is 1 sd
+FIT_SIGMA = 0.10  # what the weights alone leave unexplained, per layout (the GP models the rest)
+THETA_BOUNDS = (-6.0, 3.0)  # a weight between 1/400 and 20 times the one in force
+CANDIDATE_MARGIN_Z = 0.0  # candidates: predicted to fit by this many memory errors (0: at all)
+TRANSFER_W_SIGMA = 0.3  # extra sd of a per-program weight fitted on another model of the cluster
+LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measured step
 
 
 def _phi(z: np.ndarray) -> np.ndarray:
@@ -56,6 +74,68 @@ def _matern52(d: np.ndarray, length: float) -> np.ndarray:
     return (1.0 + r + r * r / 3.0) * np.exp(-r)
 
 
+class WeightFit:
+    """The parametric mean: part weights fitted in log space around ``w0``, with their uncertainty.
+
+    Parameters: theta_k = log(w_k / w0_k) for the scaled parts, and the per-step constant c >= 0
+    (linear: the prior's is usually 0). ``mean``/``sd`` give log tokens/s per device of every layout."""
+
+    def __init__(self, parts: np.ndarray, w0: np.ndarray, log_tokens: float, *, sd: np.ndarray | None = None) -> None:
+        self.parts, self.log_tokens = parts, log_tokens
+        self.base = np.maximum(np.asarray(w0[:-1], dtype=float), 1e-3)
+        self.c0 = max(float(w0[-1]), 0.0)
+        k = len(self.base)
+        self.prior_sd = np.full(k, WEIGHT_SIGMA) if sd is None else np.asarray(sd, dtype=float)
+        self.theta, self.c = np.zeros(k), self.c0
+        self.cov = np.diag([*(self.prior_sd ** 2), 0.0])
+
+    def weights(self) -> np.ndarray:
+        return np.concatenate([self.base * np.exp(self.theta), [self.c]])
+
+    def _step(self, rows: np.ndarray, theta: np.ndarray, c: float) -> np.ndarray:
+        return self.parts[rows, :-1] @ (self.base * np.exp(theta)) + c * self.parts[rows, -1]
+
+    def fit(self, idx: np.ndarray, y: np.ndarray) -> None:
+        """MAP fit to measured log tokens/s per device ``y`` of layouts ``idx``; Laplace covariance."""
+        from scipy.optimize import least_squares
+
+        k = len(self.base)
+        step_meas = np.exp(self.log_tokens - y)
+        c_scale = LATENCY_SIGMA * float(np.median(step_meas))
+        lo = np.array([THETA_BOUNDS[0]] * k + [0.0])
+        hi = np.array([THETA_BOUNDS[1]] * k + [max(float(step_meas.min()), 1e-9)])
+        # inside the box: trf started on a bound (c = 0) can stop there at once
+        x0 = np.concatenate([np.clip(self.theta, lo[:k] + 1e-6, hi[:k] - 1e-6), [lo[k] + 0.1 * (hi[k] - lo[k])]])
+
+        def resid(x: np.ndarray) -> np.ndarray:
+            step = np.maximum(self._step(idx, x[:k], x[k]), 1e-30)
+            return np.concatenate([(y - (self.log_tokens - np.log(step))) / FIT_SIGMA, x[:k] / self.prior_sd,
+                                   [(x[k] - self.c0) / c_scale]])
+
+        res = least_squares(resid, x0, bounds=(lo, hi), method="trf", x_scale="jac", max_nfev=200)
+        self.theta, self.c = res.x[:k], float(res.x[k])
+        j = res.jac
+        try:
+            self.cov = np.linalg.inv(j.T @ j + 1e-9 * np.eye(k + 1))
+        except np.linalg.LinAlgError:  # pragma: no cover - the prior terms keep J^T J positive definite
+            self.cov = np.diag([*(self.prior_sd ** 2), c_scale ** 2])
+
+    def mean(self, rows: np.ndarray | None = None) -> np.ndarray:
+        rows = np.arange(len(self.parts)) if rows is None else rows
+        step = self._step(rows, self.theta, self.c)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(step > 0, self.log_tokens - np.log(np.maximum(step, 1e-30)), np.nan)
+
+    def sd(self, rows: np.ndarray) -> np.ndarray:
+        """Delta-method sd of ``mean`` from the weights' covariance: a layout leaning on a part the
+        measurements have not pinned down is uncertain by about that part's share of its step."""
+        w = self.base * np.exp(self.theta)
+        contrib = self.parts[rows, :-1] * w
+        step = np.maximum(contrib.sum(1) + self.c * self.parts[rows, -1], 1e-30)
+        g = np.concatenate([contrib, self.parts[rows, -1:]], axis=1) / step[:, None]  # -d mean / d params
+        return np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", g, self.cov, g), 0.0))
+
+
 class SurrogateProposer:
     def __init__(self, space: LayoutSpace, *, problem: Any, seed: int) -> None:
         self.space, self.problem = space, problem
@@ -66,6 +146,7 @@ class SurrogateProposer:
         self.tie = np.random.default_rng(seed).random(len(space))  # seeded tie-break
         self.obs: dict[int, list[float]] = {}  # layout index -> measured log tokens/s per device
         self.failed: set[int] = set()
+        self.fit: WeightFit | None = None
 
     def scaled(self, layout: Layout) -> np.ndarray:
         dp = self.space.devices / max(1, layout.tp * layout.pp * layout.cp * layout.ep)
@@ -86,6 +167,38 @@ class SurrogateProposer:
 
     # --- the posterior -----------------------------------------------------------------------------
 
+    def _weights(self) -> WeightFit:
+        """The parametric mean refitted to every measurement so far (cheap: 14 parameters), centred
+        on the weights in force (time calibration per resource, spread over its programs), or on
+        what an earlier sweep on this cluster fitted per program (``problem.inherited_programs``)."""
+        parts = self.problem.program_arrays()
+        time_w = dict(zip(cal.TIME_PARTS, np.asarray(self.problem.time_w, dtype=float), strict=True))
+        w0 = np.array([time_w[cal.PROGRAM_OF[k]] for k in cal.PROGRAM_PARTS])
+        sd = np.full(len(w0) - 1, WEIGHT_SIGMA)
+        inherited = getattr(self.problem, "inherited_programs", None)
+        if inherited:
+            for j, k in enumerate(cal.PROGRAM_PARTS[:-1]):
+                if k in inherited["weights"]:
+                    w0[j] = inherited["weights"][k]
+                    sd[j] = min(WEIGHT_SIGMA, math.hypot(inherited["sd"].get(k, WEIGHT_SIGMA), TRANSFER_W_SIGMA))
+        log_tokens = math.log(self.problem.tokens / self.space.devices)
+        fit = WeightFit(parts, w0, log_tokens, sd=sd)
+        if self.obs:
+            idx = np.array(sorted(self.obs))
+            fit.fit(idx, np.array([float(np.mean(self.obs[i])) for i in idx]))
+        self.fit = fit
+        return fit
+
+    def learned(self) -> dict[str, Any] | None:
+        """What this sweep's measurements taught the per-program weights (stored with the calibration
+        as "programs", inherited by later sweeps on the cluster): the weights and their sd."""
+        if self.fit is None or not self.obs:
+            return None
+        w = self.fit.weights()
+        sd = np.sqrt(np.diag(self.fit.cov))[:-1]
+        return {"n": len(self.obs), "weights": {k: float(v) for k, v in zip(cal.PROGRAM_PARTS[:-1], w[:-1], strict=True)},
+                "sd": {k: float(v) for k, v in zip(cal.PROGRAM_PARTS[:-1], sd, strict=True)}}
+
     def _data(self, prior: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         xs, ys, noise = [], [], []
         noise_sigma = getattr(self.problem, "noise_sigma", None) or NOISE_SIGMA
@@ -100,7 +213,6 @@ class SurrogateProposer:
             ys.append(r + own_mean)  # inherited residuals are centred: they add shape, not level
             noise.append(noise_sigma ** 2 + TRANSFER_SIGMA ** 2)
         return np.array(xs).reshape(-1, self.x.shape[1]), np.array(ys), np.array(noise)
-
     def posterior(self, cand: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation of the residual at candidate indices."""
         xs, ys, noise = self._data(prior)
@@ -141,23 +253,25 @@ class SurrogateProposer:
 
     def scores(self, exclude: set[str]) -> tuple[np.ndarray, np.ndarray]:
         """(candidate indices, acquisition) over the unseen layouts the memory model lets run."""
-        prior = self.problem.prior_log_tokens()
+        fit = self._weights()
+        prior = fit.mean()
         margin, sigma = self.problem.memory_margin()
         unseen = np.isfinite(prior)
         for key in exclude:
             i = self.space.index.get(key)
             if i is not None:
                 unseen[i] = False
-        # The warm start's headroom everywhere: only layouts that fit with HEADROOM_Z memory errors
-        # to spare (an OOM costs a start-up and teaches less than a measurement); if none is left,
-        # those that fit at all.
-        cand = np.flatnonzero(unseen & (margin >= HEADROOM_Z * sigma))
+        # Every layout the memory model predicts to fit is a candidate, its acquisition weighted by
+        # the probability that it fits (p_fit below): an OOM costs a start-up and teaches less than
+        # a measurement, so a layout near the limit must promise more to be launched.
+        cand = np.flatnonzero(unseen & (margin >= CANDIDATE_MARGIN_Z * sigma))
         if not len(cand):
             cand = np.flatnonzero(unseen & (margin >= 0))
         if not len(cand):
             return cand, np.zeros(0)
-        mu_r, sd = self.posterior(cand, prior)
+        mu_r, sd_r = self.posterior(cand, prior)
         mu = prior[cand] + mu_r
+        sd = np.sqrt(sd_r ** 2 + fit.sd(cand) ** 2)
         measured = [float(np.mean(v)) for v in self.obs.values()]
         if measured:
             z = (mu - max(measured)) / sd
