@@ -113,6 +113,7 @@ class Gang:
     slots: list[list[Slot]] = field(default_factory=list)  # [node group][bundle]
     busy: bool = True
     last_used: float = field(default_factory=time.monotonic)
+    trial_id: str | None = None  # the trial it runs now (GangPool.cancel finds it by this)
 
     @property
     def ranks(self) -> list[Slot]:
@@ -179,8 +180,22 @@ class GangPool:
     def release(self, gang: Gang) -> None:
         with self._cond:
             gang.busy = False
+            gang.trial_id = None
             gang.last_used = time.monotonic()
             self._cond.notify_all()
+
+    def cancel(self, trial_id: str) -> bool:
+        """Destroy the gang running ``trial_id`` (its actors killed, its placement groups removed)
+        and forget it: its devices are free at once, its ranks die and the trial ends as a failure.
+        False when no gang runs that trial (not started yet, or already ended)."""
+        with self._cond:
+            gang = next((g for g in self._gangs if g.busy and g.trial_id == trial_id), None)
+            if gang is None:
+                return False
+            self._gangs.remove(gang)
+            self._cond.notify_all()
+        destroy(gang)
+        return True
 
     def close_idle(self) -> bool:
         """Destroy every idle gang; True when nothing is left in use."""

@@ -99,6 +99,7 @@ class RayBackend:
         self.placement_timeout_s = placement_timeout_s
         self.actor_start_timeout_s = actor_start_timeout_s
         self._started_ray = False
+        self._cancelled: set[str] = set()  # trial ids to stop (cancel)
 
     # --- Ray connection ---------------------------------------------------------------------------
 
@@ -120,6 +121,13 @@ class RayBackend:
         if self._started_ray and unused and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+
+    def cancel(self, trial_id: str) -> None:
+        """Stop trial ``trial_id`` now (its sweep was cancelled): its gang's actors are killed and its
+        placement groups removed, so its devices are free within seconds; a trial not started yet
+        never starts (BackendUnavailable). Its result, a failure, is not the layout's."""
+        self._cancelled.add(trial_id)
+        POOL.cancel(trial_id)
 
     # --- validation -----------------------------------------------------------------------------
 
@@ -191,6 +199,9 @@ class RayBackend:
         gang = POOL.acquire((resource, groups), timeout_s=self.placement_timeout_s)
         clean = False
         try:
+            gang.trial_id = request.trial_id
+            if request.trial_id in self._cancelled:  # cancelled while it waited for its gang
+                raise BackendUnavailable(f"trial {request.trial_id} was cancelled before it started")
             ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
             ranks = gang.ranks  # node-major: rank r is the r-th slot, as in the tuner's Placement
             hosts = sorted({s.info["host"] for s in ranks})
