@@ -163,6 +163,10 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
     if ranking.metric != "tokens_per_s_per_device":
         columns.append("tok/s/dev")
     columns += ["useful tok/s/dev", "peak mem", "pred err", "mem err"]
+    spend = getattr(ranking, "budget", None) or {}
+    priced = spend.get("train_tokens") is not None or spend.get("price_per_device_hour") is not None
+    if priced:  # time and cost to train training.train_tokens at each layout's measured tokens/s
+        columns += ["time to train", "cost"]
     for col in columns:
         if col == "layout":
             table.add_column(col, justify="left", overflow="fold", min_width=12)
@@ -183,6 +187,9 @@ def print_ranking(console: Any, ranking: Any, *, top: int = 20) -> None:
             _fmt(row.useful_tokens_per_s_per_device), _fmt_bytes(row.peak_memory_bytes),
             fmt.error_markup(row.prediction_error), fmt.error_markup(row.memory_prediction_error),
         ]
+        if priced:
+            b = fmt.budget_cells(row.budget, simulated=bool(row.budget and row.budget.get("simulated")))
+            cells += [b["time"], b["cost"]]
         table.add_row(*cells)
     console.print(table)
     if ranking.rows:
@@ -208,6 +215,17 @@ def _print_sweep(console: Any, sweep: Any) -> None:
         f"trials={sweep.n_trials} (completed {sweep.n_completed}, pruned {sweep.n_pruned}, failed {sweep.n_failed}) "
         f"{_device_seconds_text(sweep)}"
     )
+    from api import format as fmt
+    from api.services import budget
+
+    prob = budget.problem(sweep)
+    if prob is not None:
+        cluster, training = prob
+        line = "search spent: " + fmt.search_spent(sweep.device_seconds or 0.0, simulated=sweep.backend == "simulate",
+                                                  price_per_device_hour=cluster.price_per_device_hour)
+        if training.train_tokens is not None:
+            line += f"; token budget to train: {fmt.tokens_text(training.train_tokens)}"
+        console.print(line)
     if sweep.diagnostic:
         console.print("[yellow]diagnostic sweep: trial.options inject failures, sleeps or memory caps; its numbers "
                       "are not real measurements[/yellow]")

@@ -244,6 +244,8 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
             capacity_gib=cap / GiB if cap else None,
             memory_fraction=min(r.peak_memory_bytes / cap, 1.0) if r.peak_memory_bytes and cap else None,
             memory_error=r.memory_prediction_error, time_error=r.prediction_error,
+            # time and cost to train training.train_tokens at its measured tokens/s (api.services.budget)
+            budget_cells=fmt.budget_cells(r.budget, simulated=bool(r.budget and r.budget.get("simulated"))),
         )
         rows.append(d)
     # The Pareto points are the ranking's layouts (medians), on the front by the same function that
@@ -269,6 +271,11 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
     results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
     header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)
+    spend = ranking.budget or {}  # the token budget, the price and what the search spent
+    header["priced"] = spend.get("train_tokens") is not None or spend.get("price_per_device_hour") is not None
+    header["train_tokens"] = fmt.tokens_text(spend.get("train_tokens"))
+    header["search_spent"] = fmt.search_spent(sweep.device_seconds or 0.0, simulated=sweep.backend == "simulate",
+                                              price_per_device_hour=spend.get("price_per_device_hour"))
     return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}
 
 

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from api import store
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable, predict_under
+from api.services import budget
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
@@ -62,6 +63,7 @@ class RankingRow:
     memory_prediction_error: float | None
     simulated: bool
     trial_numbers: list[int] = field(default_factory=list)
+    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.services.budget)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Ranking:
     simulated: bool  # any row comes from the simulate backend
     diagnostic: bool = False  # trial.options injected failures/sleeps/memory caps: not real measurements
     total: int = 0  # ranked layouts in the whole ranking (rows may be one page of them)
+    budget: dict[str, Any] | None = None  # token budget, price, and what the search spent
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,7 +276,7 @@ def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_
         ))
     summary = (state.summary or {}).get(metric) or {}
     return Ranking(sweep.id, metric, rows, sweep.calibration, bool(summary.get("simulated")), sweep.diagnostic,
-                   total=int(summary.get("total", 0)))
+                   total=int(summary.get("total", 0)), budget=budget.attach(sweep, rows))
 
 
 def ranking_tag(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> str:
@@ -339,7 +342,8 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             predicted_memory_bytes=pred_mem, memory_prediction_error=relative_error(pred_mem, peak),
             simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
-    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic)
+    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic,
+                   budget=budget.attach(sweep, rows))
 
 
 def _predicted_stored(sweep: Sweep, rows: list[Any]) -> dict[str, tuple[float | None, int | None]]:

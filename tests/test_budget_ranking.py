@@ -1,0 +1,106 @@
+"""Cost columns of a stored sweep (issue 14): each ranked layout's time and cost to train the token
+budget from its measured (here: simulated, and labelled so) tokens/s, and what the search spent,
+in the API ranking, ``meshtune show`` and the dashboard sweep page; and ``GET /api/plan/sizes``.
+The sweep is seeded through the store functions the engine uses (tests/_dashboard_seed.py)."""
+
+from __future__ import annotations
+
+import _dashboard_seed as seed
+import pytest
+from fastapi.testclient import TestClient
+
+from api import format as fmt
+from api import store
+from api.cli import main
+from api.main import create_app
+from api.settings import Settings
+
+PRICE, TOKENS = 2.5, 1e12
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('budget') / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    with pytest.MonkeyPatch.context() as mp:  # the seeded sweep's spec, with a price and a token budget
+        mp.setattr(seed, "SPEC", {**seed.SPEC, "cluster": {"preset": "h100-sxm", "nodes": 4, "price_per_device_hour": PRICE},
+                                  "training": {**seed.SPEC["training"], "train_tokens": TOKENS}})
+        sid = seed.seed_sweep(sessions, n_trials=12, name="priced sweep")
+    plain = seed.seed_sweep(sessions, n_trials=12, name="unpriced sweep", seed=1)
+    app = create_app(Settings(database_url=url, api_tokens={"alice": "tok-alice"}, read_requires_auth=False),
+                     run_engine=False)
+    with TestClient(app) as client:
+        yield {"url": url, "sid": sid, "plain": plain, "client": client}
+    engine.dispose()
+
+
+def test_api_ranking_rows_carry_time_and_cost_to_train(stored):
+    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
+    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+    devices = 32
+    assert body["rows"]
+    for row in body["rows"]:
+        b = row["budget"]
+        job = row["tokens_per_s_per_device"] * devices
+        assert b["simulated"] is True and b["devices"] == devices
+        assert b["time_to_train_s"] == pytest.approx(TOKENS / job)
+        assert b["cost"] == pytest.approx(devices * TOKENS / job / 3600 * PRICE)
+        assert b["cost_per_token"] == pytest.approx(b["cost"] / TOKENS)
+    spent = body["budget"]
+    assert spent["search_device_seconds"] == pytest.approx(sweep["device_seconds"]) and spent["simulated"] is True
+    assert spent["search_cost"] == pytest.approx(sweep["device_seconds"] / 3600 * PRICE)
+    # A sweep with neither a budget nor a price: the parts are null, the search spend still counted.
+    plain = stored["client"].get(f"/api/sweeps/{stored['plain']}/ranking").json()
+    assert plain["rows"][0]["budget"]["time_to_train_s"] is None and plain["budget"]["search_cost"] is None
+    assert plain["budget"]["search_device_hours"] > 0
+
+
+def test_meshtune_show_prints_the_cost_columns_and_the_search_spend(stored, monkeypatch, capsys):
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
+    assert main(["show", str(stored["sid"])]) == 0
+    out = capsys.readouterr().out
+    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
+    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+    assert "time to train" in out and "cost" in out
+    best = fmt.budget_cells(body["rows"][0]["budget"], simulated=True)
+    assert best["time"].endswith("(simulated)") and best["time"] in out and best["cost"] in out
+    spent = fmt.search_spent(sweep["device_seconds"], price_per_device_hour=PRICE, simulated=True)
+    assert f"search spent: {spent}" in out and "token budget to train: 1T" in out
+    assert main(["show", str(stored["plain"])]) == 0
+    out = capsys.readouterr().out
+    assert "time to train" not in out and "search spent: simulated" in out
+
+
+def test_dashboard_sweep_page_shows_cost_columns_and_spend(stored):
+    r = stored["client"].get(f"/sweeps/{stored['sid']}")
+    assert r.status_code == 200
+    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
+    cells = fmt.budget_cells(body["rows"][0]["budget"], simulated=True)
+    assert "time to<br>train" in r.text and f'<td class="budget-time">{cells["time"]}</td>' in r.text
+    assert f'<td class="budget-cost">{cells["cost"]}</td>' in r.text
+    assert r.text.count('class="budget-cost"') == len(body["rows"])
+    assert 'id="fact-search-spent"' in r.text and "simulated" in r.text and "budget 1T tokens" in r.text
+    plain = stored["client"].get(f"/sweeps/{stored['plain']}").text
+    assert 'class="budget-cost"' not in plain and 'id="fact-search-spent"' in plain
+
+
+def test_api_plan_sizes_table_and_figure(stored):
+    c = stored["client"]
+    r = c.get("/api/plan/sizes", params={"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4", "global_batch": 16,
+                                         "train_tokens": 1e9, "price_per_device_hour": 0.5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [s["devices"] for s in body["sizes"]] == [4, 8, 16]
+    for s in body["sizes"]:
+        assert s["budget"]["time_to_train_s"] == pytest.approx(1e9 / s["tokens_per_s"])
+    assert body["figure"]["data"][0]["x"] == [4, 8, 16] and body["figure"]["layout"]["title"]["text"]
+    for bad, field in (({"nodes": "1,0"}, "nodes=1,0: 0 is not a positive integer"),
+                       ({"nodes": "2,2"}, "nodes=2,2: 2 is given twice"),
+                       ({"nodes": "1,²"}, "is not a positive integer"),
+                       ({"nodes": "1", "price_per_device_hour": -1}, "price_per_device_hour")):
+        r = c.get("/api/plan/sizes", params={"model": "tiny", "cluster": "cpu-local", "global_batch": 16, **bad})
+        assert r.status_code == 422 and field in r.text, r.text
+    r = c.get("/api/plan", params={"model": "tiny", "cluster": "cpu-local", "global_batch": 16, "top": 1,
+                                   "train_tokens": 1e9, "price_per_device_hour": 2})
+    entry = r.json()["entries"][0]
+    assert entry["budget"]["cost"] == pytest.approx(4 * 1e9 / entry["time"]["tokens_per_s"] / 3600 * 2)
