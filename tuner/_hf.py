@@ -263,4 +263,6 @@ def model_arg(text: str, *, option: str = "--model") -> Any:
     path = text.removeprefix("hf:")
     if not path:
         raise SpecError(f"{option}={text!r}: give a config.json path after 'hf:' (e.g. hf:examples/hf/llama3.1-8b.json)")
-    return inline_hf_config({"hf_config": path}, field=option)
+    model = inline_hf_config({"hf_config": path}, field=option)
+    model_from_hf_config(model["hf_config"], name=model["name"], field=option)  # errors name the option
+    return model
