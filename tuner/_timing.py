@@ -160,7 +160,8 @@ class MeshTime:
         attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
         rp = rank_params(model, tp, ep, pp, vpp)
         matmul = matmul_flops_per_token(model.attention_params_per_layer + model.active_mlp_params_per_layer)
-        core = attention_core_flops_per_token(h, seq, causal=flash)  # per local token: CP splits the work evenly
+        # per local token (CP splits the work evenly), on the query width heads x head_dim
+        core = attention_core_flops_per_token(model.q_dim, seq, causal=flash)
         head = head_flops_per_token(model)
         emb = EMBEDDING_COST * head
 
