@@ -155,9 +155,9 @@ def test_coordinator_loop_survives_database_errors_and_releases_on_transient_one
         return real_claim(session, **kw)
 
     def flaky_heartbeat(session, **kw):
-        if threading.current_thread().name == "run_pending":  # the loop's own beats (not the keep-alive's)
+        if threading.current_thread().name.startswith("meshtune-sweep"):  # the loop's own beats (not the keep-alive's)
             calls["beat"] += 1
-        if calls["beat"] == 3 and threading.current_thread().name == "run_pending":  # a blip mid-sweep
+        if calls["beat"] == 3 and threading.current_thread().name.startswith("meshtune-sweep"):  # a blip mid-sweep
             raise sa.exc.OperationalError("UPDATE", {}, Exception("could not connect to server"))
         return real_heartbeat(session, **kw)
 

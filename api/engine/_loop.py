@@ -23,9 +23,11 @@ from api.engine._budget import Budget
 from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._learning import Learning
 from api.engine._model import Problem
+from api.engine._share import Claimant, Grant
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
 from api.spec import SweepSpec
+from api.store._queue import restart_trial_clock
 from tuner import BackendError, Layout
 from workers import BackendUnavailable, TrialError, TrialRequest, TrialResult
 
@@ -50,6 +52,8 @@ class Ticket:
     phase: str
     handle: Any  # the asked Optuna trial, or None
     future: Future | None = None
+    grant: Grant | None = None  # its devices in the coordinator's ledger (api/engine/_share.py)
+    cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
 class SweepLoop(Claim, Budget, Learning):
@@ -62,6 +66,7 @@ class SweepLoop(Claim, Budget, Learning):
             sweep = store.get_sweep(s, sweep_id=sweep_id)
             self.spec = SweepSpec.model_validate(sweep.spec)
             calibration = sweep.calibration
+            self.claimant = Claimant(sweep_id, sweep.owner, sweep.priority or "normal", sweep.created_at)
         self.problem = Problem.from_spec(self.spec, calibration=calibration)
         self.search = self.spec.search
         space = self.problem.space
@@ -76,6 +81,10 @@ class SweepLoop(Claim, Budget, Learning):
             self.proposer = OptunaProposer(space, sampler=self.search.sampler, seed=self.search.seed,
                                            max_trials=self.search.max_trials)
         self.in_flight: dict[Future, Ticket] = {}
+        self.held: Grant | None = None  # devices taken for the next launch (kept across pruned proposals)
+        self.waiting = False  # asked the ledger for devices and was told to wait
+        self.cancelled_ids: set[str] = set()
+        self.reruns: list[Ticket] = []
         self.last_beat = 0.0
         self.backend_error: BackendError | None = None  # the first one; the loop drains, then raises it
 
@@ -142,16 +151,18 @@ class SweepLoop(Claim, Budget, Learning):
             self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
             self.next_number = max((t.number for t in rows), default=-1) + 1
             self.backend = self._retrying("start the backend", lambda: self.r.backend_factory(self.spec))
+        self.r.loop_started(self.sweep_id)
         try:
             if keep.lost:
                 raise LostClaim(f"sweep {self.sweep_id} was taken over during set-up")
             self.last_beat = 0.0
             self._beat()
             self.slots = self._slots()
+            self.ledger = self.r.ledger_for(self.backend.name, self.capacity)
             self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
             try:
-                for t in rerun:
-                    self._submit(Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None))
+                # Re-runs of a restart go first, each once the ledger grants its devices.
+                self.reruns = [Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None) for t in rerun]
                 finished = self._loop()
             except BaseException:
                 # Failing (or Ctrl-C): do not wait for trials in flight, whose results nobody would
@@ -161,7 +172,10 @@ class SweepLoop(Claim, Budget, Learning):
                 raise
             self.pool.shutdown(wait=True)
         finally:
-            self.backend.close()
+            self._give_back()
+            self.r.loop_ended(self.sweep_id, self.backend)
+        if finished is False and self._status == "cancelled":
+            self._mark_cancelled()
         if self.backend_error is not None:  # every other trial in flight has its own result recorded
             raise self.backend_error
         if finished:
@@ -171,9 +185,54 @@ class SweepLoop(Claim, Budget, Learning):
                                        runner_id=self.r.runner_id)
         self._progress("end")
 
+    def _give_back(self) -> None:
+        """Every device this loop holds or waits for goes back to the ledger (the loop is ending)."""
+        ledger = getattr(self, "ledger", None)
+        if ledger is None:
+            return
+        ledger.withdraw(self.sweep_id)
+        ledger.release(self.held)
+        self.held = None
+        for ticket in self.in_flight.values():
+            ledger.release(ticket.grant)
+
+    def _take_devices(self, world: int) -> bool:
+        """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
+        limits: api/engine/_share.py); False: wait for them."""
+        if self.held is None:
+            self.held = self.ledger.try_acquire(self.claimant, world)
+        self.waiting = self.held is None
+        return not self.waiting
+
+    def _cancel_in_flight(self) -> None:
+        """The sweep was cancelled: a backend that can stop a trial (Ray: its gang's actors killed and
+        placement groups removed) frees the devices now; the results that still come back are not
+        recorded, the rows become "interrupted" (``_mark_cancelled``)."""
+        cancel = getattr(self.backend, "cancel", None)
+        if not callable(cancel):
+            return  # the trials in flight finish and are recorded, as before
+        for ticket in self.in_flight.values():
+            if not ticket.cancelled:
+                ticket.cancelled = True
+                self.cancelled_ids.add(self._trial_id(ticket))
+                try:
+                    cancel(self._trial_id(ticket))
+                except Exception as exc:  # the trial then ends on its own; its result is still dropped
+                    log.warning("sweep %s: could not stop trial %s (%s)", self.sweep_id, self._trial_id(ticket), exc)
+
+    def _mark_cancelled(self) -> None:
+        with store.session_scope(self.r.sessions) as s:
+            if store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
+                store.mark_interrupted(s, sweep_id=self.sweep_id, cause="sweep cancelled: the trial was stopped")
+                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+
+    def _trial_id(self, ticket: Ticket) -> str:
+        return f"{self.sweep_id}-{ticket.number}-{ticket.attempt}"
+
     def _slots(self) -> int:
         world = self.problem.cluster.devices
         capacity = int(self._retrying("ask the backend its capacity", self.backend.capacity))
+        self.capacity = capacity
         slots = capacity // world if capacity >= 2 * world else 1
         if self.r.settings.max_concurrent_trials > 0:
             slots = min(slots, self.r.settings.max_concurrent_trials)
@@ -183,15 +242,26 @@ class SweepLoop(Claim, Budget, Learning):
         """Returns True when the sweep ran to its end (not cancelled, stopped or taken over)."""
         phase = "search"
         remeasure: list[tuple[Layout, int]] = []
+        world = self.problem.cluster.devices
         while True:
             halted = self._beat() != "running" or self.stop.is_set()
+            if self._status == "cancelled":
+                self._cancel_in_flight()
             self._collect([f for f in list(self.in_flight) if f.done()])
             # A backend error: start nothing more, let the trials in flight end and be recorded.
             halted = halted or self.backend_error is not None
+            self.waiting = False
             while not halted and len(self.in_flight) < self.slots:
+                if self.reruns:  # nothing new is proposed before every re-run has started
+                    if not self._take_devices(world):
+                        break
+                    self._rerun(self.reruns.pop(0))
+                    continue
                 if phase == "search":
                     if not self._search_done():
-                        self._launch_search()  # a pruned proposal takes no slot
+                        if not self._take_devices(world):
+                            break
+                        self._launch_search()  # a pruned proposal takes no slot (nor its devices)
                         # Keep the claim alive (and notice a cancel) through long runs of pruned
                         # proposals, which never reach the outer loop's beat.
                         halted = self._beat() != "running" or self.stop.is_set()
@@ -203,11 +273,20 @@ class SweepLoop(Claim, Budget, Learning):
                     remeasure = self._remeasure_plan()
                 if not remeasure or self._over_device_budget():
                     break
+                if not self._take_devices(world):
+                    break
                 layout, repeat = remeasure.pop(0)
                 self._launch(layout, phase="remeasure", source="remeasure", repeat=repeat, handle=None)
+            if not self.waiting or halted:  # not asking now: let the sweeps behind this one have them
+                self.ledger.withdraw(self.sweep_id)
+                self.ledger.release(self.held)
+                self.held = None
             if not self.in_flight:
                 if halted:
                     return False
+                if self.waiting:
+                    self.ledger.wait_change(0.5)
+                    continue
                 if phase == "remeasure":
                     return True
                 continue
@@ -245,6 +324,14 @@ class SweepLoop(Claim, Budget, Learning):
         self._launch(layout, phase="search", source=source, repeat=0, handle=handle, prediction=prediction)
         return True
 
+    def _rerun(self, ticket: Ticket) -> None:
+        with store.session_scope(self.r.sessions) as s:
+            self._hold(s)
+            restart_trial_clock(s, sweep_id=self.sweep_id, number=ticket.number, attempt=ticket.attempt)
+            self._reload(s, ticket.number, ticket.attempt)
+        ticket.grant, self.held = self.held, None
+        self._submit(ticket)
+
     def _take_number(self) -> int:
         number = self.next_number
         self.next_number += 1
@@ -261,7 +348,8 @@ class SweepLoop(Claim, Budget, Learning):
                 backend=self.backend.name,
             ), number)
             self._reload(s, number)
-        self._submit(Ticket(number, 0, layout, phase, handle))
+        grant, self.held = self.held, None
+        self._submit(Ticket(number, 0, layout, phase, handle, grant=grant))
 
     def _submit(self, ticket: Ticket) -> None:
         trial = self.spec.trial
@@ -269,21 +357,21 @@ class SweepLoop(Claim, Budget, Learning):
             model=self.problem.model, cluster=self.problem.cluster, training=self.problem.training,
             layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=trial.measure_steps,
             step_timeout_s=trial.step_timeout_s, seed=self.spec.search.seed,
-            trial_id=f"{self.sweep_id}-{ticket.number}-{ticket.attempt}", options=trial.options.to_worker(),
-            workload=self.spec.workload,
+            trial_id=self._trial_id(ticket), options=trial.options.to_worker(), workload=self.spec.workload,
         )
         ticket.future = self.pool.submit(self._run_one, request)
         self.in_flight[ticket.future] = ticket
         self._progress("started")
 
-    def _retrying(self, what: str, call: Any) -> Any:
+    def _retrying(self, what: str, call: Any, trial_id: str | None = None) -> Any:
         """``call()``, retried after each ``RETRY_DELAYS_S`` back-off while it raises
-        ``BackendUnavailable`` (and the loop is not being stopped); then that error propagates."""
+        ``BackendUnavailable`` (and the loop is not being stopped, nor the trial cancelled); then
+        that error propagates."""
         for attempt, delay in enumerate((*RETRY_DELAYS_S, None), start=1):
             try:
                 return call()
             except BackendUnavailable as exc:
-                if delay is None or self.stop.is_set():
+                if delay is None or self.stop.is_set() or trial_id in self.cancelled_ids:
                     raise
                 log.warning("sweep %s: could not %s (attempt %d: %s); retrying in %.0f s",
                             self.sweep_id, what, attempt, exc, delay)
@@ -293,7 +381,8 @@ class SweepLoop(Claim, Budget, Learning):
 
     def _run_one(self, request: TrialRequest) -> TrialResult:
         try:
-            return self._retrying(f"run trial {request.trial_id}", lambda: self.backend.run(request))
+            return self._retrying(f"run trial {request.trial_id}", lambda: self.backend.run(request),
+                                  trial_id=request.trial_id)
         except BackendError:
             raise
         except Exception as exc:  # a backend bug is recorded as this trial's crash, not the sweep's end
@@ -306,9 +395,13 @@ class SweepLoop(Claim, Budget, Learning):
     def _collect(self, done: list[Future]) -> None:
         for fut in done:
             ticket = self.in_flight.pop(fut)
+            if ticket.cancelled:  # stopped because the sweep was cancelled: not a result of its layout
+                self.ledger.release(ticket.grant)
+                continue
             try:
                 result = fut.result()
             except BackendError as exc:
+                self.ledger.release(ticket.grant)
                 # The backend could not run this trial (it did not crash: it never ran). Its row stays
                 # "running" until the loop ends, then becomes "interrupted" with the cause (sweep
                 # failed, or backend unavailable: re-run on resume); the trials beside it finish and
@@ -326,6 +419,8 @@ class SweepLoop(Claim, Budget, Learning):
                                     "is no longer this coordinator's")
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
+            # Only now, with the row's finished_at stored: a stored interval never outlasts its grant.
+            self.ledger.release(ticket.grant)
             self.spent += row.device_seconds or 0.0
             if row.status == "completed":
                 self._note_fingerprint(row)

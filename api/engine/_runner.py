@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy.exc
@@ -14,12 +15,15 @@ import sqlalchemy.exc
 import tuner
 from api import store
 from api.engine._loop import KeepAlive, LostClaim, SweepLoop
+from api.engine._share import DeviceLedger, OwnerLimits
 from api.settings import Settings
 from api.spec import SweepSpec
+from api.store._models import utcnow
 from workers import BackendUnavailable
 
 log = logging.getLogger("meshtune.engine")
 MAX_BACKOFF_S = 60.0
+USAGE_TTL_S = 5.0  # how long an owner's device-hours of the last 24 h are reused before re-reading them
 UNAVAILABLE_CAUSE = "backend unavailable: {exc}; re-run as attempt+1 when the sweep resumes"
 
 
@@ -46,8 +50,10 @@ def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
 
 
 class SweepRunner:
-    """Runs sweeps stored in the database. ``run_pending`` is the coordinator's background loop;
-    ``run_sweep`` runs one sweep to its end (the CLI calls it synchronously)."""
+    """Runs sweeps stored in the database. ``run_pending`` is the coordinator's background loop (up to
+    ``max_concurrent_sweeps`` sweeps at once, one thread each, sharing the devices through one
+    ``DeviceLedger`` per backend: api/engine/_share.py); ``run_sweep`` runs one sweep to its end (the
+    CLI calls it synchronously)."""
 
     def __init__(
         self,
@@ -66,52 +72,146 @@ class SweepRunner:
         self.stale_after_s = stale_after_s
         self.poll_s = poll_s
         self.runner_id = store.new_runner_id()
+        self._lock = threading.Lock()
+        self._ledgers: dict[str, DeviceLedger] = {}
+        self._starting: set[int] = set()  # claimed, set-up not done (no devices asked for yet)
+        self._live: set[int] = set()  # loops past set-up
+        self._to_close: list[Any] = []  # backends of ended loops, closed once no loop runs
+        self._usage: dict[str | None, tuple[float, float]] = {}  # owner -> (device-seconds in 24 h, read at)
+
+    # --- sharing the devices between the loops ------------------------------------------------------
+
+    def ledger_for(self, backend_name: str, capacity: int) -> DeviceLedger:
+        """The ledger of this backend's devices, shared by every loop of this runner."""
+        with self._lock:
+            ledger = self._ledgers.get(backend_name)
+            if ledger is None:
+                ledger = DeviceLedger(capacity, max_trials=self.settings.max_concurrent_trials,
+                                      limits=self._owner_limits)
+                self._ledgers[backend_name] = ledger
+            else:
+                ledger.capacity = max(1, int(capacity))  # a cluster that grew or shrank
+            return ledger
+
+    def _owner_limits(self, owner: str | None) -> OwnerLimits:
+        st = self.settings
+        cap = st.owner_limit(st.owner_max_devices, owner)
+        hours = st.owner_limit(st.owner_device_hours_per_day, owner)
+        spent = False
+        if hours is not None:
+            used, at = self._usage.get(owner, (0.0, -USAGE_TTL_S))
+            if time.monotonic() - at >= USAGE_TTL_S:
+                try:
+                    with self.sessions() as s:
+                        used = store.owner_device_seconds(s, owner=owner, since=utcnow() - timedelta(days=1))
+                    self._usage[owner] = (used, time.monotonic())
+                except Exception as exc:  # the database is away: keep the last figure
+                    log.warning("could not read the device-hours of owner %r (%s)", owner, exc)
+            spent = used / 3600 >= hours
+        return OwnerLimits(max_devices=cap, spent=spent)
+
+    def loop_started(self, sweep_id: int) -> None:
+        with self._lock:
+            self._starting.discard(sweep_id)
+            self._live.add(sweep_id)
+
+    def loop_ended(self, sweep_id: int, backend: Any) -> None:
+        """Backends are closed once no loop of this runner runs: closing one frees the process's idle
+        gangs and may shut down a Ray it started, which the other loops still use."""
+        with self._lock:
+            self._live.discard(sweep_id)
+            self._to_close.append(backend)
+            closing = [] if self._live or self._starting else self._to_close
+            if closing:
+                self._to_close = []
+        for b in closing:
+            try:
+                b.close()
+            except Exception as exc:
+                log.warning("closing backend %s failed (%s)", getattr(b, "name", "?"), exc)
 
     # --- the coordinator's loop -------------------------------------------------------------------
 
     def run_pending(self, stop_event: threading.Event) -> None:
-        """Run queued sweeps and resume unfinished ones (oldest first) until ``stop_event`` is set.
-        No error ends this loop: one (e.g. the database unreachable) is logged and retried after an
+        """Run queued sweeps and resume unfinished ones until ``stop_event`` is set: up to
+        ``max_concurrent_sweeps`` at once, each on its own thread, claimed in the queue's order
+        (sweeps to take over first, then fair share, priority, age: ``store.queue_key``). No error
+        ends this loop: one (e.g. the database unreachable) is logged and retried after an
         exponential back-off (poll_s doubling up to MAX_BACKOFF_S). A sweep whose backend is
         unavailable is left unfinished and is not claimed again for the same kind of back-off (its
         own), so the sweeps behind it still run."""
         failures = 0
         cooling: dict[int, tuple[int, float]] = {}  # sweep id -> (times unavailable, not before)
-        while not stop_event.is_set():
-            sweep_id = None
-            try:
-                with store.session_scope(self.sessions) as s:
-                    sweep = self._claim_next(s, cooling)
-                if sweep is None:
+        active: dict[int, threading.Thread] = {}
+        outcomes: dict[int, BaseException | None] = {}
+        try:
+            while not stop_event.is_set():
+                self._reap(active, outcomes, cooling)
+                try:
+                    sweep = None
+                    with self._lock:
+                        room = len(active) < self.settings.max_concurrent_sweeps and not self._starting
+                    if room:
+                        with store.session_scope(self.sessions) as s:
+                            sweep = self._claim_next(s, cooling, set(active))
                     failures = 0
-                    stop_event.wait(self.poll_s)
-                    continue
-                sweep_id = sweep.id
-                self._run_claimed(sweep.id, stop_event, None)
-                failures = 0
-                cooling.pop(sweep_id, None)
-            except BackendUnavailable as exc:  # already logged and released by _run_claimed
+                    if sweep is None:
+                        stop_event.wait(self.poll_s)
+                        continue
+                    with self._lock:
+                        self._starting.add(sweep.id)
+                    thread = threading.Thread(target=self._sweep_thread, args=(sweep.id, stop_event, outcomes),
+                                              name=f"meshtune-sweep{sweep.id}", daemon=True)
+                    active[sweep.id] = thread
+                    thread.start()
+                except Exception:
+                    failures += 1
+                    delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(failures, 16))
+                    log.exception("sweep engine: error in the coordinator loop; retrying in %.1f s", delay)
+                    stop_event.wait(delay)
+        finally:
+            for thread in active.values():
+                thread.join()
+
+    def _sweep_thread(self, sweep_id: int, stop: threading.Event, outcomes: dict[int, BaseException | None]) -> None:
+        try:
+            self._run_claimed(sweep_id, stop, None)
+            outcomes[sweep_id] = None
+        except BaseException as exc:  # reported by _reap on the coordinator's thread
+            outcomes[sweep_id] = exc
+        finally:
+            with self._lock:
+                self._starting.discard(sweep_id)
+
+    def _reap(self, active: dict[int, threading.Thread], outcomes: dict[int, BaseException | None],
+              cooling: dict[int, tuple[int, float]]) -> None:
+        for sweep_id in [i for i, th in active.items() if not th.is_alive()]:
+            del active[sweep_id]
+            exc = outcomes.pop(sweep_id, None)
+            if isinstance(exc, BackendUnavailable):  # already logged and released by _run_claimed
                 times = cooling.get(sweep_id, (0, 0.0))[0] + 1
                 delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(times, 16))
                 cooling[sweep_id] = (times, time.monotonic() + delay)
                 log.warning("sweep %s: not claimed again for %.1f s (%s)", sweep_id, delay, exc)
-            except Exception:
-                failures += 1
-                delay = min(MAX_BACKOFF_S, self.poll_s * 2 ** min(failures, 16))
-                log.exception("sweep engine: error in the coordinator loop; retrying in %.1f s", delay)
-                stop_event.wait(delay)
+            elif exc is not None:
+                log.error("sweep %s: its runner thread ended with %s: %s", sweep_id, type(exc).__name__, exc)
+            else:
+                cooling.pop(sweep_id, None)
 
-    def _claim_next(self, s: Any, cooling: dict[int, tuple[int, float]]) -> store.Sweep | None:
-        """The oldest takeable sweep, skipping those whose backend was unavailable a moment ago."""
+    def _claim_next(self, s: Any, cooling: dict[int, tuple[int, float]], active: set[int] | None = None
+                    ) -> store.Sweep | None:
+        """The next takeable sweep: unfinished ones to take over (oldest first), then the queue in
+        fair-share order (``store.queue_positions``); skipping this runner's own and those whose
+        backend was unavailable a moment ago."""
         now = time.monotonic()
-        skip = {sweep_id for sweep_id, (_, until) in cooling.items() if until > now}
-        if not skip:
-            return store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s)
-        candidates = [sw for status in ("queued", "running")
-                      for sw in store.list_sweeps(s, status=status, limit=10_000)[0] if sw.id not in skip]
-        for sw in sorted(candidates, key=lambda sw: (sw.created_at, sw.id)):
+        skip = {sweep_id for sweep_id, (_, until) in cooling.items() if until > now} | (active or set())
+        running = sorted((sw for sw in store.list_sweeps(s, status="running", limit=10_000)[0] if sw.id not in skip),
+                         key=lambda sw: (sw.created_at, sw.id))
+        positions = store.queue_positions(s)
+        queued = sorted((i for i in positions if i not in skip), key=positions.__getitem__)
+        for sweep_id in [sw.id for sw in running] + queued:
             claimed = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s,
-                                        sweep_id=sw.id)
+                                        sweep_id=sweep_id)
             if claimed is not None:
                 return claimed
         return None

@@ -1,0 +1,145 @@
+"""Sharing one cluster between the sweeps a coordinator runs at once (issue 15).
+
+Every trial takes its devices (its world size) from one ``DeviceLedger`` per backend (a Ray
+cluster's GPUs, or CPUs for CPU ranks: ``backend.capacity()``) before its row is written, and gives
+them back after its result is recorded; on Ray each trial's gang has placement groups of its own
+(workers/_gangs.py), so trials of several sweeps run side by side whenever their devices fit.
+
+Who gets the next free devices (``store.queue_key``): the waiting sweep whose owner holds the fewest
+devices now (fair share), then the higher priority (high, normal, low), then the older sweep. The
+order is strict: a waiter that does not fit yet holds back the ones behind it, so a large trial is
+never starved by a stream of small ones. Per-owner limits (``MESHTUNE_OWNER_MAX_DEVICES``,
+``MESHTUNE_OWNER_DEVICE_HOURS_PER_DAY``) make a sweep wait at launch, never fail; a waiter held back
+by its owner's limit does not hold back the others. A trial larger than the whole ledger is let
+through at once (the backend refuses it with the numbers, as it always did).
+
+Grants are in-process: after a coordinator restart nothing is held, and each resumed sweep's
+re-runs take their devices anew (the restart rule itself is api/engine/__init__.py's).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from api import store
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """A sweep asking for devices, with what orders it in the queue."""
+
+    sweep_id: int
+    owner: str | None
+    priority: str
+    created_at: datetime
+
+    def __post_init__(self) -> None:
+        if self.priority not in store.SWEEP_PRIORITIES:
+            raise ValueError(f"priority={self.priority!r} is not one of {', '.join(store.SWEEP_PRIORITIES)}")
+
+
+@dataclass
+class Grant:
+    claimant: Claimant
+    devices: int  # counted against the ledger (0 for a trial larger than the ledger)
+    since: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class OwnerLimits:
+    max_devices: float | None = None  # devices its trials may hold at once
+    spent: bool = False  # its device-hours of the last 24 h are used up
+
+
+class DeviceLedger:
+    def __init__(self, capacity: int, *, max_trials: int = 0,
+                 limits: Callable[[str | None], OwnerLimits] | None = None) -> None:
+        self.capacity = max(1, int(capacity))
+        self.max_trials = max_trials
+        self.limits = limits or (lambda owner: OwnerLimits())
+        self._grants: list[Grant] = []
+        self._waiting: dict[int, tuple[Claimant, int]] = {}
+        self._cond = threading.Condition()
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def in_use(self, owner: str | None = None, *, any_owner: bool = True) -> int:
+        with self._cond:
+            return sum(g.devices for g in self._grants if any_owner or g.claimant.owner == owner)
+
+    def held_by(self, owner: str | None) -> int:
+        return self.in_use(owner, any_owner=False)
+
+    def free(self) -> int:
+        return self.capacity - self.in_use()
+
+    def waiting(self) -> list[int]:
+        """Sweep ids waiting for devices, in the order they will be served."""
+        with self._cond:
+            return [c.sweep_id for c, _ in self._order()]
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _held(self, owner: str | None) -> int:
+        return sum(g.devices for g in self._grants if g.claimant.owner == owner)
+
+    def _allowed(self, claimant: Claimant, n: int) -> bool:
+        """Whether the owner's limits let this request start now (else it waits, out of the order)."""
+        lim = self.limits(claimant.owner)
+        if lim.spent:
+            return False
+        return lim.max_devices is None or self._held(claimant.owner) + n <= lim.max_devices
+
+    def _order(self) -> list[tuple[Claimant, int]]:
+        allowed = [(c, n) for c, n in self._waiting.values() if self._allowed(c, n)]
+        return sorted(allowed, key=lambda cn: store.queue_key(
+            owner_devices=self._held(cn[0].owner), priority=cn[0].priority, created_at=cn[0].created_at,
+            sweep_id=cn[0].sweep_id))
+
+    def try_acquire(self, claimant: Claimant, n: int) -> Grant | None:
+        """``n`` devices for one trial of ``claimant``'s sweep now, or None (it is then queued and
+        asks again; ``withdraw`` when it no longer wants them)."""
+        with self._cond:
+            if n > self.capacity:  # can never fit: let the backend refuse it with its numbers
+                self._waiting.pop(claimant.sweep_id, None)
+                return self._grant(claimant, 0)
+            self._waiting[claimant.sweep_id] = (claimant, n)
+            order = self._order()
+            if not order or order[0][0].sweep_id != claimant.sweep_id:
+                return None
+            if n > self.capacity - sum(g.devices for g in self._grants):
+                return None
+            if self.max_trials and len(self._grants) >= self.max_trials:
+                return None
+            del self._waiting[claimant.sweep_id]
+            return self._grant(claimant, n)
+
+    def _grant(self, claimant: Claimant, n: int) -> Grant:
+        grant = Grant(claimant, n)
+        self._grants.append(grant)
+        self._cond.notify_all()
+        return grant
+
+    def withdraw(self, sweep_id: int) -> None:
+        with self._cond:
+            if self._waiting.pop(sweep_id, None) is not None:
+                self._cond.notify_all()
+
+    def release(self, grant: Grant | None) -> None:
+        if grant is None:
+            return
+        with self._cond:
+            if not grant.released:
+                grant.released = True
+                self._grants.remove(grant)
+                self._cond.notify_all()
+
+    def wait_change(self, timeout: float) -> None:
+        """Block until a grant is released or a waiter leaves (or ``timeout``)."""
+        with self._cond:
+            self._cond.wait(timeout)
