@@ -34,6 +34,17 @@ error never fails or interrupts a sweep that another runner owns. A database err
 (connection lost, server restart) releases the sweep for a later resume instead of failing it, and
 ``run_pending`` survives any error (logged, retried with back-off).
 
+Several sweeps at once (issue 15): ``run_pending`` runs up to ``max_concurrent_sweeps`` claimed
+sweeps, one ``SweepLoop`` thread each; every trial takes its devices from the runner's
+``DeviceLedger`` for its backend (fair share between owners, then priority, then age; per-owner
+limits wait at launch) before its row is written and gives them back after its result is recorded,
+so the stored [started_at, finished_at) intervals never hold more devices than the cluster has
+(api/engine/_share.py). Restart re-runs take their devices like any trial (their ``started_at`` is
+when they got them). A cancelled sweep asks a backend that can (``backend.cancel(trial_id)``: Ray
+kills the trial's gang and removes its placement groups) to stop its trials in flight; their results
+are not recorded and their rows become "interrupted" (cause ``sweep cancelled``); a backend without
+``cancel`` lets them finish, and they are recorded as before.
+
 Submission (``api.services.sweeps.create_sweep``, schedules too) refuses a spec whose space leaves no
 valid layout or whose backend does not resolve (SpecError naming ``space.<field>`` / ``backend``).
 
