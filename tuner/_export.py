@@ -439,7 +439,7 @@ def export_layout(
         sections, own = _torchtitan(job)
         caveats = tuple(common + own)
         cli, rest = _titan_cli(sections)
-        body = [f"torchtitan 0.2 job config: --job.config_file {name}",
+        body = ["torchtitan 0.2 job config: train with --job.config_file <this file>",
                 f"torchtitan >= 0.3 (Python config registries, no TOML): --module ... --config ... {cli}"
                 f" (not validated here; set {', '.join(rest)} in the 0.3 recipe, where they moved)",
                 *(f"caveat: {c}" for c in caveats)]
