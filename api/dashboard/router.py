@@ -9,6 +9,7 @@
     GET  /sweeps/{id}/importance.json        parameter importance (Optuna), loaded after the page
     GET  /sweeps/{id}/tables                 ranking + migration checks + trials (HTML fragment)
     GET  /sweeps/{id}/trials/{trial_id}      one trial: measurements, environment, error
+    GET  /sweeps/{id}/export?format=&layout= a ranked layout as a framework's config (api.export)
     GET|POST /login                          token cookie when reads require auth
     /dashboard/static/*, /dashboard/vendor/plotly.min.js   assets (plotly.js from the plotly package)
 
@@ -356,6 +357,24 @@ def sweep_importance(request: Request, sweep_id: SweepId, session: SessionDep, s
     # The listing counters change with every recorded result, so they key the cache.
     key = (sweep_id, sweep.n_trials, sweep.n_completed, sweep.best_tokens_per_s_per_device)
     return JSONResponse(param_importance(load, cache_key=key))
+
+
+@router.get("/sweeps/{sweep_id}/export", name="dashboard_export")
+def export_file(request: Request, sweep_id: SweepId, session: SessionDep, settings: SettingsDep,
+                  format: Annotated[str, Query(max_length=50)],
+                  layout: Annotated[str | None, Query(max_length=300)] = None) -> Response:
+    """The ranking row's export links: GET /api/sweeps/{id}/export's file, read with the cookie."""
+    from api.export import service as export_service
+
+    if not _can_read(request, settings):
+        return _login(request)
+    try:
+        out = export_service.export_sweep(session, sweep_id=sweep_id, format=format, layout=layout)
+    except (NotFoundError, ConflictError, ValueError) as exc:
+        code = 404 if isinstance(exc, NotFoundError) else 409 if isinstance(exc, ConflictError) else 422
+        return Response(f"{exc}\n", status_code=code, media_type="text/plain; charset=utf-8")
+    return Response(out.export.text, media_type=out.media_type,
+                    headers={"Content-Disposition": f'attachment; filename="{out.filename}"'})
 
 
 @router.get("/sweeps/{sweep_id}/trials/{trial_id}", name="dashboard_trial")
