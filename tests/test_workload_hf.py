@@ -1,4 +1,5 @@
-"""The Hugging Face workload (workload: hf) trains like its single-process reference on 4 CPU ranks.
+"""The Hugging Face workload (workload: hf) trains like its single-process reference on 4 CPU ranks,
+and so does the README's example workload (``my_model:WORKLOAD``, its spec's listed layouts).
 
 A shrunken Llama config (and a shrunken Qwen3-MoE one, without ep) is built by
 ``transformers.AutoModelForCausalLM.from_config`` with random weights and laid out by meshtune:
@@ -10,13 +11,16 @@ loss and the global gradient norm over 4 fp32 steps, which only reduction order 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 import traceback
 
 import pytest
 import torch
 from _dist import run_ranks
 from test_workers_numerics import RTOL, STEPS
+from test_workload_contract import readme_example
 
 from tuner import Layout, LayoutError, ModelSpec, cluster_spec, training_spec
 from workers import TrialRequest
@@ -44,7 +48,6 @@ def spec_of(cfg: dict) -> ModelSpec:
 
 
 LAYOUTS = {
-    "dp4": (LLAMA, Layout(dp=4)),
     "dp4-zero3-ac-selective": (LLAMA, Layout(dp=4, zero=3, ac="selective")),
     "tp2-dp2-sp": (LLAMA, Layout(tp=2, dp=2, sp=True)),
     "tp4-sp-ac-full": (LLAMA, Layout(tp=4, sp=True, ac="full")),  # tp > kv_heads: k/v kept whole
@@ -52,6 +55,7 @@ LAYOUTS = {
     "tp2-pp2-gpipe": (LLAMA, Layout(tp=2, pp=2, schedule="gpipe")),
     "qwen3moe-pp2-dp2-zero3-ac-full": (QWEN3_MOE, Layout(pp=2, dp=2, zero=3, ac="full")),
 }
+README_LAYOUTS = ("tp2-dp2-sp", "pp2-dp2-1f1b-zero3")  # the first two of its spec's search.layouts
 
 
 def make_request(cfg: dict, layout: Layout) -> TrialRequest:
@@ -61,6 +65,24 @@ def make_request(cfg: dict, layout: Layout) -> TrialRequest:
         training=training_spec({"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}, seq_len=64),
         layout=layout, warmup_steps=1, measure_steps=STEPS - 1, options={"grad_norm": True}, workload="hf",
     )
+
+
+@pytest.fixture(scope="module")
+def readme_requests(tmp_path_factory) -> dict[str, TrialRequest]:
+    """The README example's listed layouts as trial requests (its module importable by the ranks:
+    spawned processes start with this process's sys.path)."""
+    from api.spec import SweepSpec
+
+    where, data = readme_example(tmp_path_factory.mktemp("readme-workload"))
+    sys.path.insert(0, str(where))
+    spec = SweepSpec.model_validate({**data, "training": {**data["training"], "lr": 1e-3, "seed": 7}})
+    model, cluster, training = spec.to_problem()
+    layouts = spec.listed_layouts()[: len(README_LAYOUTS)]
+    out = {f"readme-{name}": TrialRequest(model=model, cluster=cluster, training=training, layout=lay, warmup_steps=1,
+                                          measure_steps=STEPS - 1, options={"grad_norm": True}, workload=spec.workload)
+           for name, lay in zip(README_LAYOUTS, layouts, strict=True)}
+    out["readme-reference"] = dataclasses.replace(out["readme-tp2-dp2-sp"], layout=Layout())
+    return out
 
 
 def _run_layouts(rank: int, world: int, requests: dict[str, TrialRequest]) -> dict[str, object]:
@@ -76,15 +98,18 @@ def _run_layouts(rank: int, world: int, requests: dict[str, TrialRequest]) -> di
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, tuple[list[float], list[float]]]:
+def references(readme_requests) -> dict[str, tuple[list[float], list[float]]]:
     from workers.train import reference_losses
 
-    return {cfg["model_type"]: reference_losses(make_request(cfg, Layout()), steps=STEPS) for cfg in (LLAMA, QWEN3_MOE)}
+    refs = {cfg["model_type"]: reference_losses(make_request(cfg, Layout()), steps=STEPS) for cfg in (LLAMA, QWEN3_MOE)}
+    refs["readme"] = reference_losses(readme_requests["readme-reference"], steps=STEPS)
+    return refs
 
 
 @pytest.fixture(scope="module")
-def four_rank_results() -> list[dict[str, object]]:
+def four_rank_results(readme_requests) -> list[dict[str, object]]:
     requests = {k: make_request(cfg, layout) for k, (cfg, layout) in LAYOUTS.items()}
+    requests.update({k: v for k, v in readme_requests.items() if k != "readme-reference"})
     return run_ranks(4, _run_layouts, requests, timeout_s=540)
 
 
@@ -136,3 +161,16 @@ def test_hf_refuses_what_it_cannot_realise_at_validation(cfg, layout, why):
     request = make_request(cfg, layout)
     with pytest.raises(LayoutError, match=why):
         realise(layout, request.model, request.cluster, request.training, capabilities(request.model))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", README_LAYOUTS)
+def test_readme_example_layout_matches_reference(name, readme_requests, references, four_rank_results):
+    ref_losses, ref_norms = references["readme"]
+    assert max(ref_losses) - min(ref_losses) > 1000 * RTOL * max(ref_losses)
+    for per_rank in four_rank_results:
+        r = per_rank[f"readme-{name}"]
+        assert not isinstance(r, str), f"{name} failed:\n{r}"
+        assert r.losses == pytest.approx(ref_losses, rel=RTOL), name
+        assert r.grad_norms == pytest.approx(ref_norms, rel=RTOL), name
