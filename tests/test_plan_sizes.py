@@ -101,6 +101,9 @@ def test_cli_plan_nodes_list_table_json_and_plot(tmp_path: Path, capsys: pytest.
     for s in sizes:
         assert s["budget"]["time_to_train_s"] == pytest.approx(1e9 / s["tokens_per_s"])
         assert fmt.budget_cells(s["budget"])["time"] in out
+    assert main([*argv, "--json", "--critical-batch-tokens", "1024"]) == 0  # 16 sequences of 64 = the batch
+    for s in json.loads(capsys.readouterr().out)["sizes"]:
+        assert s["useful_tokens_per_s"] == pytest.approx(s["tokens_per_s"] / 2)
     plot = tmp_path / "sizes.html"
     assert main([*argv, "--plot", str(plot)]) == 0
     html = plot.read_text()

@@ -66,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     batch.add_argument("--global-batch", type=int, metavar="N", help="sequences per optimiser step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="N", help="tokens per optimiser step")
     p.add_argument("--precision", choices=PRECISIONS, help="training precision")
+    p.add_argument("--critical-batch-tokens", type=int, metavar="N",
+                   help="critical batch in tokens (training.critical_batch_tokens): useful tokens/s level off past it")
     p.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (memory in bytes)")
     p.add_argument("--allow-tp-across-nodes", action="store_true", help="let TP groups span nodes")
@@ -114,6 +116,9 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
             training_data["precision"] = args.precision
         if args.train_tokens is not None:
             training_data["train_tokens"] = args.train_tokens
+        if args.critical_batch_tokens is not None:
+            training_data.pop("critical_batch", None)
+            training_data["critical_batch_tokens"] = args.critical_batch_tokens
         model = model_spec(model_data)
         cluster = cluster_spec(cluster_data)
         training = training_spec(training_data, seq_len=model.seq_len)
