@@ -357,3 +357,128 @@ def test_bad_format_and_layout_name_the_field():
         export_layout(lay, model=model, cluster=cluster, training=training, format="yaml")
     with pytest.raises(LayoutError, match=r"=48 does not equal the device count 32"):
         export_layout(lay.with_(tp=3), model=model, cluster=cluster, training=training, format="megatron")
+
+
+# --- CLI, API and dashboard on a stored sweep (seeded through the store, no Ray) -------------------
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    from _dashboard_seed import SPEC, seed_sweep
+
+    from api import store
+    from api.services import sweeps as sweeps_service
+    from api.spec import SweepSpec
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('export') / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    sid = seed_sweep(sessions, n_trials=8, name="export sweep")
+    with store.session_scope(sessions) as session:  # queued: no trial has completed
+        empty = sweeps_service.create_sweep(session, spec=SweepSpec.model_validate(SPEC | {"name": "empty"}),
+                                            owner="alice").id
+    with sessions() as session:
+        rows = sweeps_service.ranking(session, sweep_id=sid).rows
+    yield {"url": url, "sid": sid, "empty": empty, "rows": rows}
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def client(stored):
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from api.settings import Settings
+
+    with TestClient(create_app(Settings(database_url=stored["url"]), run_engine=False)) as c:
+        yield c
+
+
+def _expected(stored, rank, fmt):
+    """What tuner.export_layout writes for the ranked row (the service adds only the header)."""
+    from _dashboard_seed import SPEC
+
+    from api.spec import SweepSpec
+
+    model, cluster, training = SweepSpec.model_validate(SPEC).to_problem()
+    row = stored["rows"][rank - 1]
+    return export_layout(Layout(**row.layout), model=model, cluster=cluster, training=training, format=fmt)
+
+
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_api_exports_a_ranked_layout_by_rank_or_key(client, stored, fmt):
+    sid, rows = stored["sid"], stored["rows"]
+    assert len(rows) >= 2
+    r = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt})
+    assert r.status_code == 200, r.text
+    want = _expected(stored, 1, fmt)
+    assert r.headers["content-type"].startswith(want.media_type)
+    assert f"rank-1-{want.filename}" in r.headers["content-disposition"]
+    if fmt == "deepspeed":  # the header travels in the JSON's meshtune.about
+        got = json.loads(r.text)
+        assert got.pop("meshtune")["caveats"] == list(want.caveats)
+        assert got == {k: v for k, v in want.settings.items() if k != "meshtune"}
+    else:  # the service's header line, then exactly what tuner.export_layout writes
+        assert r.text.endswith(want.text) and r.text.count("\n") == want.text.count("\n") + 1
+    assert f"sweep {sid} (export sweep), rank 1 of {len(rows)}" in r.text and "simulated" in r.text
+    by_key = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "layout": rows[1].layout_key})
+    by_rank = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "rank": 2})
+    assert by_key.status_code == by_rank.status_code == 200 and by_key.text == by_rank.text != r.text
+
+
+@pytest.mark.parametrize(("query", "status", "line"), [
+    ({"format": "yaml"}, 422, "format='yaml' is not an export format (one of torchtitan, megatron, deepspeed, nemo)"),
+    ({"format": "nemo", "rank": 99}, 404, "rank=99 is not in sweep {sid}'s ranking"),
+    ({"format": "nemo", "layout": "tp9"}, 404, "layout='tp9' is not a measured layout of sweep {sid}"),
+    ({"format": "nemo", "rank": 1, "layout": "tp9"}, 422, "rank=1 and layout='tp9': give one of them, not both"),
+    ({"format": "megatron", "sweep": "empty"}, 409, "sweep {empty} has no completed trial to export"),
+    ({"format": "megatron", "sweep": 424242}, 404, "sweep 424242 does not exist"),
+])
+def test_api_bad_export_is_one_line(client, stored, query, status, line):
+    query = dict(query)
+    sweep = query.pop("sweep", "sid")
+    sid = stored[sweep] if isinstance(sweep, str) else sweep
+    r = client.get(f"/api/sweeps/{sid}/export", params=query)
+    assert r.status_code == status
+    assert r.json()["detail"].startswith(line.format(sid=sid, empty=stored["empty"]))
+
+
+def test_cli_export_prints_writes_and_refuses_with_exit_2(stored, client, monkeypatch, capsys, tmp_path):
+    from api.cli import main
+
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
+    sid = stored["sid"]
+    assert main(["export", str(sid), "--format", "megatron"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == client.get(f"/api/sweeps/{sid}/export", params={"format": "megatron"}).text
+    out = tmp_path / "ds.json"
+    assert main(["export", str(sid), "--layout", stored["rows"][1].layout_key, "--format", "deepspeed",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["train_batch_size"] == 64
+    assert f"wrote {out}" in capsys.readouterr().err
+    for argv, line in (
+        (["--format", "toml"], "format='toml' is not an export format"),
+        (["--rank", "0", "--format", "nemo"], "rank must be a positive integer, got 0"),
+        (["--rank", "50", "--format", "nemo"], f"rank=50 is not in sweep {sid}'s ranking"),
+    ):
+        assert main(["export", str(sid), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"meshtune export: error: {line}") and err.count("\n") == 1, err
+    assert main(["export", str(stored["empty"]), "--format", "nemo"]) == 2
+    assert f"sweep {stored['empty']} has no completed trial to export" in capsys.readouterr().err
+
+
+def test_dashboard_ranked_rows_link_each_format(client, stored):
+    import html
+    import re
+
+    sid, rows = stored["sid"], stored["rows"]
+    page = client.get(f"/sweeps/{sid}")
+    assert page.status_code == 200
+    links = [html.unescape(h) for h in re.findall(r'href="(/sweeps/\d+/export\?[^"]+)"', page.text)]
+    for row in rows:
+        for fmt in EXPORT_FORMATS:
+            assert f"/sweeps/{sid}/export?format={fmt}&layout={row.layout_key}" in links
+    got = client.get(links[0])
+    assert got.status_code == 200 and "attachment" in got.headers["content-disposition"]
+    assert got.text == client.get(f"/api/sweeps/{sid}/export", params={"format": "torchtitan"}).text
+    bad = client.get(f"/sweeps/{sid}/export", params={"format": "xml", "layout": rows[0].layout_key})
+    assert bad.status_code == 422 and bad.text.startswith("format='xml' is not an export format")
