@@ -1,9 +1,14 @@
 """Reusable rank processes for the Ray backend: the ``RankWorker`` actor and the gang pool.
 
-A *gang* is one STRICT_PACK placement group per node of a trial's placement plus one
-``RankWorker`` actor per bundle ({"GPU": 1} on CUDA clusters, {"CPU": 1} on CPU ones). Its key is
-its shape, (resource, ranks per node): any layout of the same world size on the same kind of
-cluster fits the same gang. After a trial the gang goes back to the pool and the next trial of its
+A *gang* is one placement group with one bundle per node of a trial's placement — {"GPU": n} on
+CUDA clusters, {"CPU": n} on CPU ones, n the ranks the tuner's ``Placement`` puts on that node — and
+one ``RankWorker`` actor per rank, scheduled into its node's bundle. A bundle always lies on one
+Ray node, so a node's ranks share a machine (every TP group the placement keeps inside a node stays
+inside one); the group's strategy is STRICT_SPREAD, so two nodes of the placement are never one
+Ray node and the axes placed across nodes (PP, the outermost) really cross machines. A single-node
+Ray (a laptop, CI) stands in for a multi-node cluster by holding every bundle (STRICT_PACK, see
+``strategy_for``). Its key is its shape, (resource, ranks per node): any layout of the same world
+size on the same kind of cluster fits the same gang. After a trial the gang goes back to the pool and the next trial of its
 shape reuses the same processes — torch and the rank program stay imported; each trial brings a
 fresh process group on a fresh port (workers/_launch.py).
 
@@ -17,6 +22,8 @@ trial, or idle between trials) never keeps its slot: the launcher drops a rank w
 back as ``ActorDiedError``, and every reuse first asks each actor for a snapshot and replaces the
 ones that do not answer (``drop_dead``), so one dead process fails at most the trial it died in.
 If Ray was shut down and started again, the pool notices (a new job id) and forgets stale gangs.
+A gang that had a rank on a node that died is destroyed, not returned (``discard``): its placement
+group would otherwise be rescheduled onto the surviving nodes and hold their devices idle.
 """
 
 from __future__ import annotations
@@ -109,8 +116,9 @@ class Slot:
 @dataclass
 class Gang:
     key: GangKey
-    pgs: list[PlacementGroup] = field(default_factory=list)
-    slots: list[list[Slot]] = field(default_factory=list)  # [node group][bundle]
+    strategy: str = "STRICT_SPREAD"
+    pgs: list[PlacementGroup] = field(default_factory=list)  # one group; bundle k = node k of the placement
+    slots: list[list[Slot]] = field(default_factory=list)  # [node of the placement][rank on it]
     busy: bool = True
     last_used: float = field(default_factory=time.monotonic)
     trial_id: str | None = None  # the trial it runs now (GangPool.cancel finds it by this)
@@ -119,6 +127,52 @@ class Gang:
     def ranks(self) -> list[Slot]:
         """Slots in rank order: node-major, as the tuner's Placement numbers ranks."""
         return [s for group in self.slots for s in group]
+
+
+def alive_nodes(resource: str) -> dict[str, float]:
+    """Ray node id -> how much of ``resource`` it has, for every alive node that has some."""
+    out = {}
+    for n in ray.nodes():
+        amount = n.get("Resources", {}).get(resource, 0)
+        if n.get("Alive") and amount > 0:
+            out[n["NodeID"]] = amount
+    return out
+
+
+def lost_nodes(node_ids: list[str], *, connect_timeout_s: float = 2.0) -> set[str]:
+    """The nodes among ``node_ids`` that are gone: dead for Ray's GCS, or alive for it but with a
+    raylet that no longer accepts connections. A node killed a moment ago is only declared dead once
+    the GCS's health checks have failed several times (tens of seconds); its rank processes' calls
+    fail at once (``ActorUnavailableError``: connection reset), and so does a connection to its
+    raylet, which tells a lost node from one rank process that died on a live node."""
+    info = {n["NodeID"]: n for n in ray.nodes()}
+    out = set()
+    for node_id in set(node_ids):
+        node = info.get(node_id)
+        if node is None or not node.get("Alive"):
+            out.add(node_id)
+            continue
+        try:
+            with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])),
+                                          timeout=connect_timeout_s):
+                pass
+        except OSError:
+            out.add(node_id)
+    return out
+
+
+def strategy_for(groups: tuple[int, ...], nodes: dict[str, float]) -> str | None:
+    """How a gang of ``groups`` (ranks per placement node) is laid on Ray ``nodes`` (id -> devices):
+    STRICT_SPREAD (one Ray node per placement node) when the cluster has enough nodes large enough,
+    STRICT_PACK when a single-node Ray stands in for the whole cluster and holds every rank, None when
+    neither fits (the caller names the numbers)."""
+    sizes = sorted(nodes.values(), reverse=True)
+    need = sorted(groups, reverse=True)
+    if len(sizes) >= len(need) and all(have >= n for have, n in zip(sizes, need, strict=False)):
+        return "STRICT_SPREAD"
+    if len(sizes) == 1 and sizes[0] >= sum(groups):
+        return "STRICT_PACK"
+    return None
 
 
 class GangPool:
@@ -132,8 +186,9 @@ class GangPool:
         if job != self._job:  # Ray restarted: the old gangs' actors and groups are gone with it
             self._gangs, self._job = [], job
 
-    def acquire(self, key: GangKey, *, timeout_s: float) -> Gang:
-        """A gang of shape ``key`` for one trial: an idle one, or a new one with its groups reserved."""
+    def acquire(self, key: GangKey, *, timeout_s: float, strategy: str = "STRICT_SPREAD") -> Gang:
+        """A gang of shape ``key`` for one trial: an idle one, or a new one with its group reserved
+        (one bundle per placement node, laid out by ``strategy``: see ``strategy_for``)."""
         resource, groups = key
         need = sum(groups)
         deadline = time.monotonic() + timeout_s
@@ -141,7 +196,7 @@ class GangPool:
             self._check_session()
             while True:
                 for gang in self._gangs:
-                    if gang.key == key and not gang.busy:
+                    if gang.key == key and gang.strategy == strategy and not gang.busy:
                         gang.busy = True
                         return gang
                 if ray.available_resources().get(resource, 0) >= need:
@@ -157,17 +212,17 @@ class GangPool:
                 if left <= 0:
                     raise BackendUnavailable(f"no room for {need} {resource} bundles within {timeout_s:g} s")
                 self._cond.wait(timeout=min(left, 1.0))
-            gang = Gang(key=key)
+            gang = Gang(key=key, strategy=strategy)
             self._gangs.append(gang)
         try:
-            bundle = {resource: 1}
-            gang.pgs = [placement_group([bundle] * n, strategy="STRICT_PACK") for n in groups]
+            bundles = [{resource: n} for n in groups]
+            gang.pgs = [placement_group(bundles, strategy=strategy)]
             gang.slots = [[Slot() for _ in range(n)] for n in groups]
             left = max(1.0, deadline - time.monotonic())
             ready, _ = ray.wait([pg.ready() for pg in gang.pgs], num_returns=len(gang.pgs), timeout=left)
             if len(ready) < len(gang.pgs):
                 raise BackendUnavailable(
-                    f"Ray could not reserve placement groups of {list(groups)} x {bundle} within {left:.0f} s"
+                    f"Ray could not reserve a {strategy} placement group of {bundles} within {left:.0f} s"
                     f" (available now: {ray.available_resources().get(resource, 0):g} {resource})"
                 )
         except BaseException:
@@ -183,6 +238,15 @@ class GangPool:
             gang.trial_id = None
             gang.last_used = time.monotonic()
             self._cond.notify_all()
+
+    def discard(self, gang: Gang) -> None:
+        """Destroy ``gang`` (its actors and its placement group) and forget it: a gang one of whose
+        nodes died (its bundle would be rescheduled onto the surviving nodes and hold them)."""
+        with self._cond:
+            if gang in self._gangs:
+                self._gangs.remove(gang)
+            self._cond.notify_all()
+        destroy(gang)
 
     def cancel(self, trial_id: str) -> bool:
         """Destroy the gang running ``trial_id`` (its actors killed, its placement groups removed)
@@ -268,10 +332,11 @@ def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
     drop_dead(gang)
     gpu = gang.key[0] == "GPU"
     new: list[Slot] = []
-    for pg, slots in zip(gang.pgs, gang.slots, strict=True):
-        for index, slot in enumerate(slots):
-            if slot.actor is None:
-                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+    (pg,) = gang.pgs
+    for node, slots in enumerate(gang.slots):
+        for slot in slots:
+            if slot.actor is None:  # into its placement node's bundle: Ray picks a device of that bundle
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=node)
                 slot.actor = RankActor.options(
                     num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, scheduling_strategy=strategy
                 ).remote()

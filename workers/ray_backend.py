@@ -1,8 +1,9 @@
 """The Ray backend: every rank of a trial is a reused Ray actor inside a placement group.
 
-Actor reuse: ranks run in *gangs* from a per-process pool (workers/_gangs.py) — one STRICT_PACK
-placement group per node of the tuner's ``Placement`` and one long-lived ``RankWorker`` per bundle
-({"GPU": 1} on CUDA clusters, {"CPU": 1} on CPU ones). Every trial of the same shape (resource,
+Actor reuse: ranks run in *gangs* from a per-process pool (workers/_gangs.py) — one placement
+group with a bundle per node of the tuner's ``Placement`` ({"GPU": n} / {"CPU": n} for its n ranks
+there, STRICT_SPREAD: each on its own Ray node) and one long-lived ``RankWorker`` per rank in its
+node's bundle. Every trial of the same shape (resource,
 ranks per node) reuses the same processes with a fresh process group on a fresh port, so launch
 costs one Ray call per rank instead of process start-up and ``import torch``.
 
@@ -13,8 +14,15 @@ launcher, workers/reshard_launch.py, is one).
 
 Failures
   - Validation happens before any process starts: ``check_layout`` (world size vs the cluster's
-    devices, divisibility), the tuner's placement, and the Ray resources (total and per node) ->
-    LayoutError/BackendError naming the numbers.
+    devices, divisibility, TP inside a node unless the request's ``allow_tp_across_nodes`` option),
+    the tuner's placement, and the Ray resources (total, and a Ray node for every node of the
+    placement) -> LayoutError/BackendError naming the numbers.
+  - Placement is realised, not assumed: ``TrialResult.rank_nodes`` is the Ray node id each rank's
+    process reported for itself (``RankWorker.info``), rank order.
+  - A node lost mid-trial (its raylet gone: the machine, the network) is that trial's ``crash``
+    naming the node; the trials of other nodes go on, and the gang is destroyed with its placement
+    group (``GangPool.discard``), so its devices are free and the next trial is placed on the nodes
+    that remain.
   - A rank's exception comes back as a classified ``TrialError`` (workers/failures.py); when
     several ranks fail, a rank's own failure wins over its peers' errors inside collectives.
   - Watchdog: the driver polls each rank's ``Progress`` (beaten after every optimizer step) through
@@ -48,7 +56,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -57,7 +65,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 import tuner
 from tuner import BackendError, SpecError, check_layout
 from workers._contract import BackendUnavailable, TrialError, TrialRequest, TrialResult
-from workers._gangs import POOL, Slot, drop, ensure_actors, kill_actors
+from workers._gangs import POOL, Slot, alive_nodes, drop, ensure_actors, kill_actors, lost_nodes, strategy_for
 from workers._ray_start import check_reachable, start_ray
 from workers.aggregate import aggregate
 from workers.failures import died_error, timeout_error
@@ -74,6 +82,7 @@ class GangRun:
     error: TrialError | None
     hosts: list[str]
     wall_s: float
+    rank_nodes: list[str] = field(default_factory=list)  # rank -> Ray node id of its process
 
 
 class RayBackend:
@@ -136,17 +145,23 @@ class RayBackend:
         """Ranks per node, in node order, as the tuner's placement lays them out (node-major)."""
         place = getattr(tuner, "place", None)
         if place is not None:
-            rank_devices = place(request.layout, request.cluster).rank_devices
+            allow = bool(request.options.get("allow_tp_across_nodes", False))
+            rank_devices = place(request.layout, request.cluster, allow_tp_across_nodes=allow).rank_devices
         else:  # the placement convention itself: rank r on node r // devices_per_node
             d = request.cluster.devices_per_node
             rank_devices = tuple(divmod(r, d) for r in range(request.layout.world_size))
         per_node = Counter(node for node, _ in rank_devices)
         return tuple(per_node[n] for n in sorted(per_node))
 
-    def _validate(self, request: TrialRequest) -> tuple[str, tuple[int, ...]]:
-        """Everything that can be known before a process starts; returns (resource, node groups)."""
+    def _validate(self, request: TrialRequest) -> tuple[str, tuple[int, ...], str]:
+        """Everything that can be known before a process starts; returns (resource, node groups,
+        placement-group strategy)."""
         layout, cluster = request.layout, request.cluster
-        check_layout(layout, model=request.model, cluster=cluster, training=request.training)
+        allow = request.options.get("allow_tp_across_nodes", False)
+        if not isinstance(allow, bool):
+            raise SpecError(f"options.allow_tp_across_nodes must be true or false, got {allow!r}")
+        check_layout(layout, model=request.model, cluster=cluster, training=request.training,
+                     allow_tp_across_nodes=allow)
         cap = request.options.get("memory_cap_bytes")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise SpecError(f"options.memory_cap_bytes must be a non-negative integer, got {cap!r}")
@@ -159,26 +174,36 @@ class RayBackend:
                 f"layout {layout.key} needs world size {layout.world_size} = {layout.world_size} {resource}"
                 f" bundles, but the Ray cluster has {total:g} {resource}"
             )
-        biggest = max((n.get("Resources", {}).get(resource, 0) for n in ray.nodes() if n.get("Alive")), default=0)
+        nodes = alive_nodes(resource)
+        biggest = max(nodes.values(), default=0)
         if max(groups) > biggest:
             raise BackendError(
                 f"layout {layout.key} needs {max(groups)} {resource} on one node (cluster"
                 f" {cluster.name!r}: {cluster.devices_per_node} per node), but the largest Ray node has {biggest:g}"
             )
-        return resource, groups
+        strategy = strategy_for(groups, nodes)
+        if strategy is None:
+            raise BackendError(
+                f"layout {layout.key} is placed on {len(groups)} nodes of {list(groups)} {resource} (cluster"
+                f" {cluster.name!r}: {cluster.devices_per_node} per node), but the Ray cluster has"
+                f" {len(nodes)} nodes with {resource}: {sorted(nodes.values(), reverse=True)}"
+            )
+        return resource, groups, strategy
 
     # --- one trial --------------------------------------------------------------------------------
 
     def run(self, request: TrialRequest) -> TrialResult:
         out = self.run_program(request)
         if out.error is None:
-            return aggregate(out.reports, request, backend=self.name, wall_s=out.wall_s)
+            result = aggregate(out.reports, request, backend=self.name, wall_s=out.wall_s)
+            return replace(result, rank_nodes=out.rank_nodes)
         world = request.layout.world_size
         return TrialResult(
             status=out.error.kind,
             backend=self.name,
             error=out.error,
             env={"hosts": out.hosts, "world_size": world},
+            rank_nodes=out.rank_nodes,
             wall_s=out.wall_s,
             device_seconds=out.wall_s * world,
         )
@@ -193,11 +218,12 @@ class RayBackend:
         failure left stuck are those of ``run``: raises LayoutError/BackendError before any
         process starts; a failing rank is ``GangRun.error``, never an exception."""
         t0 = time.monotonic()
-        resource, groups = self._validate(request)
+        resource, groups, strategy = self._validate(request)
         world = request.layout.world_size
         init_timeout = float(request.options.get("init_timeout_s", self.init_timeout_s))
-        gang = POOL.acquire((resource, groups), timeout_s=self.placement_timeout_s)
-        clean = False
+        gang = POOL.acquire((resource, groups), timeout_s=self.placement_timeout_s, strategy=strategy)
+        clean, lost, error = False, set(), None
+        rank_nodes: list[str] = []
         try:
             gang.trial_id = request.trial_id
             if request.trial_id in self._cancelled:  # cancelled while it waited for its gang
@@ -205,6 +231,7 @@ class RayBackend:
             ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
             ranks = gang.ranks  # node-major: rank r is the r-th slot, as in the tuner's Placement
             hosts = sorted({s.info["host"] for s in ranks})
+            rank_nodes = [s.info["node_id"] for s in ranks]
             try:
                 port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.actor_start_timeout_s)
             except RayError as exc:  # rank 0 died since its health check: nothing of the trial ran
@@ -228,9 +255,17 @@ class RayBackend:
         finally:
             if not clean:
                 kill_actors(gang)
-            POOL.release(gang)
+            if error is not None:  # every rank may have "returned": both died with their node
+                lost = lost_nodes(rank_nodes)
+            if lost:  # its bundle on the dead node would be re-placed on the survivors: free it all
+                POOL.discard(gang)
+            else:
+                POOL.release(gang)
+        if error is not None and lost:
+            error = node_lost_error(error, rank_nodes, lost)
         ordered = [reports[r] for r in sorted(reports)] if error is None else []
-        return GangRun(reports=ordered, error=error, hosts=hosts, wall_s=time.monotonic() - t0)
+        return GangRun(reports=ordered, error=error, hosts=hosts, wall_s=time.monotonic() - t0,
+                       rank_nodes=rank_nodes)
 
     def _watch(
         self, refs: dict[Any, int], ranks: list[Slot], request: TrialRequest, init_timeout: float
@@ -348,6 +383,31 @@ class RayBackend:
         rest = [ref for ref, r in pending.items() if r not in culprits]
         done, _ = ray.wait(rest, num_returns=len(rest), timeout=ERROR_GRACE_S + 3.0)
         return len(done) == len(rest)
+
+
+def node_lost_error(error: TrialError, rank_nodes: list[str], lost: set[str]) -> TrialError:
+    """The trial's error when nodes of it died: a ``crash`` that says which node and ranks were lost
+    (the ranks' own errors are consequences of it), keeping the error's rank and type when it was a
+    rank on a lost node."""
+    node = sorted(lost)[0]
+    on_it = [r for r, n in enumerate(rank_nodes) if n in lost]
+    first = error.rank if error.rank in on_it else on_it[0]
+    message = (f"node lost: node {node[:12]} died with ranks {_ranges(on_it)} of this trial; "
+               f"rank {first}: {error.message}")[:500]
+    return TrialError(kind="crash", message=message, rank=first, exception_type=error.exception_type,
+                      traceback_tail=error.traceback_tail)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
 
 
 def local_rank_and_device(ranks: list[Slot], rank: int, *, gpu: bool) -> tuple[int, str]:

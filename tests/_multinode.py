@@ -1,0 +1,192 @@
+"""A real multi-node Ray cluster on this machine, driven over a socket by tests/test_multinode.py.
+
+A process can be connected to one Ray at a time, and the test session's own Ray (``ray_local``) must
+stay up for the other tests, so the cluster lives in this child process: a head that holds no
+devices and ``--nodes`` worker nodes (separate raylets, object stores and worker processes), each
+declaring its own devices — 2 CPUs — and a custom resource ``meshtune_node_<i>`` naming it. The
+test sends commands (start a trial, wait for it to step, kill a node, read the placement groups)
+and gets plain dicts back.
+
+    python tests/_multinode.py SOCKET AUTHKEY_HEX NODES
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+DEVICES_PER_NODE = 2
+NODE_STORE_BYTES = 80 * 2**20  # per node: the trials move no objects worth more
+
+
+def probe(request: Any, *, device: str) -> dict[str, Any]:
+    """Rank program: where this rank's process runs, and the groups of the mesh the workers build
+    (workers.parallelize.build_mesh, the trainer's own), with one all-reduce over each group so a
+    group that crosses nodes is shown to really talk across them."""
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    from workers.parallelize import build_mesh
+
+    mesh = build_mesh(request.layout, request.cluster, "cpu")
+    groups, sums = {}, {}
+    for axis in ("tp", "dp", "pp"):
+        groups[axis] = [int(r) for r in mesh[axis].mesh.flatten().tolist()]
+        t = torch.ones(1)
+        dist.all_reduce(t, group=mesh[axis].get_group())
+        sums[axis] = int(t.item())
+    return {"rank": dist.get_rank(), "node_id": ray.get_runtime_context().get_node_id(), "groups": groups,
+            "sums": sums}
+
+
+class Driver:
+    def __init__(self, nodes: int) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from workers.ray_backend import RayBackend
+
+        t0 = time.monotonic()
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
+        for i in range(nodes):
+            self.cluster.add_node(num_cpus=DEVICES_PER_NODE, resources={f"meshtune_node_{i}": 1},
+                                  object_store_memory=NODE_STORE_BYTES)
+        ray.init(address=self.cluster.address, log_to_driver=False)
+        self.cluster.wait_for_nodes()  # before any placement group (FIELD-NOTES: else STRICT_PACK never readies)
+        self.start_s = time.monotonic() - t0
+        self.backend = RayBackend()
+        self.trials: dict[str, dict[str, Any]] = {}
+        self.gang_of: dict[str, Any] = {}
+
+    # --- commands ---------------------------------------------------------------------------------
+
+    def nodes(self) -> dict[str, Any]:
+        import ray
+
+        out = {}
+        for n in ray.nodes():
+            labels = [k for k in n["Resources"] if k.startswith("meshtune_node_")]
+            if n["Alive"] and labels:
+                out[labels[0]] = n["NodeID"]
+        return {"nodes": out, "start_s": self.start_s}
+
+    def start(self, tag: str, request: dict[str, Any], program: str | None = None) -> dict[str, Any]:
+        from workers import TrialRequest
+
+        req = TrialRequest.from_dict(request)
+        slot: dict[str, Any] = {"done": threading.Event()}
+
+        def work() -> None:
+            try:
+                if program == "probe":
+                    out = self.backend.run_program(req, probe)
+                    slot["out"] = {"reports": out.reports, "rank_nodes": out.rank_nodes,
+                                   "error": out.error and vars(out.error)}
+                else:
+                    slot["out"] = {"result": self.backend.run(req).to_dict()}
+            except Exception as exc:  # noqa: BLE001 - the test reads what the backend raised
+                slot["out"] = {"raised": f"{type(exc).__name__}: {exc}"}
+            slot["finished_at"] = time.monotonic()
+            slot["done"].set()
+
+        self.trials[tag] = slot
+        threading.Thread(target=work, daemon=True).start()
+        return {}
+
+    def result(self, tag: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        slot = self.trials[tag]
+        if not slot["done"].wait(timeout_s):
+            return {"raised": f"no result within {timeout_s:g} s"}
+        return {**slot["out"], "finished_at": slot["finished_at"]}
+
+    def wait_steps(self, tag: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait until ``tag``'s gang (the busy one no other trial owns) has stepped; its rank nodes."""
+        import ray
+
+        from workers._gangs import POOL
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.trials[tag]["done"].is_set():
+                return {"raised": f"trial {tag} ended before stepping: {self.trials[tag]['out']}"}
+            owned = {id(g) for t, g in self.gang_of.items() if t != tag}
+            mine = self.gang_of.get(tag) or next(
+                (g for g in list(POOL._gangs) if g.busy and id(g) not in owned and g.ranks
+                 and all(s.info for s in g.ranks)), None)
+            if mine is not None:
+                self.gang_of[tag] = mine
+                try:
+                    snaps = ray.get([s.actor.snapshot.remote() for s in mine.ranks], timeout=30)
+                except Exception:  # noqa: BLE001 - a rank still starting: ask again
+                    snaps = []
+                if snaps and all(s["phase"] == "steps" and s["steps"] >= 1 for s in snaps):
+                    return {"rank_nodes": [s.info["node_id"] for s in mine.ranks],
+                            "steps": [s["steps"] for s in snaps]}
+            time.sleep(0.2)
+        return {"raised": f"trial {tag} did not step within {timeout_s:g} s"}
+
+    def kill_node(self, node_id: str) -> dict[str, Any]:
+        """SIGKILL every process of the worker node (raylet, object store, its rank processes)."""
+        (node,) = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+        killed_at = time.monotonic()
+        self.cluster.remove_node(node, allow_graceful=False)
+        return {"killed_at": killed_at}
+
+    def resources(self) -> dict[str, Any]:
+        import ray
+        from ray.util import placement_group_table
+
+        return {"available": ray.available_resources(), "total": ray.cluster_resources(),
+                "groups": {k: v["state"] for k, v in placement_group_table().items()},
+                "gangs": [{"key": list(g.key), "busy": g.busy, "group": g.pgs[0].id.hex() if g.pgs else None}
+                          for g in self._pool()]}
+
+    def gang_group(self, tag: str) -> dict[str, Any]:
+        gang = self.gang_of[tag]
+        return {"group": gang.pgs[0].id.hex() if gang.pgs else None}
+
+    @staticmethod
+    def _pool() -> list[Any]:
+        from workers._gangs import POOL
+
+        return list(POOL._gangs)
+
+    def stop(self) -> dict[str, Any]:
+        import ray
+
+        self.backend.close()
+        ray.shutdown()
+        # Cluster.shutdown refuses to remove the head once a node was killed (the driver still looks
+        # connected to it): stop every node's processes directly, waiting for them to exit.
+        for node in [*self.cluster.worker_nodes, self.cluster.head_node]:
+            node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+        return {}
+
+
+def main(sock: str, authkey_hex: str, nodes: int) -> None:
+    conn = Client(sock, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
+    try:
+        driver = Driver(nodes)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        conn.send({"raised": traceback.format_exc()})
+        return
+    conn.send({"ready": True})
+    while True:
+        op, kwargs = conn.recv()
+        try:
+            reply = getattr(driver, op)(**kwargs)
+        except Exception:  # noqa: BLE001
+            reply = {"raised": traceback.format_exc()}
+        conn.send(reply)
+        if op == "stop":
+            return
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,216 @@
+"""Placement proven on a real multi-node Ray cluster on this machine (CPU ranks on gloo): a head
+and 3 worker nodes of 2 devices each (tests/_multinode.py, in a child process so that the session's
+own Ray stays connected here). Each trial's ranks land as the tuner's placement says — a node's
+ranks contiguous and on one Ray node, every TP group inside a node, PP crossing nodes — and the
+rank processes report it themselves; a TP group that would cross a node is refused unless allowed;
+killing a worker node mid-trial fails only the trial on it, as a node-lost crash within 60 s,
+frees its devices, and the next trial is placed on the remaining nodes and completes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tuner import Layout, cluster_spec, model_spec, place, training_spec
+from workers import TrialRequest
+
+HERE = Path(__file__).resolve().parent
+NODES = 3
+LOST_WITHIN_S = 60.0
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # hang guard: actors start slowly on a loaded machine
+
+
+class Cluster:
+    """The child process that holds the cluster; ``call(op, **kw)`` runs one of its commands."""
+
+    def __init__(self, tmp: Path) -> None:
+        key = secrets.token_bytes(16)
+        sock = str(tmp / "driver.sock")
+        self.listener = Listener(sock, family="AF_UNIX", authkey=key)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        self.log = tmp / "driver.log"
+        with open(self.log, "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "_multinode.py"), sock, key.hex(), str(NODES)],
+                                         env=env, stdout=subprocess.DEVNULL, stderr=log)
+        accepted: list[Any] = []
+        waiter = threading.Thread(target=lambda: accepted.append(self.listener.accept()), daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            waiter.join(1.0)
+            self._check_alive()
+        self.conn = accepted[0]
+        ready = self._recv()
+        assert ready.get("ready"), ready.get("raised")
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the cluster's driver exited ({self.proc.returncode}):\n"
+                                 + self.log.read_text()[-4000:])
+
+    def _recv(self) -> dict[str, Any]:
+        while not self.conn.poll(1.0):  # a command waits on trials (minutes); a dead child is seen at once
+            self._check_alive()
+        return self.conn.recv()
+
+    def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        self.conn.send((op, kwargs))
+        out = self._recv()
+        assert "raised" not in out or op in ("result",), out["raised"]
+        return out
+
+    def close(self) -> None:
+        try:
+            self.call("stop")
+        finally:
+            self.conn.close()
+            self.listener.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("multinode"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _request(layout: Layout, nodes: int, **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(
+        model=model_spec("tiny"), training=training_spec({"global_batch": 8}), layout=layout,
+        cluster=cluster_spec({"preset": "cpu-local", "nodes": nodes, "devices_per_node": 2}),
+        warmup_steps=1, measure_steps=1, step_timeout_s=120)
+    return TrialRequest(**{**base, **kw}).to_dict()
+
+
+def _run(cluster: Cluster, tag: str, request: dict[str, Any], program: str | None = None) -> dict[str, Any]:
+    cluster.call("start", tag=tag, request=request, program=program)
+    return cluster.call("result", tag=tag)
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2), Layout(tp=2, dp=2), Layout(dp=2, pp=2)],
+                         ids=lambda x: x.key)
+def test_each_trials_ranks_land_as_the_placement_says(cluster: Cluster, layout: Layout) -> None:
+    nodes = set(cluster.call("nodes")["nodes"].values())
+    out = _run(cluster, layout.key, _request(layout, 2), program="probe")
+    assert out.get("error") is None and "raised" not in out, out
+    reports = sorted(out["reports"], key=lambda r: r["rank"])
+    where = [r["node_id"] for r in reports]  # what each rank's own process says
+    assert where == out["rank_nodes"]  # ... is what the trial records
+    assert set(where) <= nodes and len(set(where)) == 2  # two worker nodes, never the head
+    # A node's ranks are contiguous (node-major, as the tuner numbers them) and share one Ray node.
+    placement = place(layout, cluster_spec({"preset": "cpu-local", "nodes": 2, "devices_per_node": 2}))
+    for rank, (node, _) in enumerate(placement.rank_devices):
+        assert where[rank] == where[2 * node]
+    assert where[0] != where[2]
+    for r in reports:
+        for axis in ("tp", "dp", "pp"):  # the mesh the workers built is the tuner's placement
+            assert tuple(r["groups"][axis]) == placement.group(axis, r["rank"])
+            assert r["sums"][axis] == getattr(layout, axis)  # every group's all-reduce went through
+        assert len({where[m] for m in r["groups"]["tp"]}) == 1  # TP inside one node
+        if layout.pp > 1:
+            assert len({where[m] for m in r["groups"]["pp"]}) == layout.pp  # PP crosses nodes
+
+
+def test_a_real_trial_records_its_rank_to_node_map(cluster: Cluster) -> None:
+    out = _run(cluster, "train-tp2-pp2", _request(Layout(tp=2, pp=2, schedule="gpipe"), 2))
+    result = out["result"]
+    assert result["status"] == "completed", result["error"]
+    a, b = result["rank_nodes"][0], result["rank_nodes"][2]
+    assert result["rank_nodes"] == [a, a, b, b] and a != b
+
+
+def test_tp_across_nodes_is_refused_unless_allowed(cluster: Cluster) -> None:
+    refused = _run(cluster, "tp4", _request(Layout(tp=4), 2), program="probe")
+    assert refused["raised"].startswith("LayoutError: tp=4 groups would cross nodes (devices_per_node=2)")
+    allowed = _run(cluster, "tp4-allowed", _request(Layout(tp=4), 2, options={"allow_tp_across_nodes": True}),
+                   program="probe")
+    assert allowed.get("error") is None and "raised" not in allowed, allowed
+    where = allowed["rank_nodes"]
+    for r in allowed["reports"]:
+        assert r["groups"]["tp"] == [0, 1, 2, 3] and r["sums"]["tp"] == 4
+    assert len(set(where)) == 2  # the one TP group spans both nodes, as asked
+
+
+def test_a_lost_node_fails_only_its_trial_frees_its_devices_and_the_next_trial_runs(cluster: Cluster) -> None:
+    long = dict(measure_steps=400, options={"sleep_per_step_s": 0.25})  # ~100 s: killed long before
+    cluster.call("start", tag="doomed", request=_request(Layout(dp=2), 1, **long))
+    doomed = cluster.call("wait_steps", tag="doomed")["rank_nodes"]
+    # The survivor is still stepping when the node goes, and ends on its own well after.
+    cluster.call("start", tag="survivor", request=_request(Layout(dp=2), 1, measure_steps=40,
+                                                           options={"sleep_per_step_s": 0.25}))
+    survivor = cluster.call("wait_steps", tag="survivor")
+    assert len(set(doomed)) == 1 and set(doomed).isdisjoint(survivor["rank_nodes"])
+    group = cluster.call("gang_group", tag="doomed")["group"]
+    killed_at = cluster.call("kill_node", node_id=doomed[0])["killed_at"]
+
+    lost = cluster.call("result", tag="doomed")
+    result = lost["result"]
+    assert result["status"] == "crash" and result["error"]["message"].startswith(
+        f"node lost: node {doomed[0][:12]} died with ranks 0-1 of this trial"), result["error"]
+    assert result["rank_nodes"] == doomed
+    assert lost["finished_at"] - killed_at < LOST_WITHIN_S
+    kept = cluster.call("result", tag="survivor")
+    assert kept["result"]["status"] == "completed", kept["result"]["error"]
+    assert kept["result"]["rank_nodes"] == survivor["rank_nodes"]
+    assert kept["finished_at"] > killed_at  # it was mid-trial when the node went
+
+    # Its devices are released: its placement group is gone, and no gang holds the dead node.
+    state = cluster.call("resources")
+    assert state["groups"][group] == "REMOVED"
+    assert group not in [g["group"] for g in state["gangs"]]
+    # The sweep goes on: a trial over two nodes is placed on the two that remain and completes.
+    after = _run(cluster, "after", _request(Layout(pp=2, dp=2, schedule="gpipe"), 2))["result"]
+    assert after["status"] == "completed", after["error"]
+    alive = set(cluster.call("nodes")["nodes"].values())
+    assert doomed[0] not in alive and set(after["rank_nodes"]) == alive and len(alive) == 2
+
+
+def test_the_rank_to_node_map_is_stored_and_shown(tmp_path: Path) -> None:
+    """A result's rank -> node map lands in trials.rank_nodes, the trial JSON of the API and the
+    trial page (one row per node with its ranks). A store round trip: no cluster needed."""
+    from fastapi.testclient import TestClient
+
+    from api import store
+    from api.main import create_app
+    from api.services import sweeps as service
+    from api.settings import Settings
+    from api.spec import SweepSpec
+    from workers import TrialResult
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    engine, sessions = store.open_store(url)
+    spec = SweepSpec.model_validate({"model": "tiny", "cluster": {"preset": "cpu-local", "nodes": 2, "devices_per_node": 2},
+                                     "training": {"global_batch": 8}, "backend": "simulate", "name": "placed"})
+    a, b = "a" * 56, "b" * 56
+    lay = Layout(tp=2, pp=2)
+    with store.session_scope(sessions) as session:
+        sid = service.create_sweep(session, spec=spec, owner="alice").id
+        store.insert_trial(session, sweep_id=sid, number=0, layout=lay.__dict__.copy(), layout_key=lay.key,
+                           world_size=4, backend="ray")
+        assert store.record_result(session, sweep_id=sid, number=0, attempt=0, result=TrialResult(
+            status="crash", backend="ray", rank_nodes=[a, a, b, b], wall_s=1.0, device_seconds=4.0))
+    engine.dispose()
+    with TestClient(create_app(Settings(database_url=url), run_engine=False)) as c:
+        (trial,) = c.get(f"/api/sweeps/{sid}/trials").json()["items"]
+        assert trial["rank_nodes"] == [a, a, b, b]
+        assert c.get(f"/api/sweeps/{sid}/trials/{trial['id']}").json()["rank_nodes"] == [a, a, b, b]
+        page = c.get(f"/sweeps/{sid}/trials/{trial['id']}").text
+    table = page.split('id="rank-nodes"')[1].split("</table>")[0]
+    assert table.count("<tr><td>") == 2
+    assert f"<code>{a[:12]}</code></td><td>0-1</td><td>2</td>" in table
+    assert f"<code>{b[:12]}</code></td><td>2-3</td><td>2</td>" in table
