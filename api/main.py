@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from api import _http, dashboard, errors, store
-from api.dashboard import trends
+from api.dashboard import plan_page, trends
 from api.export import routes as export_routes
 from api.routes import health, metrics, plan, presets, reshard, schedules, sweeps
 from api.settings import Settings, get_settings
@@ -133,7 +133,8 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     errors.install(app)
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/").
-    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, trends):
+    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, trends,
+                   plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.
     app.add_middleware(_http.AllowedMethods)

@@ -5,6 +5,10 @@ The sweep is seeded through the store functions the engine uses (tests/_dashboar
 
 from __future__ import annotations
 
+import html
+import json
+import re
+
 import _dashboard_seed as seed
 import pytest
 from fastapi.testclient import TestClient
@@ -104,3 +108,25 @@ def test_api_plan_sizes_table_and_figure(stored):
                                    "train_tokens": 1e9, "price_per_device_hour": 2})
     entry = r.json()["entries"][0]
     assert entry["budget"]["cost"] == pytest.approx(4 * 1e9 / entry["time"]["tokens_per_s"] / 3600 * 2)
+
+
+def test_dashboard_plan_page_compares_sizes_and_names_bad_input(stored):
+    c = stored["client"]
+    home = c.get("/plan")
+    assert home.status_code == 200 and 'id="plan-form"' in home.text and 'id="plan-table"' not in home.text
+    r = c.get("/plan", params={"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4", "global_batch_tokens": "1024",
+                               "train_tokens": "1e9", "price_per_device_hour": "0.5"})
+    assert r.status_code == 200 and r.text.count("<tr data-nodes=") == 3
+    api = c.get("/api/plan/sizes", params={"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4",
+                                           "global_batch_tokens": 1024, "train_tokens": 1e9,
+                                           "price_per_device_hour": 0.5}).json()
+    for s in api["sizes"]:  # the page shows what the API answers, through the one formatting module
+        assert f"<td>{fmt.budget_cells(s['budget'])['cost']}</td>" in r.text
+    m = re.search(r"data-figure='(.*?)'", r.text, re.S)
+    assert m and json.loads(html.unescape(m[1]))["data"][0]["x"] == [4, 8, 16]
+    for params, line in (({"nodes": "4,4"}, "nodes=4,4: 4 is given twice"),
+                         ({"nodes": "1", "price_per_device_hour": "-3"},
+                          "cluster.price_per_device_hour must be a non-negative number, got -3.0"),
+                         ({"nodes": "1", "train_tokens": "lots"}, "train_tokens=&#39;lots&#39; is not a number")):
+        bad = c.get("/plan", params={"model": "tiny", "cluster": "cpu-local", "global_batch_tokens": "1024", **params})
+        assert bad.status_code == 422 and f"<li>{line}</li>" in bad.text, bad.text[:2000]
