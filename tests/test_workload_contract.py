@@ -154,3 +154,15 @@ def test_http_refuses_a_bad_workload_with_422_naming_it(tmp_path):
         r = c.post("/api/sweeps", json={**body, "workload": "hf", "model": "tiny"}, headers=ALICE)
         assert r.status_code == 422 and "needs model.hf_config" in r.json()["detail"], r.text
         assert c.get("/api/sweeps", headers=ALICE).json()["total"] == 0
+
+
+def test_hf_workload_names_an_architecture_it_does_not_run():
+    """Gemma's scaled embeddings, soft-capping and sliding layers are not what the hf workload
+    realises: the spec is refused at validation, naming model_type and what is supported."""
+    from api.spec import SweepSpec
+
+    config = json.loads((README.parent / "examples" / "hf" / "gemma-2-9b.json").read_text())
+    with pytest.raises(ValueError, match=r"workload='hf': model.hf_config model_type='gemma2' is not supported "
+                                         r"by workload='hf' \(supported: llama, mistral"):
+        SweepSpec.model_validate({"model": {"hf_config": config, "seq_len": 64}, "cluster": "cpu-local",
+                                  "training": {"global_batch": 8}, "backend": "simulate", "workload": "hf"})

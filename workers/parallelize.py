@@ -27,6 +27,9 @@ order (torchtitan's ``parallelize_llama`` is the model). Realisations worth know
   attention kernel.
 - Tensor parallel with tp > kv_heads (tp % kv_heads == 0): wk/wv stay whole and each tp rank keeps
   the kv head its query heads use (``ReplicatedKV``), as Megatron replicates kv heads for GQA.
+- Another workload (workers/workload.py: the Hugging Face model, a user's ``module:attr``) is a
+  ``WorkloadModel`` shaped like the Transformer and takes the same steps; only its TP/SP comes from
+  its own plan, and its declared capabilities are checked with the layout.
 - Gradients are averaged over the data group dp*cp*ep (dense weights) so every layout trains the
   same model as the single-process reference; expert weights (ep > 1) are reduced over dp*cp with
   the same divide factor dp*cp*ep, since all-to-all backward already sums the ep group's shares.
