@@ -64,8 +64,19 @@ router.mount("/dashboard/static", StaticFiles(directory=str(HERE / "static")), n
 
 @pass_context
 def _path_for(context: dict[str, Any], name: str, /, **params: Any) -> str:
-    """A root-relative URL: pages work behind a proxy whatever host and scheme it presents."""
-    return context["request"].url_for(name, **params).path
+    """A root-relative URL: pages work behind a proxy whatever host and scheme it presents.
+    Memoised per app: Starlette's url_for walks every route (~1 ms each on a loaded host, and a sweep
+    page links a few hundred trials), while a route's path for given parameters never changes."""
+    request = context["request"]
+    try:
+        return _route_path(request.app, request.scope.get("root_path", ""), name, tuple(sorted(params.items())))
+    except TypeError:  # an unhashable parameter: no memo
+        return request.url_for(name, **params).path
+
+
+@lru_cache(maxsize=65536)
+def _route_path(app: Any, root_path: str, name: str, params: tuple[tuple[str, Any], ...]) -> str:
+    return root_path.rstrip("/") + app.url_path_for(name, **dict(params))
 
 
 @pass_context
