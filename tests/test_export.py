@@ -57,6 +57,7 @@ CASES = [
     ("cp4-dp8-z0", MODEL_PRESETS["llama3-8b"], H100x32, GB64, Layout(cp=4, dp=8)),
     ("tiny-moe-ep2-dp2-z0-mbs2", MODEL_PRESETS["tiny-moe"], CPU, TrainingSpec(global_batch=8),
      Layout(ep=2, dp=2, mbs=2)),
+    ("tp4-dp8-z0", MODEL_PRESETS["llama3-8b"], H100x32, GB64, Layout(tp=4, dp=8)),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -109,6 +110,8 @@ def test_torchtitan_job_config_is_read_by_torchtitan(case, tmp_path):
         etp=p.expert_tensor_parallel_degree, world_size=lay.world_size,
     )
     batch_degree = dims.dp_replicate * dims.dp_shard
+    if dims.dp_replicate > 1 and not dims.fsdp_enabled:  # torchtitan's DDP is 1-D only (llama3 parallelize)
+        assert dims.dp_replicate == lay.world_size
     assert batch_degree == lay.dp * lay.ep
     assert (dims.dp_shard * dims.cp * dims.tp) % (dims.etp * dims.ep) == 0  # torchtitan's efsdp mesh
     m = microbatches(lay, training)
@@ -349,6 +352,9 @@ def test_what_has_no_equivalent_is_said_not_dropped():
     assert z0_ep.settings["parallelism"]["data_parallel_shard_degree"] == 2
     assert any("zero=0 with ep=2" in c for c in z0_ep.caveats)
     assert any("measured on CPU ranks" in c for c in z0_ep.caveats)
+    z0_tp = _export(CASES[5], "torchtitan")
+    assert z0_tp.settings["parallelism"]["data_parallel_shard_degree"] == 8
+    assert any("DDP runs only without other parallelism" in c for c in z0_tp.caveats)
 
 
 def test_bad_format_and_layout_name_the_field():

@@ -130,7 +130,8 @@ def _torchtitan(job: _Job) -> tuple[dict[str, dict[str, Any]], list[str]]:
     lay, caveats = job.layout, []
     fsdp = lay.zero > 0
     # torchtitan borrows EP from dp_shard*cp (parallel_dims: efsdp = dp_shard*cp*tp/(etp*ep)), so
-    # with experts the ep ranks must be in the shard dimension even at ZeRO-0.
+    # with experts the ep ranks must be in the shard dimension even at ZeRO-0; and its DDP runs only
+    # as the sole parallelism (llama3/infra/parallelize.py: "DDP has not supported > 1D parallelism").
     if fsdp:
         replicate, shard = 1, job.data
     elif lay.ep > 1:
@@ -138,6 +139,12 @@ def _torchtitan(job: _Job) -> tuple[dict[str, dict[str, Any]], list[str]]:
         caveats.append(f"zero=0 with ep={lay.ep}: torchtitan takes expert parallelism from the FSDP "
                        f"dimension, so dense weights are FSDP-sharded over the ep group (replicate "
                        f"{lay.dp} x shard {lay.ep}, HSDP), where meshtune replicated them")
+    elif job.data > 1 and lay.cp == 1 and lay.world_size > job.data:
+        replicate, shard, fsdp = 1, job.data, True
+        caveats.append(f"zero=0 with tp={lay.tp}, pp={lay.pp}: torchtitan's DDP runs only without other "
+                       "parallelism, so this is FSDP over the data ranks with weights kept gathered "
+                       "from forward to backward (ZeRO-2-like: states sharded, where meshtune "
+                       "replicated them)")
     else:
         replicate, shard = job.data, 1
     if not fsdp and lay.cp > 1:
@@ -155,7 +162,7 @@ def _torchtitan(job: _Job) -> tuple[dict[str, dict[str, Any]], list[str]]:
     if fsdp:
         # ZeRO-3 frees each block's gathered weights after forward; ZeRO-1/2 keep them (FSDP2
         # reshard_after_forward=False, as meshtune's workers build them).
-        par["fsdp_reshard_after_forward"] = "always" if lay.zero == 3 else "never"
+        par["fsdp_reshard_after_forward"] = "always" if lay.zero == 3 else "never"  # zero=0 here: never
         if lay.zero >= 2 and job.microbatches > 1 and lay.pp > 1:
             # tuner/_realise.py: torch.distributed.pipelining alone defers every FSDP sync to the step's end.
             caveats.append(f"zero={lay.zero} with pp={lay.pp}: torch.distributed.pipelining (torchtitan's "
@@ -405,6 +412,8 @@ def _nemo(job: _Job) -> tuple[list[str], list[str]]:
         keys = _BRIDGE_KEYS.get(flag, (f"model.{flag.replace('-', '_')}",))
         text = "true" if value is True else (f'"{value}"' if flag == "pipeline-model-parallel-layout" else value)
         overrides += [f"{key}={text}" for key in keys]
+    if not job.bf16:
+        overrides.append("mixed_precision=null")  # fp32: no mixed-precision preset over the recipe's
     if job.layout.pp > 1 and job.layout.vpp > 1:
         overrides.append(f"model.virtual_pipeline_model_parallel_size={job.layout.vpp}")
     if job.layout.zero in (2, 3):
