@@ -24,6 +24,7 @@ COMMANDS = (
     "api.cli.serve",
     "api.cli.schedule",
     "api.cli.reshard",
+    "api.cli.optuna_export",
 )
 
 EXIT_USAGE = 2
