@@ -92,6 +92,12 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
                  allow_tp_across_nodes=options.get("allow_tp_across_nodes") is True)
     # A twin runs (and is reported) as its canonical layout: one key per distinct program.
     layout = canonical_layout(given, training=training)
+    workload = getattr(args, "workload", None) or "builtin"
+    if workload != "builtin":  # the model code the ranks train (workers/workload.py): it must run this layout
+        from tuner._realise import check_supported
+        from workers.workload import check_workload
+
+        check_supported(layout, model, check_workload(workload, model, training))
     note = twin_note(given, layout)
     if note:
         print(f"meshtune run-trial: note: {note}", file=sys.stderr)
@@ -105,4 +111,5 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
         step_timeout_s=args.step_timeout,
         seed=args.seed,
         options=options,
+        workload=workload,
     )

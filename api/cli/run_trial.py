@@ -37,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", required=True, metavar="K=V,...", help="e.g. tp=2,dp=2,pp=1,zero=0,ac=none")
     p.add_argument("--global-batch", type=int, default=8, metavar="N", help="sequences per step (default 8)")
     p.add_argument("--backend", default=None, metavar="NAME", help="ray, simulate or module:attr (default: settings)")
+    p.add_argument("--workload", default="builtin", metavar="NAME",
+                   help="model code to train: builtin, hf (the transformers model of --model hf:PATH) or module:attr")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="warm-up steps, discarded (default 2)")
     p.add_argument("--measure", type=int, default=3, metavar="N", help="measured steps (default 3)")
     p.add_argument("--step-timeout", type=float, default=120.0, metavar="S", help="per-step watchdog (default 120)")
