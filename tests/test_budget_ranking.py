@@ -130,3 +130,22 @@ def test_dashboard_plan_page_compares_sizes_and_names_bad_input(stored):
                          ({"nodes": "1", "train_tokens": "lots"}, "train_tokens=&#39;lots&#39; is not a number")):
         bad = c.get("/plan", params={"model": "tiny", "cluster": "cpu-local", "global_batch_tokens": "1024", **params})
         assert bad.status_code == 422 and f"<li>{line}</li>" in bad.text, bad.text[:2000]
+
+
+def test_sweep_spec_takes_price_and_budget_and_refuses_bad_ones(stored):
+    c, auth = stored["client"], {"Authorization": "Bearer tok-alice"}
+    base = {"model": "tiny", "cluster": {"preset": "cpu-local", "price_per_device_hour": 1.5},
+            "training": {"global_batch": 16, "train_tokens": 5e9}, "backend": "simulate", "search": {"max_trials": 2}}
+    for cluster, training, line in (
+        ({"preset": "cpu-local", "price_per_device_hour": -1}, base["training"],
+         "cluster.price_per_device_hour must be a non-negative number, got -1"),
+        (base["cluster"], {"global_batch": 16, "train_tokens": -5}, "training.train_tokens must be a positive number, got -5"),
+        ({"preset": "gb200-nvl72", "fast_domain_devices": 70}, base["training"],
+         "cluster.fast_domain_devices=70 is not a multiple of cluster.devices_per_node=4"),
+    ):
+        r = c.post("/api/sweeps", json={**base, "cluster": cluster, "training": training}, headers=auth)
+        assert r.status_code == 422 and line in r.text, r.text
+    r = c.post("/api/sweeps", json=base, headers=auth)
+    assert r.status_code == 201, r.text
+    spec = r.json()["spec"]
+    assert spec["cluster"]["price_per_device_hour"] == 1.5 and spec["training"]["train_tokens"] == 5e9
