@@ -166,6 +166,7 @@ class Driver:
         # connected to it): stop every node's processes directly, waiting for them to exit.
         for node in [*self.cluster.worker_nodes, self.cluster.head_node]:
             node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+        ray._common.utils.reset_ray_address()  # the head's address file (in this process's RAY_TMPDIR)
         return {}
 
 

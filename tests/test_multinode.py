@@ -8,16 +8,20 @@ frees its devices, and the next trial is placed on the remaining nodes and compl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tuner import Layout, cluster_spec, model_spec, place, training_spec
@@ -38,6 +42,11 @@ class Cluster:
         sock = str(tmp / "driver.sock")
         self.listener = Listener(sock, family="AF_UNIX", authkey=key)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        # A private Ray temp dir: a head node writes its address to <tmp>/ray/ray_current_cluster, and a
+        # plain ray.init() anywhere on the machine would join that cluster instead of starting its own.
+        # Short (not under pytest's tmp_path): Ray's unix sockets live there and paths are capped at 107.
+        self.ray_tmp = tempfile.mkdtemp(prefix="mt-ray-", dir="/tmp")
+        env["RAY_TMPDIR"] = self.ray_tmp
         self.log = tmp / "driver.log"
         with open(self.log, "w") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([sys.executable, str(HERE / "_multinode.py"), sock, key.hex(), str(NODES)],
@@ -74,10 +83,15 @@ class Cluster:
         finally:
             self.conn.close()
             self.listener.close()
+            rest = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
             try:
                 self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+            except subprocess.TimeoutExpired:  # a wedged driver: stop it and the Ray processes it started
+                for p in [*rest, psutil.Process(self.proc.pid)]:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+                self.proc.wait(30)
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +228,18 @@ def test_the_rank_to_node_map_is_stored_and_shown(tmp_path: Path) -> None:
     assert table.count("<tr><td>") == 2
     assert f"<code>{a[:12]}</code></td><td>0-1</td><td>2</td>" in table
     assert f"<code>{b[:12]}</code></td><td>2-3</td><td>2</td>" in table
+
+
+def test_a_gang_spreads_over_ray_nodes_and_a_single_node_ray_stands_in() -> None:
+    from api.dashboard.views import rank_nodes
+    from workers._gangs import strategy_for
+
+    three = {"a": 2.0, "b": 2.0, "c": 2.0}
+    assert strategy_for((2, 2), three) == "STRICT_SPREAD"  # one Ray node per placement node
+    assert strategy_for((2, 2, 2, 2), three) is None  # four nodes' worth on three: refused
+    assert strategy_for((4,), three) is None  # no Ray node holds four
+    assert strategy_for((2, 2), {"local": 4.0}) == "STRICT_PACK"  # a laptop's Ray holds both "nodes"
+    assert strategy_for((2, 2), {"local": 3.0}) is None
+    assert rank_nodes(["x", "x", "y", "x"]) == [
+        {"node": 0, "node_id": "x", "ranks": "0-1, 3", "count": 3}, {"node": 1, "node_id": "y", "ranks": "2", "count": 1}]
+    assert rank_nodes(None) == []
