@@ -21,7 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from api import _http, dashboard, errors, store
 from api.dashboard import plan_page, trends
 from api.export import routes as export_routes
-from api.routes import health, metrics, plan, presets, reshard, schedules, sweeps
+from api.reshard import routes as reshard
+from api.routes import health, metrics, plan, presets, schedules, sweeps
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("meshtune.api")

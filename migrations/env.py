@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from alembic import context
 
+import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base (issue 8)
 import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
-import api.store.reshard_models  # noqa: E402,F401 - registers the reshard-check table on Base (issue 8)
 from api.store._db import VERSION_TABLE, create_engine
 from api.store._models import Base
 

@@ -190,7 +190,7 @@ def summary_of(sessions, sweep_id: int) -> dict[str, Any]:
 # --- migration (reshard) checks ---------------------------------------------------------------------
 
 # backend "ray": a migration check runs real ranks, so it is refused on simulate-backend sweeps
-# (api.services.reshard.refusal); the stored numbers are still the simulate backend's, labelled so.
+# (api.reshard.service.refusal); the stored numbers are still the simulate backend's, labelled so.
 MIGRATION_SPEC = {"model": "tiny-moe", "cluster": "cpu-local", "backend": "ray",
                   "training": {"global_batch": 8, "precision": "fp32"}, "search": {"max_trials": 4}}
 # Ranked layouts of that sweep; the expert-parallel one is refused by the reshard check (ep>1: 422).

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from api import format as fmt
 from api import store
 from api.main import create_app
-from api.services import reshard as reshard_service
+from api.reshard import service as reshard_service
 from api.settings import Settings
 from api.spec import SweepSpec
 from tuner import Layout

@@ -211,8 +211,8 @@ WRITTEN = datetime(2026, 3, 1, 12, 30, 15, 250000, tzinfo=timezone(timedelta(hou
 
 
 def _all_models() -> list[type]:
+    import api.reshard.models  # noqa: F401 - registers the reshard-check table on Base
     import api.schedules.models  # noqa: F401 - registers the schedule tables on Base
-    import api.store.reshard_models  # noqa: F401 - registers the reshard-check table on Base
 
     return [m.class_ for m in store.Base.registry.mappers]
 
@@ -245,8 +245,8 @@ def zoned_sessions(request, tmp_path):
 
 
 def test_timestamps_read_back_as_the_same_instant_in_utc(zoned_sessions):
+    from api.reshard.models import ReshardCheck
     from api.schedules.models import AlertDelivery, Schedule, ScheduleAlert, ScheduleFire
-    from api.store.reshard_models import ReshardCheck
 
     def stamped(obj):
         for key in _datetime_columns(type(obj)):

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_for_sweep(args: argparse.Namespace) -> ReshardReport:
     from api.cli.sweep import _sessions
-    from api.services import reshard as service
+    from api.reshard import service
 
     _, sessions = _sessions()
     captured: list[ReshardReport] = []

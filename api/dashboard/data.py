@@ -1,7 +1,7 @@
 """The dashboard's reads: sweep-service calls turned into the plain dicts ``views`` and the templates use.
 
 Only services are called here (routes never build queries): ``api.services.sweeps`` for sweeps and
-trials, ``api.services.reshard`` for the sweep's migration (reshard) checks. One page load reads the
+trials, ``api.reshard.service`` for the sweep's migration (reshard) checks. One page load reads the
 sweep's trials once (``list_trials``), the ranking and the Pareto points; a 2,000-trial sweep is a
 few hundred kB of rows.
 """
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from api import format as fmt
 from api.dashboard import views
 from api.engine._calibrate import describe
-from api.services import reshard as reshard_service
+from api.reshard import service as reshard_service
 from api.services import sweeps as service
 from api.spec import SweepSpec
 from tuner import Layout, LayoutError, TrainingSpec, microbatches

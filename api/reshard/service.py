@@ -17,8 +17,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api import store
+from api.reshard.models import ReshardCheck
 from api.spec import SweepSpec
-from api.store.reshard_models import ReshardCheck
 from tuner import Layout, LayoutError, NotFoundError, SpecError
 from workers.reshard import ReshardJob, ReshardReport
 
