@@ -166,3 +166,13 @@ def test_hf_workload_names_an_architecture_it_does_not_run():
                                          r"by workload='hf' \(supported: llama, mistral"):
         SweepSpec.model_validate({"model": {"hf_config": config, "seq_len": 64}, "cluster": "cpu-local",
                                   "training": {"global_batch": 8}, "backend": "simulate", "workload": "hf"})
+
+
+def test_run_trial_checks_the_workload_and_its_capabilities_before_launching(home, capsys):
+    pytest.importorskip("transformers")
+    moe = str(README.parent / "examples" / "hf" / "qwen3-moe-tiny.json")
+    assert main(["run-trial", "--model", f"hf:{moe}", "--workload", "hf", "--layout", "tp=2,dp=2",
+                 "--backend", "simulate"]) == 2
+    assert capsys.readouterr().err.strip() == "meshtune run-trial: error: workload 'hf' does not support tp (tp=2)"
+    assert main(["run-trial", "--workload", "nosuch_mod:W", "--layout", "dp=4", "--backend", "simulate"]) == 2
+    assert "workload='nosuch_mod:W': cannot import module 'nosuch_mod'" in capsys.readouterr().err
