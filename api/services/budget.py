@@ -8,20 +8,39 @@ is the sweep's recorded device-seconds (wall time x devices held, every trial).
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from api.spec import SweepSpec
 from tuner import ClusterSpec, TrainingSpec
 from tuner._scaling import training_budget
 
+_PROBLEMS: OrderedDict[str, tuple[ClusterSpec, TrainingSpec] | None] = OrderedDict()
+_LOCK = threading.Lock()
+
 
 def problem(sweep: Any) -> tuple[ClusterSpec, TrainingSpec] | None:
-    """The sweep's cluster and training specs (None for a stored spec this version cannot read)."""
+    """The sweep's cluster and training specs (None for a stored spec this version cannot read).
+    A pure function of the spec's model, cluster and training sections, memoised on their text:
+    the sweeps list ranks every sweep it shows, and validating a spec costs milliseconds."""
+    spec = sweep.spec or {}
+    key = json.dumps([spec.get("model"), spec.get("cluster"), spec.get("training")], sort_keys=True, default=str)
+    with _LOCK:
+        if key in _PROBLEMS:
+            _PROBLEMS.move_to_end(key)
+            return _PROBLEMS[key]
     try:
-        _, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+        _, cluster, training = SweepSpec.model_validate(spec).to_problem()
+        found: tuple[ClusterSpec, TrainingSpec] | None = (cluster, training)
     except ValueError:
-        return None
-    return cluster, training
+        found = None
+    with _LOCK:
+        _PROBLEMS[key] = found
+        while len(_PROBLEMS) > 256:
+            _PROBLEMS.popitem(last=False)
+    return found
 
 
 def row_budget(tokens_per_s_per_device: float | None, *, cluster: ClusterSpec, training: TrainingSpec,
