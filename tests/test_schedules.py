@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from api import store
 from api.engine import SweepRunner
 from api.schedules import DeliveryPolicy, Scheduler, _store
+from api.schedules import service as svc
 from api.schedules.schemas import ScheduleIn
-from api.services import schedules as svc
 from api.settings import Settings
 from api.store import Trial
 

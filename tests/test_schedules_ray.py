@@ -20,9 +20,9 @@ import pytest
 from api import store
 from api.engine import SweepRunner
 from api.schedules import Scheduler, _store
+from api.schedules import service as svc
 from api.schedules._launch import pinned_space
 from api.schedules.schemas import ScheduleIn
-from api.services import schedules as svc
 from api.settings import Settings
 from tuner import Layout
 from workers.ray_backend import RayBackend

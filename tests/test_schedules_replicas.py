@@ -17,8 +17,8 @@ import pytest
 
 from api import store
 from api.schedules import _store
+from api.schedules import service as svc
 from api.schedules.schemas import ScheduleIn
-from api.services import schedules as svc
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = {

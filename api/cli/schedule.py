@@ -101,8 +101,8 @@ def add_cmd(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.cli.sweep import load_spec
+    from api.schedules import service as svc
     from api.schedules.schemas import ScheduleIn
-    from api.services import schedules as svc
 
     data: dict[str, Any] = dict(
         name=args.name, cron=args.cron, timezone=args.timezone, webhook_url=args.webhook, enabled=not args.disabled,
@@ -131,7 +131,7 @@ def list_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from api.services import schedules as svc
+    from api.schedules import service as svc
 
     sessions = _sessions()
     with sessions() as s:
@@ -152,7 +152,7 @@ def list_cmd(args: argparse.Namespace) -> int:
 
 
 def rm_cmd(args: argparse.Namespace) -> int:
-    from api.services import schedules as svc
+    from api.schedules import service as svc
 
     sessions = _sessions()
     with sessions() as s:
@@ -162,8 +162,8 @@ def rm_cmd(args: argparse.Namespace) -> int:
 
 
 def run_now_cmd(args: argparse.Namespace) -> int:
+    from api.schedules import service as svc
     from api.schedules.schemas import FireOut
-    from api.services import schedules as svc
 
     sessions = _sessions()
     with sessions() as s:
@@ -179,8 +179,8 @@ def run_now_cmd(args: argparse.Namespace) -> int:
 
 
 def alerts_cmd(args: argparse.Namespace) -> int:
+    from api.schedules import service as svc
     from api.schedules.schemas import AlertOut
-    from api.services import schedules as svc
 
     sessions = _sessions()
     with sessions() as s:

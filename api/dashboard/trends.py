@@ -3,7 +3,7 @@
     GET /schedules                       schedules with their next fire and latest alerts
     GET /schedules/{id}/trends           best tokens/s per run per layout (regressions marked), the
                                          runs (missed/coalesced included) and the alerts
-    GET /schedules/{id}/trends.json      the chart's data (api.services.schedules.trends)
+    GET /schedules/{id}/trends.json      the chart's data (api.schedules.service.trends)
 
 Reads follow the dashboard's rule (``api.dashboard.router``: a token only when reads need one); the
 templates, filters and login page are the dashboard's own.
@@ -20,8 +20,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from api import format as fmt
 from api.dashboard.router import _can_read, _login, _not_found, templates
 from api.deps import ScheduleId, SessionDep, SettingsDep
+from api.schedules import service
 from api.schedules.schemas import AlertOut, FireOut
-from api.services import schedules as service
 from tuner import NotFoundError
 
 router = APIRouter(include_in_schema=False)

@@ -3,7 +3,8 @@ coordinator replicas, regression detection against each schedule's history, and 
 
 - ``models``: Schedule, ScheduleFire, ScheduleAlert, AlertDelivery (on the store's ``Base``).
 - ``scheduler.Scheduler``: the coordinator's scheduling thread (fire -> check -> deliver per tick).
-- ``schemas``: request/response models; ``api.services.schedules``: the services routes/CLI call.
+- ``schemas``: request/response models; ``service``: what the routes, dashboard and CLI call;
+  ``routes``: the thin HTTP layer.
 """
 
 from api.schedules.models import (

@@ -1,5 +1,5 @@
 """/api/schedules (CRUD, run-now, fires), /api/alerts and /api/trends — thin wrappers over
-api.services.schedules.
+api.schedules.service.
 
 The router also carries the scheduler's lifespan: in a coordinator that runs the sweep engine
 (``create_app(run_engine=True)``, i.e. ``meshtune serve`` without ``--no-engine``) and has
@@ -17,6 +17,7 @@ from fastapi import APIRouter, Body, FastAPI, Query, Response, status
 
 from api._http import GuardedRoute
 from api.deps import ReaderDep, ScheduleId, SessionDep, WriterDep, query_id
+from api.schedules import service
 from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES
 from api.schedules.schemas import (
     AlertPage,
@@ -29,7 +30,6 @@ from api.schedules.schemas import (
     TrendsOut,
 )
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut
-from api.services import schedules as service
 
 log = logging.getLogger("meshtune.schedules")
 
