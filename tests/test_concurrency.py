@@ -21,6 +21,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from api import store
 from api.engine import SweepRunner
@@ -28,6 +29,7 @@ from api.engine._share import Claimant, DeviceLedger, OwnerLimits
 from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
+from tuner import ConflictError
 
 TESTS = Path(__file__).resolve().parent
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -84,7 +86,7 @@ def test_ledger_fair_share_then_priority_then_age_and_owner_limits() -> None:
 def test_submission_refuses_what_an_owner_may_never_run(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'l.db'}"
     engine, sessions = store.open_store(url)
-    settings = Settings(database_url=url, owner_max_devices={"*": 2}, owner_device_hours_per_day={"bob": 1e-9})
+    settings = Settings(database_url=url, owner_max_devices={"*": 2})
     spec = SweepSpec.model_validate({"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
                                      "backend": "simulate"})
     with sessions() as s:
@@ -94,6 +96,14 @@ def test_submission_refuses_what_an_owner_may_never_run(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="priority='urgent' is not a priority"):
             svc.create_sweep(s, spec=spec, owner="alice", priority="urgent")
         assert store.list_sweeps(s)[1] == 0  # nothing stored
+        # bob's trials held 2 device-hours in the last day; his limit is 1: refused (409) until they age.
+        earlier = svc.create_sweep(s, spec=spec, owner="bob")
+        store.insert_trial(s, sweep_id=earlier.id, number=0, layout={"dp": 4}, layout_key="dp4", world_size=4)
+        s.execute(sa.update(store.Trial).values(status="completed", device_seconds=7200.0, finished_at=sa.func.now()))
+        s.commit()
+        with pytest.raises(ConflictError, match=r"^owner 'bob' has used 2.00 of its 1 device-hours in the last 24 h"):
+            svc.create_sweep(s, spec=spec, owner="bob", settings=Settings(database_url=url, owner_device_hours_per_day={"bob": 1}))
+        assert store.list_sweeps(s)[1] == 1
     engine.dispose()
 
 
@@ -283,3 +293,35 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
                for x in live for y in live)
     assert _peak(live) <= 8 and all(_peak(live, lambda t, i=i: t.sweep_id == i) <= 4 for i in ids)
     engine.dispose()
+
+
+def test_api_priority_queue_position_and_owner_limits(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    store.upgrade(url)
+    tokens = {"alice": "tok-a-1", "bob": "tok-b-2", "carol": "tok-c-3"}
+    settings = Settings(home=tmp_path, database_url=url, api_tokens=tokens, ray_address=None,
+                        owner_max_devices={"carol": 2}, owner_device_hours_per_day={"*": 5})
+    spec = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}, "backend": "simulate"}
+
+    def post(who: str, query: str = ""):  # noqa: ANN202
+        return client.post(f"/api/sweeps{query}", json=spec, headers={"Authorization": f"Bearer {tokens[who]}"})
+
+    with TestClient(create_app(settings, run_engine=False), raise_server_exceptions=False) as client:
+        r = post("alice", "?priority=urgent")
+        assert r.status_code == 422 and "priority" in r.json()["detail"] and "urgent" in r.json()["detail"]
+        r = post("carol")  # a 4-device trial, carol may hold 2
+        assert r.status_code == 422 and r.json()["detail"].startswith("cluster: a trial of this sweep needs 4 devices")
+        low = post("alice", "?priority=low").json()
+        high = post("bob", "?priority=high").json()
+        normal = post("alice").json()
+        assert (low["priority"], high["priority"], normal["priority"]) == ("low", "high", "normal")
+        assert high["running_trials"] == 0
+        # Nobody holds devices: priority, then age.
+        positions = {s["id"]: s["queue_position"] for s in client.get("/api/sweeps").json()["items"]}
+        assert [positions[s["id"]] for s in (high, normal, low)] == [1, 2, 3]
+        assert client.get(f"/api/sweeps/{high['id']}").json()["queue_position"] == 1
+        assert store.list_sweeps(store.make_sessionmaker(store.create_engine(url))(), status="queued")[1] == 3
