@@ -1,0 +1,140 @@
+"""A sweep's trials as an Optuna study in a standard Optuna storage (issue 15), so that Optuna's own
+tools (``optuna-dashboard``, ``optuna.load_study``, its plots and importance) read meshtune's data.
+
+The storage is Optuna's ``RDBStorage`` with its own schema and migration history, never meshtune's
+database: both have a ``trials`` table, and Optuna's Alembic stamps ``alembic_version`` (see
+FIELD-NOTES, api/store/_db.py). By default it is a SQLite file beside the embedded store
+(``$MESHTUNE_HOME/optuna.db``), or any Optuna storage URL (a PostgreSQL database or schema of its own).
+
+Export on demand (``meshtune optuna-export SWEEP``), incremental: each meshtune trial becomes one
+Optuna trial, tagged with its row id (user attribute ``meshtune_trial_id``), so exporting again adds
+only the trials that finished since — a running sweep can be re-exported as often as wanted, and no
+trial is added twice. (Not synced live from the engine: the engine's result transaction stays one
+database's, and a sweep nobody opens in Optuna costs nothing.)
+
+Mapping: study ``"{sweep id}-{sweep name}"``, direction maximize; params are the layout's knobs
+(integers as IntDistribution, ``ac``/``schedule``/``sp`` categorical); value is the measured
+tokens/s per device (the ranking's metric; the whole job's tokens/s is a user attribute); a failure
+(oom, timeout, crash, nan) or a layout pruned by the memory model is a FAIL trial with user
+attributes ``status``, ``error`` and ``infeasible`` (pruned, oom, timeout: the constraints the
+sampler was told). Trials still running or interrupted (re-run as a later attempt) are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from api import store
+from api.services import sweeps as service
+from tuner import Layout
+from tuner._layout import CHECKPOINTING, SCHEDULES
+
+OPTUNA_FILE = "optuna.db"
+TRIAL_ID_ATTR = "meshtune_trial_id"
+EXPORTED_STATUSES = ("completed", "pruned", "oom", "timeout", "crash", "nan")
+_CATEGORICAL = {"ac": tuple(CHECKPOINTING), "schedule": tuple(SCHEDULES), "sp": (False, True)}
+
+
+@dataclass(frozen=True)
+class Export:
+    storage: str  # the Optuna storage URL (password hidden)
+    study_name: str
+    added: int  # trials added by this export
+    total: int  # trials in the study now
+
+    def __post_init__(self) -> None:
+        if self.added < 0 or self.total < self.added:
+            raise ValueError(f"added={self.added} and total={self.total} are inconsistent")
+
+
+def default_storage(store_url: str, home: Path) -> str:
+    """The Optuna storage next to meshtune's store: a SQLite store's sibling ``<name>-optuna.db``,
+    else ``$MESHTUNE_HOME/optuna.db`` (a PostgreSQL store's Optuna data never shares its schema)."""
+    url = make_url(store_url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        db = Path(url.database)
+        return f"sqlite:///{db.with_name(db.stem + '-' + OPTUNA_FILE)}"
+    return f"sqlite:///{Path(home) / OPTUNA_FILE}"
+
+
+def study_name(sweep: Any) -> str:
+    return f"{sweep.id}-{sweep.name}"
+
+
+def _distributions(layout: dict[str, Any], devices: int) -> dict[str, Any]:
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for name in Layout.__dataclass_fields__:
+        value = layout.get(name, getattr(Layout(), name))
+        if name in _CATEGORICAL:
+            out[name] = CategoricalDistribution(_CATEGORICAL[name])
+        else:  # a count of devices or micro-batches, or the ZeRO stage: ranges may differ between trials
+            out[name] = IntDistribution(0 if name == "zero" else 1, max(int(value), 3 if name == "zero" else devices, 1))
+    return out
+
+
+def _frozen(trial: Any, devices: int) -> Any:
+    """One stored meshtune trial (ORM row) as an Optuna FrozenTrial (``number`` is set by Optuna)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    layout = {f.name: trial.layout.get(f.name, f.default) for f in dataclasses.fields(Layout)}
+    distributions = _distributions(layout, devices)
+    value = trial.tokens_per_s_per_device
+    ok = trial.status == "completed" and value is not None and math.isfinite(value)
+    attrs = {
+        TRIAL_ID_ATTR: trial.id, "number": trial.number, "attempt": trial.attempt, "phase": trial.phase,
+        "source": trial.source, "layout_key": trial.layout_key, "status": trial.status,
+        "error": None if ok else trial.cause, "infeasible": trial.status in store.INFEASIBLE_TRIAL_STATUSES,
+        "tokens_per_s": trial.tokens_per_s, "mfu": trial.mfu, "peak_memory_bytes": trial.peak_memory_bytes,
+        "predicted_tokens_per_s_per_device": trial.predicted_tokens_per_s_per_device,
+        "simulated": bool(trial.simulated), "device_seconds": trial.device_seconds,
+    }
+    start = _naive(trial.started_at or trial.created_at)
+    return optuna.trial.FrozenTrial(
+        number=0, trial_id=0, state=TrialState.COMPLETE if ok else TrialState.FAIL, value=value if ok else None,
+        values=None, datetime_start=start, datetime_complete=_naive(trial.finished_at) or start,
+        params={k: layout[k] for k in distributions}, distributions=distributions,
+        user_attrs={k: v for k, v in attrs.items() if v is not None}, system_attrs={}, intermediate_values={},
+    )
+
+
+def _naive(when: datetime | None) -> datetime | None:
+    """Optuna stores naive local times (``datetime.now()``); meshtune's are aware UTC."""
+    return None if when is None else when.astimezone().replace(tzinfo=None)
+
+
+def export_sweep(session: Session, *, sweep_id: int, storage: str) -> Export:
+    """Add the sweep's finished trials that the study lacks (the study is created on first export)."""
+    import optuna
+
+    sweep = service.get_sweep(session, sweep_id=sweep_id)  # NotFoundError for an unknown id
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    rdb = optuna.storages.RDBStorage(storage)
+    try:
+        name = study_name(sweep)
+        study = optuna.create_study(storage=rdb, study_name=name, direction="maximize", load_if_exists=True)
+        study.set_user_attr("meshtune_sweep_id", sweep.id)
+        for key in ("model", "cluster", "backend"):
+            value = (sweep.spec or {}).get(key)
+            if value is not None:
+                study.set_user_attr(key, value)
+        have = {t.user_attrs.get(TRIAL_ID_ATTR) for t in study.get_trials(deepcopy=False)}
+        devices = max((t.world_size for t in store.all_trials(session, sweep_id=sweep_id)), default=1)
+        new = [
+            _frozen(t, devices) for t in store.all_trials(session, sweep_id=sweep_id)
+            if t.status in EXPORTED_STATUSES and t.id not in have
+        ]
+        study.add_trials(new)
+        return Export(store.safe_url(storage), name, len(new), len(have) + len(new))
+    finally:
+        rdb.engine.dispose()
