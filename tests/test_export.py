@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import shlex
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -39,8 +41,16 @@ from tuner import (
     TrainingSpec,
     cluster_spec,
     export_layout,
+    load_hf_config,
     microbatches,
+    model_from_hf_config,
 )
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+def _hf(name):
+    return model_from_hf_config(load_hf_config(EXAMPLES / "hf" / f"{name}.json"), name=name, seq_len=4096)
+
 
 H100x32 = cluster_spec({"preset": "h100-sxm", "nodes": 4})
 CPU = cluster_spec("cpu-local")
@@ -58,6 +68,11 @@ CASES = [
     ("tiny-moe-ep2-dp2-z0-mbs2", MODEL_PRESETS["tiny-moe"], CPU, TrainingSpec(global_batch=8),
      Layout(ep=2, dp=2, mbs=2)),
     ("tp4-dp8-z0", MODEL_PRESETS["llama3-8b"], H100x32, GB64, Layout(tp=4, dp=8)),
+    # Hugging Face configs (examples/hf): explicit head_dim and qk_norm; shared expert, gate, q/k/v bias.
+    ("qwen3-moe-tp4-ep8-z1", _hf("qwen3-30b-a3b"), H100x32, GB64, Layout(tp=4, ep=8, zero=1, ac="full")),
+    ("qwen1.5-moe-tp2-ep4-dp4-z3", _hf("qwen1.5-moe-a2.7b"), H100x32, GB64, Layout(tp=2, ep=4, dp=4, zero=3, mbs=2)),
+    ("moe-dense-layer0-ep2-pp2", dataclasses.replace(MODEL_PRESETS["tiny-moe"], dense_layers=(0,)), CPU,
+     TrainingSpec(global_batch=8), Layout(ep=2, pp=2, schedule="gpipe")),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -208,11 +223,21 @@ def test_megatron_args_build_megatron_core_configs(case):
         values["num_moe_experts"] = args["num_experts"]
     if args.get("no_gradient_accumulation_fusion"):
         values["gradient_accumulation_fusion"] = False
+    if "moe_layer_freq" in args:  # Megatron-LM's moe_freq_type evaluates the list expression
+        values["moe_layer_freq"] = ast.literal_eval(args["moe_layer_freq"])
     cfg = _transformer_config(TransformerConfig, torch, values, bf16=training.precision == "bf16")
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
             cfg.expert_model_parallel_size) == (lay.tp, lay.pp, lay.cp, lay.ep)
     assert cfg.sequence_parallel == lay.sp
     assert cfg.num_layers == model.layers and cfg.num_query_groups == model.kv_heads
+    assert cfg.kv_channels == model.head_dim and cfg.qk_layernorm == model.qk_norm
+    assert cfg.add_qkv_bias == model.qkv_bias and not cfg.add_bias_linear
+    if model.is_moe:
+        assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (
+            model.experts, model.top_k, model.expert_ffn)
+        assert (cfg.moe_shared_expert_intermediate_size or 0) == model.shared_expert_ffn
+        assert cfg.moe_shared_expert_gate == model.shared_expert_gate
+        assert cfg.moe_layer_freq in (1, [0 if i in model.dense_layers else 1 for i in range(model.layers)])
     if lay.pp > 1:
         cfg.pipeline_model_parallel_layout.validate_layer_layout(num_layers=model.layers, mtp_num_layers=None)
         want_vpp = lay.vpp if lay.vpp > 1 else None

@@ -302,30 +302,49 @@ def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _model_flags(job: _Job) -> list[tuple[str, Any]]:
+def _model_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
+    """Megatron-LM flags of the model's shape (megatron-core TransformerConfig fields)."""
     model = job.model
     out: list[tuple[str, Any]] = [
         ("num-layers", model.layers), ("hidden-size", model.hidden), ("ffn-hidden-size", model.ffn),
         ("num-attention-heads", model.heads), ("max-position-embeddings", model.seq_len),
-        # meshtune's decoder (workers/model.py): RMSNorm, RoPE, no biases.
+        # meshtune's decoder (workers/model.py): RMSNorm, RoPE, no biases but those on q/k/v.
         ("normalization", "RMSNorm"), ("position-embedding-type", "rope"), ("disable-bias-linear", True),
     ]
+    if model.head_dim * model.heads != model.hidden:
+        out.append(("kv-channels", model.head_dim))
     if model.kv_heads != model.heads:
         out += [("group-query-attention", True), ("num-query-groups", model.kv_heads)]
+    if getattr(model, "qkv_bias", False):
+        out.append(("add-qkv-bias", True))
+    if getattr(model, "qk_norm", False):
+        out.append(("qk-layernorm", True))
     if model.mlp == "swiglu":
         out.append(("swiglu", True))
+    elif model.mlp == "geglu":
+        caveats.append("mlp=geglu has no Megatron-LM flag: set TransformerConfig gated_linear_unit=True "
+                       "with activation_func=gelu in your model provider")
+    if getattr(model, "norms_per_layer", 2) != 2:
+        caveats.append(f"norms_per_layer={model.norms_per_layer} (sandwich norms) has no Megatron-LM flag")
     if not model.tied_embeddings:
         out.append(("untie-embeddings-and-output-weights", True))
     if model.is_moe:
         out += [("num-experts", model.experts), ("moe-router-topk", model.top_k),
                 ("moe-ffn-hidden-size", model.expert_ffn)]
+        if getattr(model, "shared_expert_ffn", 0):
+            out.append(("moe-shared-expert-intermediate-size", model.shared_expert_ffn))
+            if getattr(model, "shared_expert_gate", False):
+                out.append(("moe-shared-expert-gate", True))
+        dense = set(getattr(model, "dense_layers", ()))
+        if dense:  # a Python list expression, as Megatron-LM's moe_freq_type reads it
+            out.append(("moe-layer-freq", "[" + ",".join("0" if i in dense else "1" for i in range(model.layers)) + "]"))
     return out
 
 
 def _megatron(job: _Job) -> tuple[list[str], list[str]]:
     caveats: list[str] = []
     pairs = _megatron_core(job, caveats)
-    pairs += _model_flags(job)
+    pairs += _model_flags(job, caveats)
     if job.layout.zero in (2, 3):
         pairs += [("no-gradient-accumulation-fusion", True), ("ckpt-format", "fsdp_dtensor")]
     caveats.append(f"the model flags describe meshtune's {job.model.name}; the tokenizer decides the "
@@ -481,4 +500,4 @@ def export_layout(
 
 
 def _shell(arg: str) -> str:
-    return f"'{arg}'" if "|" in arg else arg
+    return f"'{arg}'" if set(arg) & set("|[]()*") else arg
