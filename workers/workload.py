@@ -24,8 +24,10 @@ TP plan values (fqn patterns relative to a block, as ``parallelize_module`` take
 ``"colwise"`` / ``"rowwise"`` (Megatron's column / row split, Shoeybi et al. 2019, Sec. 3; the row
 output is a sequence shard under sp), ``"sequence_parallel"`` (a norm kept sequence-sharded under sp,
 Korthikanti et al. 2022; nothing without sp), ``"sequence_gather"`` (a sub-layer whose hidden-state
-input, first positional or ``hidden_states=``, is gathered from the sequence shards under sp), or a
-torch ``ParallelStyle`` used as given. Head counts: attention must reshape with -1 heads; with
+input, first positional or ``hidden_states=``, is gathered from the sequence shards under sp),
+``"head_norm"`` (a norm over head_dim of this rank's heads [b, s, heads, head_dim], e.g. Qwen3's q/k
+norms: its weight is replicated and each rank sees only its heads, so its gradient is summed over
+tp), or a torch ``ParallelStyle`` used as given. Head counts: attention must reshape with -1 heads; with
 ``kv_projections`` named, tp > kv_heads keeps k/v whole and each rank picks its kv head
 (``workers.parallelize.ReplicatedKV``); ``on_tp(block, q_heads_local, kv_heads_local)`` fixes any
 attribute that still holds a global head count.
@@ -57,7 +59,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from tuner import ModelSpec, SpecError, TrainingSpec
 from tuner._realise import Capabilities
 
-TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "sequence_gather")
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "sequence_gather", "head_norm")
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -319,6 +321,8 @@ def _style(value: str | ParallelStyle, sp: bool) -> ParallelStyle | None:
         return SequenceParallel() if sp else None
     if value == "sequence_gather":
         return GatherSequence() if sp else None
+    if value == "head_norm":  # the heads dim as the "sequence" dim: Replicate weight, Partial grad summed
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"unknown tp_plan style {value!r}")
 
 

@@ -9,7 +9,8 @@ How the layouts are realised on it:
   ``position_embeddings``; ``attention_mask=None`` makes HF's SDPA attention causal);
 - tensor/sequence parallel: q/k/v and gate/up column-split, o/down row-split (Shoeybi et al. 2019,
   Sec. 3); HF attention reshapes with -1 heads, so only ``num_key_value_groups`` needs the local
-  ratio, and only when tp > kv_heads (k/v kept whole, one kv head per rank); under sp the norms stay
+  ratio, and only when tp > kv_heads (k/v kept whole, one kv head per rank); Qwen3's per-head q/k
+  norms see this rank's heads, so their gradients are summed over tp; under sp the norms stay
   sequence-sharded and attention/MLP gather their input (Korthikanti et al. 2022);
 - FSDP2 / ZeRO and activation checkpointing: the built-in model's code (``workers.parallelize``),
   ac="selective" recomputing ``self_attn``.
@@ -107,6 +108,8 @@ def build(spec: ModelSpec, training: TrainingSpec) -> Parts:
     }
     if not _is_moe(data):
         plan.update({"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"})
+    if hasattr(inner.layers[0].self_attn, "q_norm"):  # Qwen3: RMSNorm per head, each rank its heads
+        plan.update({"self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"})
     return Parts(embed=inner.embed_tokens, blocks=list(inner.layers), norm=inner.norm, head=model.lm_head,
                  context=RotaryContext(inner.rotary_emb), tp_plan=plan,
                  kv_projections=("self_attn.k_proj", "self_attn.v_proj"), on_tp=_local_heads,
