@@ -56,6 +56,8 @@ class TrialRequest:
       allocator's per-process fraction; CPU: ``RLIMIT_DATA`` above what the process already
       holds; see ``workers._launch.memory_cap``);
     - ``init_timeout_s``: start-up allowance before the first step (Ray backend watchdog);
+    - ``allow_tp_across_nodes``: if true, a layout whose TP groups cross nodes runs (the Ray backend
+      refuses it otherwise, before any process starts, as ``tuner.place`` does);
     - ``grad_norm``: if true, every rank records the global gradient norm of each step before the
       optimiser update (``RankReport.grad_norms``; a numerics diagnostic, since Adam hides a wrong
       gradient scale from the losses). Its gathers then count in the step time;
