@@ -33,7 +33,9 @@ Submit parallelism-layout sweeps, follow their trials, and read the measured ran
 
 **Auth**: mutating endpoints need `Authorization: Bearer <token>` with one of the tokens configured in
 `MESHTUNE_API_TOKENS` (`name:token,...`); the token's name is recorded as the sweep's owner. Reads need
-a token only when `MESHTUNE_READ_REQUIRES_AUTH=true`. No header: 401; unknown token: 403.
+a token only when `MESHTUNE_READ_REQUIRES_AUTH=true`. No header: 401; unknown token: 403. Roles
+(`MESHTUNE_API_ROLES`): a read-only token may not write, a member acts only on its own sweeps and
+schedules (403 otherwise), an admin on all.
 
 **Errors**: invalid input is 422 naming the field and the value (a body that is not UTF-8 JSON:
 field `body`); unknown ids 404; cancelling a finished sweep 409; a body over 1 MiB 413; an
