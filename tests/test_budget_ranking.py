@@ -84,6 +84,10 @@ def test_dashboard_sweep_page_shows_cost_columns_and_spend(stored):
     assert f'<td class="budget-cost">{cells["cost"]}</td>' in r.text
     assert r.text.count('class="budget-cost"') == len(body["rows"])
     assert 'id="fact-search-spent"' in r.text and "simulated" in r.text and "budget 1T tokens" in r.text
+    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+    spent = fmt.search_spent(sweep["device_seconds"], price_per_device_hour=PRICE, simulated=True)
+    assert f'data-fact="summary.search_spent">{spent}<' in r.text  # a live page refreshes it from data.json
+    assert stored["client"].get(f"/sweeps/{stored['sid']}/data.json").json()["summary"]["search_spent"] == spent
     plain = stored["client"].get(f"/sweeps/{stored['plain']}").text
     assert 'class="budget-cost"' not in plain and 'id="fact-search-spent"' in plain
 

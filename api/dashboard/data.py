@@ -276,6 +276,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     header["train_tokens"] = fmt.tokens_text(spend.get("train_tokens"))
     header["search_spent"] = fmt.search_spent(sweep.device_seconds or 0.0, simulated=sweep.backend == "simulate",
                                               price_per_device_hour=spend.get("price_per_device_hour"))
+    bundle["summary"]["search_spent"] = header["search_spent"]  # refreshed on a live page (data-fact)
     return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}
 
 
