@@ -513,3 +513,23 @@ def test_dashboard_ranked_rows_link_each_format(client, stored):
     assert got.text == client.get(f"/api/sweeps/{sid}/export", params={"format": "torchtitan"}).text
     bad = client.get(f"/sweeps/{sid}/export", params={"format": "xml", "layout": rows[0].layout_key})
     assert bad.status_code == 422 and bad.text.startswith("format='xml' is not an export format")
+
+
+def test_exports_follow_the_read_rule(stored):
+    """With reads behind a token: the API wants the bearer token, the dashboard link the cookie."""
+    from fastapi.testclient import TestClient
+
+    from api.dashboard.router import COOKIE
+    from api.main import create_app
+    from api.settings import Settings
+
+    settings = Settings(database_url=stored["url"], api_tokens={"alice": "tok-export"}, read_requires_auth=True)
+    sid, key = stored["sid"], stored["rows"][0].layout_key
+    with TestClient(create_app(settings, run_engine=False)) as c:
+        assert c.get(f"/api/sweeps/{sid}/export", params={"format": "nemo"}).status_code == 401
+        ok = c.get(f"/api/sweeps/{sid}/export", params={"format": "nemo"},
+                   headers={"Authorization": "Bearer tok-export"})
+        assert ok.status_code == 200
+        assert c.get(f"/sweeps/{sid}/export", params={"format": "nemo", "layout": key}).status_code == 401
+        c.cookies.set(COOKIE, "tok-export")
+        assert c.get(f"/sweeps/{sid}/export", params={"format": "nemo", "layout": key}).text == ok.text
