@@ -121,43 +121,31 @@ def _aggregate(metric: str, ts: list[Any], layout: dict[str, Any]) -> dict[str, 
     )
 
 
-def _layout_of(session: Session, *, sweep_id: int, layout_key: str) -> dict[str, Any]:
-    """The layout dict of a key (its first search trial's, as store.layouts_of gives it)."""
-    layout = session.scalar(
-        sa.select(Trial.layout).where(Trial.sweep_id == sweep_id, Trial.layout_key == layout_key, Trial.repeat == 0)
-        .order_by(Trial.number).limit(1))
-    return layout or {}
-
-
-def _bump(session: Session, *, sweep_id: int) -> None:
-    """+1 on the sweep's results version (creating its state row); takes the state row's lock."""
-    changed = session.execute(
+def _bump(session: Session, *, sweep_id: int) -> bool:
+    """+1 on the sweep's results version, taking its state row's lock; False: the sweep has none yet."""
+    return bool(session.execute(
         sa.update(RankingState).where(RankingState.sweep_id == sweep_id)
         .values(version=RankingState.version + 1).execution_options(synchronize_session=False)
-    ).rowcount
-    if not changed:  # first result of the sweep (or a sweep from before the table): build it whole
-        rebuild(session, sweep_id=sweep_id)
+    ).rowcount)
 
 
 def fold_layout(session: Session, *, sweep_id: int, layout_key: str) -> None:
-    """A result of ``layout_key`` landed: recompute that layout's rows from its completed trials and
-    mark the sweep's ranking out of date (``rerank`` puts it back in order)."""
-    if session.get(RankingState, sweep_id) is None:
+    """A result of ``layout_key`` landed: recompute that layout's rows from its trials and mark the
+    sweep's ranking out of date (``rerank`` puts it back in order). Three statements and a write."""
+    if not _bump(session, sweep_id=sweep_id):  # the sweep's first result (or one from before the table)
         rebuild(session, sweep_id=sweep_id)
         return
-    _bump(session, sweep_id=sweep_id)
-    ts = session.execute(
-        sa.select(*_TRIAL_COLUMNS).where(
-            Trial.sweep_id == sweep_id, Trial.layout_key == layout_key, Trial.status == "completed",
-            Trial.tokens_per_s_per_device.is_not(None)).order_by(Trial.number)
+    every = session.execute(
+        sa.select(Trial.status, Trial.repeat, Trial.layout, *_TRIAL_COLUMNS)
+        .where(Trial.sweep_id == sweep_id, Trial.layout_key == layout_key).order_by(Trial.number)
     ).all()
+    ts = [t for t in every if t.status == "completed" and t.tokens_per_s_per_device is not None]
+    layout = next((t.layout for t in every if t.repeat == 0), None) or {}  # as store.layouts_of picks it
     session.execute(sa.delete(RankedLayout).where(RankedLayout.sweep_id == sweep_id,
                                                   RankedLayout.layout_key == layout_key))
-    if ts:
-        layout = _layout_of(session, sweep_id=sweep_id, layout_key=layout_key)
-        rows = [r for m in METRICS if (r := _aggregate(m, ts, layout)) is not None]
-        if rows:
-            session.execute(sa.insert(RankedLayout), [r | {"sweep_id": sweep_id, "layout_key": layout_key} for r in rows])
+    rows = [r for m in METRICS if (r := _aggregate(m, ts, layout)) is not None] if ts else []
+    if rows:
+        session.execute(sa.insert(RankedLayout), [r | {"sweep_id": sweep_id, "layout_key": layout_key} for r in rows])
 
 
 def note_result(session: Session, *, sweep_id: int, layout_key: str | None, completed: bool) -> None:
@@ -165,9 +153,7 @@ def note_result(session: Session, *, sweep_id: int, layout_key: str | None, comp
     moves the results version (the ETag), since it changes no ranked row."""
     if completed and layout_key is not None:
         fold_layout(session, sweep_id=sweep_id, layout_key=layout_key)
-    elif session.get(RankingState, sweep_id) is not None:
-        _bump(session, sweep_id=sweep_id)
-    else:
+    elif not _bump(session, sweep_id=sweep_id):
         rebuild(session, sweep_id=sweep_id)
 
 
