@@ -172,11 +172,16 @@ class ReplicatedKV(nn.Module):
         return out.unflatten(-1, (self.kv_heads, self.head_dim))[..., self.head, :]
 
 
-def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: bool = False) -> dict[str, object]:
+def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: bool = False,
+                  qk_norm: bool = False, sandwich: bool = False, shared_expert: bool = False) -> dict[str, object]:
     """Megatron-style plan of one block (Shoeybi et al. 2019, Sec. 3; SP: Korthikanti et al. 2022).
     ``shard_kv=False`` (tp > kv_heads) leaves wk/wv to ``ReplicatedKV``; ``moe``: the experts are
     split by ``workers._ep.apply_expert_tensor_parallel`` and the MoE sees (and, under sp, hands
-    back as a sequence shard) the whole sequence as a plain tensor."""
+    back as a sequence shard) the whole sequence as a plain tensor. Published shapes (issue 14):
+    ``qk_norm``: the per-head q/k norms see this rank's heads as a Shard(2) (head-dim) DTensor, so
+    their replicated weights' gradients are summed over tp (as SP's norms over the sequence);
+    ``sandwich``: the post-sub-layer norms follow the residual stream's layout (a sequence shard
+    under sp); ``shared_expert``: a dense MLP split as the dense one (not under sp: the tuner refuses)."""
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {
         "attention.wq": ColwiseParallel(),
@@ -190,6 +195,16 @@ def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: boo
     if shard_kv:
         plan["attention.wk"] = ColwiseParallel()
         plan["attention.wv"] = ColwiseParallel()
+    if qk_norm:
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sandwich and sp:
+        plan["post_attention_norm"] = SequenceParallel(use_local_output=True)
+        plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
+    if shared_expert:
+        plan["shared_expert.w1"] = ColwiseParallel()
+        plan["shared_expert.w3"] = ColwiseParallel()
+        plan["shared_expert.w2"] = RowwiseParallel(output_layouts=seq)
     if sp:
         plan.update({
             "attention_norm": SequenceParallel(),
@@ -229,7 +244,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     for block in model.layers.values():
         moe = model.spec.is_moe
         parallelize_module(block, tp_mesh, block_tp_plan(sp, not moe and block.feed_forward.w3 is not None,
-                                                          shard_kv=kv_heads % tp == 0, moe=moe))
+                                                          shard_kv=kv_heads % tp == 0, moe=moe,
+                                                          qk_norm=block.attention.q_norm is not None,
+                                                          sandwich=block.post_ffn_norm is not None,
+                                                          shared_expert=block.shared_expert is not None))
         if kv_heads % tp:
             attn = block.attention
             for name in ("wk", "wv"):
