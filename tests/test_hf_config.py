@@ -207,19 +207,19 @@ def test_bad_configs_are_one_line_naming_field_and_value(tmp_path: Path, capsys:
 
 
 def test_the_built_in_model_refuses_what_it_cannot_split() -> None:
-    tiny = model_spec({"hf_config": str(HF / "qwen3-moe-tiny.json")})
+    q2 = model_spec({"hf_config": shrink(load_hf_config(HF / "qwen1.5-moe-a2.7b.json"))})
     cluster, training = cluster_spec("cpu-local"), training_spec({"global_batch": 8})
-    with pytest.raises(LayoutError, match=r"^the built-in model realises qk_norm only at tp=1 \(tp=2\)$"):
-        check_supported(Layout(tp=2, dp=2), tiny)
-    check_supported(Layout(dp=2, ep=2), tiny)  # runnable at tp=1, ep included
-    enum = enumerate_layouts(model=tiny, cluster=cluster, training=training)
-    assert enum.valid and all(layout.tp == 1 for layout in enum.valid)
-    with pytest.raises(SpecError, match=r"^space.tp=\[2, 4\]: workload 'builtin' realises only tp in \[1\]"):
-        enumerate_layouts(model=tiny, cluster=cluster, training=training, space=SearchSpace(tp=(2, 4)))
-    gemma = model_spec({"hf_config": shrink(load_hf_config(HF / "gemma-2-9b.json"))})
-    check_supported(Layout(tp=2, dp=2), gemma)
-    with pytest.raises(LayoutError, match="norms_per_layer=4 only without sp"):
-        check_supported(Layout(tp=2, dp=2, sp=True), gemma)
+    with pytest.raises(LayoutError, match=r"^the built-in model realises a shared expert \(shared_expert_ffn=48\) "
+                                          r"only without sp \(tp=2, sp=True\)$"):
+        check_supported(Layout(tp=2, dp=2, sp=True), q2)
+    check_supported(Layout(tp=2, dp=2), q2)
+    enum = enumerate_layouts(model=q2, cluster=cluster, training=training)
+    assert any(layout.tp > 1 for layout in enum.valid) and not any(layout.sp for layout in enum.valid)
+    with pytest.raises(SpecError, match=r"^space.sp=\[True\]: workload 'builtin' realises only sp in \[False\]"):
+        enumerate_layouts(model=q2, cluster=cluster, training=training, space=SearchSpace(sp=(True,)))
+    tiny = model_spec({"hf_config": str(HF / "qwen3-moe-tiny.json")})  # qk-norm, head_dim 32: every axis
+    assert {(layout.tp > 1, layout.ep > 1) for layout in enumerate_layouts(
+        model=tiny, cluster=cluster, training=training).valid} >= {(True, False), (False, True)}
     mixed = model_spec({"hf_config": shrink(load_hf_config(HF / "qwen3-30b-a3b.json"), mlp_only_layers=[0])})
     with pytest.raises(LayoutError, match=r"no dense layers in a MoE model \(dense_layers=\[0\]\)"):
         check_supported(Layout(dp=4), mixed)
@@ -257,3 +257,71 @@ def test_api_takes_the_config_object_and_refuses_a_path(api: TestClient) -> None
     assert r.status_code == 422 and "model_type='deepseek_v3' is not supported" in r.text
     with pytest.raises(ValueError, match="a path is not accepted"):
         SweepSpec.model_validate(path)
+
+
+# --- the built-in model on the new shapes trains like its single-process reference (4 CPU ranks) ---
+
+NUMERICS_RTOL = 1e-5  # fp32: only the reduction order changes (tests/test_workers_numerics.py's reasoning)
+NUMERICS_STEPS = 3
+# Each shape under layouts that exercise its new parts in the built-in model: q/k/v biases under
+# column-split TP and under ReplicatedKV (tp > kv_heads), qk-norm under TP+SP (with ReplicatedKV) and
+# with expert TP + EP, the gated shared expert split by TP and dense under EP, Gemma's sandwich norms
+# and GeGLU under TP+SP. (Gemma ties its embeddings, which the built-in model unties across pipeline
+# stages, workers/parallelize.py: costs equal, numerics not, so no pp case for it.)
+NUMERICS = {
+    "qwen2-tp4": ("qwen2.5-7b.json", Layout(tp=4)),
+    "qwen3-tp4-sp": ("qwen3-8b.json", Layout(tp=4, sp=True)),
+    "qwen2moe-tp2-dp2": ("qwen1.5-moe-a2.7b.json", Layout(tp=2, dp=2)),
+    "qwen2moe-dp2-ep2-zero1": ("qwen1.5-moe-a2.7b.json", Layout(dp=2, ep=2, zero=1)),
+    "qwen3moe-tp2-ep2-acsel": ("qwen3-30b-a3b.json", Layout(tp=2, ep=2, ac="selective")),
+    "gemma2-tp2-dp2-sp-zero3": ("gemma-2-9b.json", Layout(tp=2, dp=2, sp=True, zero=3)),
+}
+
+
+def _numerics_request(config: str, layout: Layout):  # noqa: ANN202
+    from workers import TrialRequest
+
+    small = shrink(load_hf_config(HF / config), max_position_embeddings=32, num_hidden_layers=2)
+    return TrialRequest(
+        model=model_spec({"hf_config": small, "name": config, "seq_len": 32}),
+        cluster=cluster_spec({"preset": "cpu-local", "devices_per_node": layout.world_size}),
+        training=training_spec({"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 3}),
+        layout=layout, warmup_steps=1, measure_steps=NUMERICS_STEPS - 1, options={"grad_norm": True},
+    )
+
+
+def _train_all(rank: int, world: int, requests: dict) -> dict:
+    import traceback
+
+    from workers.train import train_trial
+
+    out = {}
+    for name, request in requests.items():
+        try:
+            r = train_trial(request, device=torch.device("cpu"))
+            out[name] = (r.losses, r.grad_norms)
+        except Exception:  # one broken layout must not hide the others
+            out[name] = traceback.format_exc()[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_built_in_model_trains_the_new_shapes_like_one_process() -> None:
+    from _dist import run_ranks
+
+    from workers.train import reference_losses
+
+    requests = {name: _numerics_request(*case) for name, case in NUMERICS.items()}
+    for request in requests.values():  # every case is valid for the built-in model (valid means runnable)
+        check_supported(request.layout, request.model)
+    results = run_ranks(4, _train_all, requests, timeout_s=540)
+    for name, request in requests.items():
+        ref_losses, ref_norms = reference_losses(request, steps=NUMERICS_STEPS)
+        # The comparison means something only if the steps differ far more than the tolerance.
+        assert max(ref_losses) - min(ref_losses) > 100 * NUMERICS_RTOL * max(ref_losses), name
+        for rank, per_rank in enumerate(results):
+            got = per_rank[name]
+            assert not isinstance(got, str), f"{name} failed on rank {rank}:\n{got}"
+            assert got[0] == pytest.approx(ref_losses, rel=NUMERICS_RTOL), f"{name} losses, rank {rank}"
+            assert got[1] == pytest.approx(ref_norms, rel=NUMERICS_RTOL), f"{name} gradient norms, rank {rank}"

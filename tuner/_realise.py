@@ -179,13 +179,12 @@ class Capabilities:
 def builtin_capabilities(model: ModelSpec) -> Capabilities:
     """What the built-in model (workers/model.py) realises for ``model``'s shape.
 
-    Every axis for a Llama-style shape, an explicit head_dim, q/k/v biases and GeGLU MLPs. Shapes of
-    published models its parallelisation does not split: the per-head q/k RMSNorm and the shared
-    expert sit outside its TP plan (their weights' gradients would be partial sums over tp), so
-    tp=1 only; Gemma's sandwich norms (norms_per_layer=4) take the whole sequence, so no sequence
-    parallelism. The transformers workload (workers/workload_hf.py) declares its own."""
-    return Capabilities(workload="builtin", tp=not (model.qk_norm or model.shared_expert_ffn),
-                        sp=model.norms_per_layer == 2)
+    Every axis for every shape ModelSpec describes (explicit head_dim, q/k/v biases, per-head q/k
+    RMSNorm, GeGLU, sandwich norms: workers/parallelize.py ``block_tp_plan``), except sequence
+    parallelism with a shared expert: its sigmoid gate would need the whole sequence on every tp rank
+    beside the experts' sequence shard, which the built-in TP plan does not build. The transformers
+    workload (workers/workload_hf.py) declares its own."""
+    return Capabilities(workload="builtin", sp=not model.shared_expert_ffn)
 
 
 def builtin_refusal(layout: Layout, model: ModelSpec) -> str | None:
@@ -197,12 +196,9 @@ def builtin_refusal(layout: Layout, model: ModelSpec) -> str | None:
                 f"{list(model.dense_layers)}): use the transformers workload")
     if model.is_moe and model.mlp != "swiglu":
         return f"the built-in model's experts are SwiGLU, not mlp={model.mlp!r}: use the transformers workload"
-    if layout.tp > 1 and model.qk_norm:
-        return f"the built-in model realises qk_norm only at tp=1 (tp={layout.tp})"
-    if layout.tp > 1 and model.shared_expert_ffn:
-        return f"the built-in model realises a shared expert only at tp=1 (tp={layout.tp})"
-    if layout.tp > 1 and layout.sp and model.norms_per_layer != 2:
-        return f"the built-in model realises norms_per_layer={model.norms_per_layer} only without sp"
+    if layout.tp > 1 and layout.sp and model.shared_expert_ffn:
+        return (f"the built-in model realises a shared expert (shared_expert_ffn={model.shared_expert_ffn}) "
+                f"only without sp (tp={layout.tp}, sp=True)")
     return builtin_capabilities(model).refusal(layout, model)
 
 
