@@ -1,7 +1,7 @@
 """The Hugging Face workload (workload: hf) trains like its single-process reference on 4 CPU ranks,
 and so does the README's example workload (``my_model:WORKLOAD``, its spec's listed layouts).
 
-A shrunken Llama config (and a shrunken Qwen3-MoE one, without ep) is built by
+Shrunken Llama, Qwen3 (tied, q/k norms) and Qwen3-MoE (without ep) configs are built by
 ``transformers.AutoModelForCausalLM.from_config`` with random weights and laid out by meshtune:
 dp, ZeRO-3, TP/SP (tp=4 > kv_heads=2 keeps k/v whole), PP (1F1B, GPipe), activation checkpointing
 (full and selective). Same tolerance rule as tests/test_workers_numerics.py (rtol 1e-5 on the per-step
@@ -30,6 +30,9 @@ pytest.importorskip("transformers")
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
          "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256,
+         "max_position_embeddings": 128, "tie_word_embeddings": True}  # q/k norms, head_dim != hidden/heads
 QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 192, "moe_intermediate_size": 32,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
              "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 256,
@@ -38,12 +41,13 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 
 
 def spec_of(cfg: dict) -> ModelSpec:
     """The ModelSpec the tuner plans with (hand-written, as tuner._hf would parse it)."""
-    moe = cfg["model_type"] == "qwen3_moe"
+    qk_norm = cfg["model_type"].startswith("qwen3")
     return ModelSpec(f"hf-{cfg['model_type']}-shrunk", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
                      heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
                      ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], seq_len=64,
                      experts=cfg.get("num_experts", 0), top_k=cfg.get("num_experts_per_tok", 0),
-                     expert_ffn=cfg.get("moe_intermediate_size", 0), head_dim=cfg.get("head_dim", 0), qk_norm=moe,
+                     expert_ffn=cfg.get("moe_intermediate_size", 0), head_dim=cfg.get("head_dim", 0), qk_norm=qk_norm,
+                     tied_embeddings=cfg["tie_word_embeddings"],
                      hf_config=json.dumps(cfg, sort_keys=True))
 
 
@@ -53,6 +57,8 @@ LAYOUTS = {
     "tp4-sp-ac-full": (LLAMA, Layout(tp=4, sp=True, ac="full")),  # tp > kv_heads: k/v kept whole
     "pp2-dp2-1f1b-zero3": (LLAMA, Layout(pp=2, dp=2, schedule="1f1b", zero=3)),
     "tp2-pp2-gpipe": (LLAMA, Layout(tp=2, pp=2, schedule="gpipe")),
+    # tied embeddings (a pipeline would untie them: not comparable there), q/k norms, wide heads
+    "qwen3-tp2-dp2-zero2": (QWEN3, Layout(tp=2, dp=2, zero=2)),
     "qwen3moe-pp2-dp2-zero3-ac-full": (QWEN3_MOE, Layout(pp=2, dp=2, zero=3, ac="full")),
 }
 README_LAYOUTS = ("tp2-dp2-sp", "pp2-dp2-1f1b-zero3")  # the first two of its spec's search.layouts
@@ -101,7 +107,7 @@ def _run_layouts(rank: int, world: int, requests: dict[str, TrialRequest]) -> di
 def references(readme_requests) -> dict[str, tuple[list[float], list[float]]]:
     from workers.train import reference_losses
 
-    refs = {cfg["model_type"]: reference_losses(make_request(cfg, Layout()), steps=STEPS) for cfg in (LLAMA, QWEN3_MOE)}
+    refs = {cfg["model_type"]: reference_losses(make_request(cfg, Layout()), steps=STEPS) for cfg in (LLAMA, QWEN3, QWEN3_MOE)}
     refs["readme"] = reference_losses(readme_requests["readme-reference"], steps=STEPS)
     return refs
 
