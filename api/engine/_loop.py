@@ -23,7 +23,7 @@ from api.engine._budget import Budget
 from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._learning import Learning
 from api.engine._model import Problem
-from api.engine._share import Claimant, Grant
+from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
 from api.spec import SweepSpec
@@ -56,7 +56,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning):
+class SweepLoop(Claim, Budget, Learning, Sharing):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -184,47 +184,6 @@ class SweepLoop(Claim, Budget, Learning):
                 store.set_sweep_status(s, sweep_id=self.sweep_id, status="completed", only_from=("running",),
                                        runner_id=self.r.runner_id)
         self._progress("end")
-
-    def _give_back(self) -> None:
-        """Every device this loop holds or waits for goes back to the ledger (the loop is ending)."""
-        ledger = getattr(self, "ledger", None)
-        if ledger is None:
-            return
-        ledger.withdraw(self.sweep_id)
-        ledger.release(self.held)
-        self.held = None
-        for ticket in self.in_flight.values():
-            ledger.release(ticket.grant)
-
-    def _take_devices(self, world: int) -> bool:
-        """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
-        limits: api/engine/_share.py); False: wait for them."""
-        if self.held is None:
-            self.held = self.ledger.try_acquire(self.claimant, world)
-        self.waiting = self.held is None
-        return not self.waiting
-
-    def _cancel_in_flight(self) -> None:
-        """The sweep was cancelled: a backend that can stop a trial (Ray: its gang's actors killed and
-        placement groups removed) frees the devices now; the results that still come back are not
-        recorded, the rows become "interrupted" (``_mark_cancelled``)."""
-        cancel = getattr(self.backend, "cancel", None)
-        if not callable(cancel):
-            return  # the trials in flight finish and are recorded, as before
-        for ticket in self.in_flight.values():
-            if not ticket.cancelled:
-                ticket.cancelled = True
-                self.cancelled_ids.add(self._trial_id(ticket))
-                try:
-                    cancel(self._trial_id(ticket))
-                except Exception as exc:  # the trial then ends on its own; its result is still dropped
-                    log.warning("sweep %s: could not stop trial %s (%s)", self.sweep_id, self._trial_id(ticket), exc)
-
-    def _mark_cancelled(self) -> None:
-        with store.session_scope(self.r.sessions) as s:
-            if store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
-                store.mark_interrupted(s, sweep_id=self.sweep_id, cause="sweep cancelled: the trial was stopped")
-                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
 
     def _trial_id(self, ticket: Ticket) -> str:
         return f"{self.sweep_id}-{ticket.number}-{ticket.attempt}"

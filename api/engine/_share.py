@@ -19,13 +19,17 @@ re-runs take their devices anew (the restart rule itself is api/engine/__init__.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from api import store
+
+log = logging.getLogger("meshtune.engine")
 
 
 @dataclass(frozen=True)
@@ -143,3 +147,61 @@ class DeviceLedger:
         """Block until a grant is released or a waiter leaves (or ``timeout``)."""
         with self._cond:
             self._cond.wait(timeout)
+
+
+class Sharing:
+    """The loop's side of the ledger and of cancelling (mixed into SweepLoop, which sets ``ledger``,
+    ``claimant``, ``held``, ``waiting``, ``in_flight``, ``cancelled_ids``, ``backend``, ``r``)."""
+
+    ledger: DeviceLedger
+    claimant: Claimant
+    held: Grant | None
+    waiting: bool
+    in_flight: dict[Any, Any]
+    cancelled_ids: set[str]
+    backend: Any
+    r: Any
+    sweep_id: int
+    _trial_id: Callable[[Any], str]
+
+    def _give_back(self) -> None:
+        """Every device this loop holds or waits for goes back to the ledger (the loop is ending)."""
+        ledger = getattr(self, "ledger", None)
+        if ledger is None:
+            return
+        ledger.withdraw(self.sweep_id)
+        ledger.release(self.held)
+        self.held = None
+        for ticket in self.in_flight.values():
+            ledger.release(ticket.grant)
+
+    def _take_devices(self, world: int) -> bool:
+        """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
+        limits: api/engine/_share.py); False: wait for them."""
+        if self.held is None:
+            self.held = self.ledger.try_acquire(self.claimant, world)
+        self.waiting = self.held is None
+        return not self.waiting
+
+    def _cancel_in_flight(self) -> None:
+        """The sweep was cancelled: a backend that can stop a trial (Ray: its gang's actors killed and
+        placement groups removed) frees the devices now; the results that still come back are not
+        recorded, the rows become "interrupted" (``_mark_cancelled``)."""
+        cancel = getattr(self.backend, "cancel", None)
+        if not callable(cancel):
+            return  # the trials in flight finish and are recorded, as before
+        for ticket in self.in_flight.values():
+            if not ticket.cancelled:
+                ticket.cancelled = True
+                self.cancelled_ids.add(self._trial_id(ticket))
+                try:
+                    cancel(self._trial_id(ticket))
+                except Exception as exc:  # the trial then ends on its own; its result is still dropped
+                    log.warning("sweep %s: could not stop trial %s (%s)", self.sweep_id, self._trial_id(ticket), exc)
+
+    def _mark_cancelled(self) -> None:
+        with store.session_scope(self.r.sessions) as s:
+            if store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
+                store.mark_interrupted(s, sweep_id=self.sweep_id, cause="sweep cancelled: the trial was stopped")
+                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
+
