@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from tuner import ModelSpec, SpecError, TrainingSpec
-from tuner._realise import Capabilities
+from tuner._realise import Capabilities, builtin_capabilities
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "sequence_gather", "head_norm")
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -134,11 +134,8 @@ def builtin_parts(model: ModelSpec, training: TrainingSpec) -> Parts:
                  kv_projections=("attention.wk", "attention.wv"), selective_ac="attention")
 
 
-def _builtin_capabilities(model: ModelSpec) -> Capabilities:
-    return Capabilities(workload="builtin")
-
-
-BUILTIN = Workload(name="builtin", build=builtin_parts, capabilities=_builtin_capabilities)
+# The built-in model's own limits for each shape (tuner._realise.builtin_capabilities / builtin_refusal).
+BUILTIN = Workload(name="builtin", build=builtin_parts, capabilities=builtin_capabilities)
 
 
 # --- resolving and checking the ``workload`` field -----------------------------------------------
