@@ -147,6 +147,18 @@ class Driver:
                 "gangs": [{"key": list(g.key), "busy": g.busy, "group": g.pgs[0].id.hex() if g.pgs else None}
                           for g in self._pool()]}
 
+    def groups_of(self, groups: list[int]) -> dict[str, Any]:
+        """Ray's own record of the placement groups of the pool's gangs of shape ("CPU", groups)."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table()
+        out = []
+        for g in self._pool():
+            if g.key == ("CPU", tuple(groups)) and g.pgs:
+                row = table[g.pgs[0].id.hex()]
+                out.append({k: row[k] for k in ("strategy", "bundles", "bundles_to_node_id", "state")})
+        return {"groups": out}
+
     def gang_group(self, tag: str) -> dict[str, Any]:
         gang = self.gang_of[tag]
         return {"group": gang.pgs[0].id.hex() if gang.pgs else None}

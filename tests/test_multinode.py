@@ -131,6 +131,11 @@ def test_each_trials_ranks_land_as_the_placement_says(cluster: Cluster, layout: 
     for rank, (node, _) in enumerate(placement.rank_devices):
         assert where[rank] == where[2 * node]
     assert where[0] != where[2]
+    # The gang's placement group is one bundle per node of the placement, each on its own Ray node.
+    (group,) = cluster.call("groups_of", groups=[2, 2])["groups"]
+    assert group["strategy"] == "STRICT_SPREAD" and group["state"] == "CREATED"
+    assert {int(k): v for k, v in group["bundles"].items()} == {0: {"CPU": 2.0}, 1: {"CPU": 2.0}}
+    assert {int(k): v for k, v in group["bundles_to_node_id"].items()} == {0: where[0], 1: where[2]}
     for r in reports:
         for axis in ("tp", "dp", "pp"):  # the mesh the workers built is the tuner's placement
             assert tuple(r["groups"][axis]) == placement.group(axis, r["rank"])
