@@ -6,7 +6,6 @@ tuner's frozen specs, re-raising their ``SpecError`` as a validation error that 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from typing import Any, Literal
@@ -333,23 +332,12 @@ class SweepSpec(RequestModel):
         """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``), narrowed to what
         the workload declares it can realise; None if neither restricts anything."""
         caps = self.workload_capabilities()
-        limits = caps.space_limits() if caps is not None else {}
-        if not self.space and not limits:
+        if not self.space and caps is None:
             return None
-        try:
-            from tuner import SearchSpace
-        except ImportError:  # pragma: no cover - until tuner re-exports it
-            from tuner._space import SearchSpace
+        from tuner._space import SearchSpace, within_capabilities
+
         space = SearchSpace.from_mapping(self.space)
-        narrowed = {}
-        for name, allowed in limits.items():
-            given = getattr(space, name)
-            keep = tuple(v for v in (given if given is not None else allowed) if v in allowed)
-            if not keep:
-                raise SpecError(f"space.{name}={list(given)} leaves nothing that workload {self.workload!r} "
-                                f"can realise (it supports {name} in {list(allowed)})")
-            narrowed[name] = keep
-        return dataclasses.replace(space, **narrowed) if narrowed else space
+        return within_capabilities(space, caps) if caps is not None else space
 
     def workload_capabilities(self) -> Any:
         """What the workload declares (tuner.Capabilities), checked against its contract; None for the
