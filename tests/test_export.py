@@ -214,6 +214,9 @@ def test_megatron_args_build_megatron_core_configs(case):
     assert shlex.split(body.replace("\\\n", " ")) == out.settings  # the text is the argv, shell-quoted
     core = _field_names(TransformerConfig) | _field_names(DDPConfig) | _field_names(OptimizerConfig)
     assert set(args) - core <= MEGATRON_LM_ONLY, set(args) - core - MEGATRON_LM_ONLY
+    # Megatron-LM's validate_args: at most one way to give the virtual stages.
+    assert sum(k in args for k in ("pipeline_model_parallel_layout", "num_virtual_stages_per_pipeline_rank",
+                                   "num_layers_per_virtual_pipeline_stage")) <= 1
     values = dict(args)
     if args.pop("swiglu", False):  # Megatron-LM: --swiglu sets these two
         values |= {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}

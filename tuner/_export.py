@@ -275,7 +275,7 @@ def _deepspeed(job: _Job) -> tuple[dict[str, Any], list[str]]:
     if lay.pp > 1:
         cfg["pipeline"] = {"stages": lay.pp, "partition": "parameters"}
         caveats.append(f"pp={lay.pp}: DeepSpeed pipelines a PipelineModule(num_stages={lay.pp}) built in "
-                       "your code; its schedule is 1F1B"
+                       "your code (give it meshtune's layer split above); its schedule is 1F1B"
                        + (f", so schedule={lay.schedule!r} has no equivalent" if lay.schedule != "1f1b" else ""))
         if lay.zero >= 2:
             caveats.append(f"zero={lay.zero} with pp={lay.pp}: DeepSpeed's PipelineEngine supports ZeRO "

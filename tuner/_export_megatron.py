@@ -39,6 +39,8 @@ def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     if lay.sp:
         out.append(("sequence-parallel", True))
     if lay.pp > 1:
+        # The exact split (and with it the virtual stages): Megatron-LM's validate_args allows only
+        # one of this, --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage.
         out.append(("pipeline-model-parallel-layout", _megatron_layout(job)))
         if lay.schedule == "gpipe":
             caveats.append("schedule=gpipe has no Megatron equivalent: Megatron runs 1F1B "
