@@ -90,7 +90,7 @@ def test_an_empty_database_given_by_url_is_named_when_created(no_home, monkeypat
 # given, password masked; nothing is created on the way.
 COMMANDS = [["sweeps"], ["show", "1"], ["sweep", "--resume", "1"], ["db", "current"], ["db", "upgrade"],
             ["db", "downgrade"], ["schedule", "list"], ["serve", "--migrate-only"],
-            ["reshard-check", "--sweep", "1", "--from", "dp=4", "--to", "dp=4"]]
+            ["reshard-check", "--sweep", "1", "--from", "dp=4", "--to", "dp=4"], ["export", "1", "--format", "nemo"]]
 URLS = {
     "driver": ("mysql://bob:hunter2@127.0.0.1/x", "mysql://bob:***@127.0.0.1/x", "driver"),
     "kind": ("nosuchdb://bob:hunter2@127.0.0.1/x", "nosuchdb://bob:***@127.0.0.1/x", "nosuchdb"),
