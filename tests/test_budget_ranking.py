@@ -153,3 +153,16 @@ def test_sweep_spec_takes_price_and_budget_and_refuses_bad_ones(stored):
     assert r.status_code == 201, r.text
     spec = r.json()["spec"]
     assert spec["cluster"]["price_per_device_hour"] == 1.5 and spec["training"]["train_tokens"] == 5e9
+
+
+def test_ranking_csv_ends_with_time_and_cost_to_train(stored):
+    import csv
+    import io
+
+    c, sid = stored["client"], stored["sid"]
+    rows = list(csv.DictReader(io.StringIO(c.get(f"/api/sweeps/{sid}/ranking?format=csv").text)))
+    body = c.get(f"/api/sweeps/{sid}/ranking").json()
+    assert list(rows[0])[-2:] == ["time_to_train_s", "cost_to_train"]
+    for row, js in zip(rows, body["rows"], strict=True):
+        assert float(row["time_to_train_s"]) == pytest.approx(js["budget"]["time_to_train_s"])
+        assert float(row["cost_to_train"]) == pytest.approx(js["budget"]["cost"])

@@ -404,19 +404,23 @@ CSV_COLUMNS = (
 # One column per layout field after layout_key (the key stays: it is the layout's identity), so a
 # spreadsheet can filter and pivot on tp, pp, ... without parsing the key.
 CSV_LAYOUT_COLUMNS = tuple(Layout.__dataclass_fields__)
+# Last: the time and cost to train training.train_tokens at the row's median (api.services.budget).
+CSV_BUDGET_COLUMNS = ("time_to_train_s", "cost_to_train")
 
 
 def ranking_csv(result: Ranking) -> str:
     """The ranking as CSV (one row per layout; ``median/low/high`` are of ``result.metric``)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow((*CSV_COLUMNS[:2], *CSV_LAYOUT_COLUMNS, *CSV_COLUMNS[2:]))
+    writer.writerow((*CSV_COLUMNS[:2], *CSV_LAYOUT_COLUMNS, *CSV_COLUMNS[2:], *CSV_BUDGET_COLUMNS))
     defaults = Layout().__dict__
     for row in result.rows:
         d = asdict(row)
         layout = [row.layout.get(f, defaults[f]) for f in CSV_LAYOUT_COLUMNS]
         cells = ["" if d[c] is None else d[c] for c in CSV_COLUMNS]
-        writer.writerow([*cells[:2], *layout, *cells[2:]])
+        budget = row.budget or {}
+        spend = ["" if budget.get(k) is None else budget[k] for k in ("time_to_train_s", "cost")]
+        writer.writerow([*cells[:2], *layout, *cells[2:], *spend])
     return buf.getvalue()
 
 
