@@ -18,6 +18,7 @@ llama3-70b on the same cluster fingerprint then starts from what it learned, aga
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -43,12 +44,12 @@ PROBLEMS = {
 }
 TRANSFER = ("roofline", {"model": "llama3-8b", "cluster": {**H100, "nodes": 8}, "training": {"global_batch_tokens": 4194304}})
 METHODS = {
-    "surrogate": {"sampler": "surrogate", "warm_start_top_k": 3},
-    "tpe+warm": {"sampler": "tpe", "warm_start_top_k": 3},
-    # Optuna's GPSampler ("gp") was measured too (2 seeds on 'jittery': median 7 trials, but ~110 s of
-    # coordinator time per 30-trial sweep on one core); it is left out of the 10-seed table for time.
+    "surrogate": {"sampler": "surrogate", "warm_start_top_k": 3},  # the default (api.spec.SearchSettings)
+    "tpe+warm": {"sampler": "tpe", "warm_start_top_k": 3},  # Optuna 5 TPE: multivariate by default
     "random": {"sampler": "random", "warm_start_top_k": 0},
 }
+# Optuna's GPSampler costs ~100 s of coordinator time per 40-trial sweep on one core: --gp adds it.
+GP = {"gp+warm": {"sampler": "gp", "warm_start_top_k": 3}}
 
 
 def truth_table(truth, problem: dict) -> tuple[int, dict[str, float]]:
@@ -99,10 +100,11 @@ def run_truth(name: str, truth, args, table: list[str]) -> None:
     expect = (n_valid + 1) / (targets + 1)
     print(f"\n== truth '{name}' ({PROBLEMS[name]['model']}, {PROBLEMS[name]['cluster']['nodes'] * 8} H100): "
           f"{n_valid} valid layouts, {len(truth_tps)} fit; {targets} within 2% of the best", flush=True)
-    res = {m: ([], []) for m in METHODS}
-    secs = {m: 0.0 for m in METHODS}
+    methods = {**METHODS, **(GP if args.gp else {})}
+    res = {m: ([], []) for m in methods}
+    secs = {m: 0.0 for m in methods}
     for seed in range(args.seeds):
-        for method, search in METHODS.items():
+        for method, search in methods.items():
             # a fresh store per sweep: every sweep here is cold (nothing learned from the others)
             with tempfile.TemporaryDirectory() as tmp:
                 url = f"sqlite:///{Path(tmp) / 'bench.db'}"
@@ -116,7 +118,7 @@ def run_truth(name: str, truth, args, table: list[str]) -> None:
             reached, ooms = score(rows, truth_tps, 0.98 * best)
             res[method][0].append(reached)
             res[method][1].append(ooms)
-        print(f"  seed {seed}: " + ", ".join(f"{m}={res[m][0][-1] or '-'}/{res[m][1][-1]}oom" for m in METHODS),
+        print(f"  seed {seed}: " + ", ".join(f"{m}={res[m][0][-1] or '-'}/{res[m][1][-1]}oom" for m in methods),
               flush=True)
     for method, (reach, ooms) in res.items():
         table.append(f"| {name} | {n_valid} | {method} | {med(reach, args.max_trials)} | "
@@ -141,8 +143,13 @@ def run_transfer(args) -> None:
                     run_sweep(sessions, settings, truth, first, METHODS["surrogate"], seed + 100, args.max_trials, "first")
                 rows = run_sweep(sessions, settings, truth, problem, METHODS["surrogate"], seed, args.max_trials, "second")
                 out.append(score(rows, truth_tps, target)[0])
+                with sessions() as s:
+                    learned = (store.get_sweep(s, sweep_id=rows[0].sweep_id).calibration or {}).get("learned_from", [])
+                if learn and not learned:
+                    raise SystemExit("the second sweep learned from no earlier sweep: the transfer was not exercised")
                 engine.dispose()
-        print(f"  seed {seed}: cold={cold[-1] or '-'} after {first['model']}={warm[-1] or '-'}", flush=True)
+        print(f"  seed {seed}: cold={cold[-1] or '-'} after {first['model']}={warm[-1] or '-'} "
+              f"(learned from sweeps {learned})", flush=True)
     print(f"\nlearning across sweeps ({name} cluster; {problem['model']} after a {first['model']} sweep): "
           f"median launched trials to within 2% over {args.seeds} seeds: cold {med(cold, args.max_trials)}, "
           f"after learning {med(warm, args.max_trials)}")
@@ -154,7 +161,10 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=40)
     ap.add_argument("--truth", choices=[*PROBLEMS, "all", "none"], default="all")
     ap.add_argument("--no-transfer", action="store_true")
+    ap.add_argument("--gp", action="store_true", help="also Optuna's GPSampler (slow)")
     args = ap.parse_args()
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} on {os.cpu_count()} CPUs",
+          flush=True)
     table = ["| truth | valid layouts | method | median launched trials to 2% | reached | median OOMs launched | "
              "random expected | s/sweep |", "|---|---|---|---|---|---|---|---|"]
     for name, truth in registry().items():

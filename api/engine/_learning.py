@@ -102,5 +102,9 @@ class Learning:
         calibration = dict(self.problem.calibration)
         noise = pooled_noise(self._groups())
         calibration["noise"] = dataclasses.asdict(noise) if noise is not None else None
+        learned = getattr(self.proposer, "learned", None)
+        programs = learned() if callable(learned) else None
+        if programs:  # the surrogate's per-program weights: what a later sweep on this cluster starts from
+            calibration["programs"] = programs
         with store.session_scope(self.r.sessions) as s:
             store.set_calibration(s, sweep_id=self.sweep_id, calibration=calibration)

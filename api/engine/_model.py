@@ -125,6 +125,7 @@ class Problem:
         self.memory_sigma = MEMORY_SIGMA
         self.noise_sigma: float | None = None
         self.inherited_residuals: list[tuple[np.ndarray, float]] = []
+        self.inherited_programs: dict[str, Any] | None = None  # an earlier sweep's per-program weights
         self.learned_from: list[int] = []
         self.oom_parts: list[list[float]] = []
         self.oom_bytes: list[float] = []
@@ -335,6 +336,9 @@ class Problem:
             self.inherited_mem_w = np.array([mems[0]["memory"]["weights"][k] for k in cal.MEMORY_PARTS])
             self.mem_w = self.inherited_mem_w.copy()
             self.memory_sigma = float(mems[0].get("memory_sigma", MEMORY_SIGMA))
+        programs = [e["calibration"]["programs"] for e in earlier if (e["calibration"].get("programs") or {}).get("weights")]
+        if programs:  # the surrogate's per-program weights of the newest sweep that fitted them
+            self.inherited_programs = programs[0]
         for e in earlier:
             res = e["residuals"]
             if res:
@@ -347,7 +351,7 @@ class Problem:
         if self.inherited_time_w is not None and np.allclose(self.time_w, self.inherited_time_w):
             self.time_w = PRIOR_TIME_W.copy()
         self.inherited_time_w, self.inherited_mem_w = None, None
-        self.inherited_residuals, self.learned_from = [], []
+        self.inherited_residuals, self.learned_from, self.inherited_programs = [], [], None
         self.memory_sigma = MEMORY_SIGMA
         self._fit_memory()
         self._store(learned_from=[])

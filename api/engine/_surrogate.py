@@ -51,10 +51,12 @@ TRANSFER_SIGMA = 0.08  # extra noise of a residual measured on another model or 
 LENGTH_SCALES = (0.2, 0.35, 0.6, 1.0)
 SIGNAL_SIGMAS = (0.05, 0.12, 0.25)
 FAIL_LENGTH = 0.15
-WEIGHT_SIGMA = 1.0  # prior sd of log(w_k / w0_k): a resource e times faster or slower than modelled is 1 sd
+WEIGHT_SIGMA = 2.0  # prior sd of log(w_k / w0_k): an overlap can hide a collective almost wholly (w -> 0)
 FIT_SIGMA = 0.10  # what the weights alone leave unexplained, per layout (the GP models the rest)
 THETA_BOUNDS = (-6.0, 3.0)  # a weight between 1/400 and 20 times the one in force
-CANDIDATE_MARGIN_Z = 0.0  # candidates: predicted to fit by this many memory errors (0: at all)
+CANDIDATE_MARGIN_Z = 1.0  # candidates: predicted to fit by this many (local) memory errors, if any do
+MEMORY_NOISE = 0.01  # log spread of one layout's measured peak between runs
+OOM_EXTRA = 0.02  # an OOM needed at least its reported bytes: counted a little above them
 TRANSFER_W_SIGMA = 0.3  # extra sd of a per-program weight fitted on another model of the cluster
 LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measured step
 
@@ -72,6 +74,32 @@ def _cdf(z: np.ndarray) -> np.ndarray:
 def _matern52(d: np.ndarray, length: float) -> np.ndarray:
     r = math.sqrt(5.0) * d / length
     return (1.0 + r + r * r / 3.0) * np.exp(-r)
+
+
+def _gp(xs: np.ndarray, ys: np.ndarray, noise: np.ndarray, xc: np.ndarray, mean: float,
+        signal_sigmas: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """GP posterior mean and sd at ``xc``; length-scale and signal sd by marginal likelihood on a grid."""
+    d_xx = np.sqrt(((xs[:, None, :] - xs[None, :, :]) ** 2).sum(-1))
+    best = None
+    for length in LENGTH_SCALES:
+        base = _matern52(d_xx, length)
+        for sig in signal_sigmas:
+            k = sig * sig * base + np.diag(noise) + 1e-10 * np.eye(len(ys))
+            try:
+                chol = np.linalg.cholesky(k)
+            except np.linalg.LinAlgError:
+                continue
+            alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, ys - mean))
+            ll = -0.5 * (ys - mean) @ alpha - np.log(np.diag(chol)).sum()
+            if best is None or ll > best[0]:
+                best = (ll, length, sig, chol, alpha)
+    assert best is not None, "a diagonal noise term keeps the kernel matrix positive definite"
+    _, length, sig, chol, alpha = best
+    d_cx = np.sqrt(((xc[:, None, :] - xs[None, :, :]) ** 2).sum(-1))
+    k_cx = sig * sig * _matern52(d_cx, length)
+    mu = mean + k_cx @ alpha
+    v = np.linalg.solve(chol, k_cx.T)
+    return mu, np.sqrt(np.maximum(sig * sig - (v * v).sum(0), 1e-12))
 
 
 class WeightFit:
@@ -146,6 +174,7 @@ class SurrogateProposer:
         self.tie = np.random.default_rng(seed).random(len(space))  # seeded tie-break
         self.obs: dict[int, list[float]] = {}  # layout index -> measured log tokens/s per device
         self.failed: set[int] = set()
+        self.peaks: dict[int, float] = {}  # layout index -> measured peak bytes (an OOM: its bound)
         self.fit: WeightFit | None = None
 
     def scaled(self, layout: Layout) -> np.ndarray:
@@ -163,6 +192,10 @@ class SurrogateProposer:
             self.failed.add(i)  # infeasible with its cost: lowers the proposals around it
         elif violation <= 0 and values and values[0] and values[0] > 0:
             self.obs.setdefault(i, []).append(math.log(values[0]))
+            if len(values) > 1 and values[1] and values[1] > 0:
+                self.peaks[i] = max(float(values[1]), self.peaks.get(i, 0.0))
+        elif status == "oom" and values and len(values) > 1 and values[1]:
+            self.peaks[i] = float(values[1]) * (1.0 + OOM_EXTRA)  # it needed at least this
         # oom / pruned: the memory model learns it (Problem.observe), which removes such layouts
 
     # --- the posterior -----------------------------------------------------------------------------
@@ -219,28 +252,20 @@ class SurrogateProposer:
         if len(ys) == 0:
             return np.zeros(len(cand)), np.full(len(cand), SIGNAL_SIGMAS[1])
         mean = float(np.mean(ys[: len(self.obs)])) if self.obs else float(np.mean(ys))
-        d_xx = np.sqrt(((xs[:, None, :] - xs[None, :, :]) ** 2).sum(-1))
-        best = None
-        for length in LENGTH_SCALES:
-            base = _matern52(d_xx, length)
-            for sig in SIGNAL_SIGMAS:
-                k = sig * sig * base + np.diag(noise) + 1e-10 * np.eye(len(ys))
-                try:
-                    chol = np.linalg.cholesky(k)
-                except np.linalg.LinAlgError:
-                    continue
-                alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, ys - mean))
-                ll = -0.5 * (ys - mean) @ alpha - np.log(np.diag(chol)).sum()
-                if best is None or ll > best[0]:
-                    best = (ll, length, sig, chol, alpha)
-        assert best is not None, "a diagonal noise term keeps the kernel matrix positive definite"
-        _, length, sig, chol, alpha = best
-        d_cx = np.sqrt(((self.x[cand][:, None, :] - xs[None, :, :]) ** 2).sum(-1))
-        k_cx = sig * sig * _matern52(d_cx, length)
-        mu = mean + k_cx @ alpha
-        v = np.linalg.solve(chol, k_cx.T)
-        var = np.maximum(sig * sig - (v * v).sum(0), 1e-12)
-        return mu, np.sqrt(var)
+        return _gp(xs, ys, noise, self.x[cand], mean, SIGNAL_SIGMAS)
+
+    def memory_posterior(self, cand: np.ndarray, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and sd of log(true peak / the memory model's) at candidates: a GP over the measured
+        peaks and OOM bounds (an OOM counts as needing its bound), so a layout near one that needed
+        more than predicted is predicted to need more too (the constraint's own GP, Gardner et al. 2014)."""
+        if not self.peaks:
+            return np.zeros(len(cand)), np.full(len(cand), sigma)
+        _, mem = self.problem.arrays()
+        pred = np.maximum(mem @ np.asarray(self.problem.mem_w, dtype=float), 1.0)
+        idx = np.array(sorted(self.peaks))
+        ys = np.log(np.array([self.peaks[i] for i in idx]) / pred[idx])
+        sigs = tuple(max(sigma, 0.01) * f for f in (0.5, 1.0, 2.0))
+        return _gp(self.x[idx], ys, np.full(len(ys), MEMORY_NOISE ** 2), self.x[cand], 0.0, sigs)
 
     def _fail_probability(self, cand: np.ndarray) -> np.ndarray:
         if not self.failed:
@@ -264,11 +289,14 @@ class SurrogateProposer:
         # Every layout the memory model predicts to fit is a candidate, its acquisition weighted by
         # the probability that it fits (p_fit below): an OOM costs a start-up and teaches less than
         # a measurement, so a layout near the limit must promise more to be launched.
-        cand = np.flatnonzero(unseen & (margin >= CANDIDATE_MARGIN_Z * sigma))
-        if not len(cand):
-            cand = np.flatnonzero(unseen & (margin >= 0))
+        cand = np.flatnonzero(unseen & (margin >= 0))
         if not len(cand):
             return cand, np.zeros(0)
+        mem_mu, mem_sd = self.memory_posterior(cand, sigma)
+        local = margin[cand] - mem_mu  # log headroom after what nearby peaks taught
+        keep = local >= CANDIDATE_MARGIN_Z * mem_sd
+        if keep.any():
+            cand, local, mem_sd = cand[keep], local[keep], mem_sd[keep]
         mu_r, sd_r = self.posterior(cand, prior)
         mu = prior[cand] + mu_r
         sd = np.sqrt(sd_r ** 2 + fit.sd(cand) ** 2)
@@ -278,7 +306,7 @@ class SurrogateProposer:
             ei = sd * (z * _cdf(z) + _phi(z))
         else:  # nothing measured yet: the prior's favourite first
             ei = np.exp(mu - mu.max())
-        p_fit = _cdf(margin[cand] / max(sigma, 1e-6))
+        p_fit = _cdf(local / np.maximum(mem_sd, 1e-6))
         return cand, ei * p_fit * (1.0 - self._fail_probability(cand))
 
     def propose(self, exclude: set[str]) -> tuple[Layout, Any] | None:
