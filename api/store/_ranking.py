@@ -290,12 +290,13 @@ def ensure_ranked(session: Session, *, sweep_id: int) -> None:
 
 
 def ranked_rows(session: Session, *, sweep_id: int, metric: str, limit: int | None = None,
-                offset: int = 0) -> list[RankedLayout]:
-    """Rows of the stored ranking in rank order, ``limit`` of them from ``offset`` (all: None)."""
-    query = sa.select(RankedLayout).where(RankedLayout.sweep_id == sweep_id, RankedLayout.metric == metric)
+                offset: int = 0) -> list[Any]:
+    """Rows of the stored ranking in rank order, ``limit`` of them from ``offset`` (all: None), as
+    light rows (Core, not ORM: the whole ranking of 4,000 layouts is read without building objects)."""
+    table = RankedLayout.__table__
+    query = sa.select(table).where(table.c.sweep_id == sweep_id, table.c.metric == metric)
     if limit is not None or offset:  # by the rank index: a page is a range, not a sort
-        end = None if limit is None else offset + limit
-        query = query.where(RankedLayout.rank > offset)
-        if end is not None:
-            query = query.where(RankedLayout.rank <= end)
-    return list(session.scalars(query.order_by(RankedLayout.rank)).all())
+        query = query.where(table.c.rank > offset)
+        if limit is not None:
+            query = query.where(table.c.rank <= offset + limit)
+    return list(session.execute(query.order_by(table.c.rank)).all())
