@@ -130,3 +130,13 @@ def test_default_domain_is_the_node_everywhere():
     p = place(Layout(tp=8, dp=4), c)
     assert (p.axes["dp"].in_domain, p.axes["dp"].link, p.devices_per_domain) == (False, "inter", 0)
     assert p.summary == "tp:intra dp:inter"
+
+
+def test_a_cluster_smaller_than_its_domain_is_one_domain_and_a_partial_rack_is_its_own():
+    small = cluster_spec({"preset": "gb200-nvl72", "nodes": 4})  # 16 GPUs of one rack
+    p = place(Layout(tp=8, dp=2), small)
+    assert [p.axes[a].link for a in ("tp", "dp")] == ["domain", "domain"]
+    partial = cluster_spec({"preset": "gb200-nvl72", "nodes": 32})  # a full rack (72) and 56 GPUs of another
+    p = place(Layout(tp=8, dp=16), partial)
+    assert p.axes["tp"].in_domain and p.axes["dp"].link == "inter"
+    assert {r // 72 for r in p.group("tp", 72)} == {1}  # the first group of the second rack stays in it
