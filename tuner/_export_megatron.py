@@ -47,7 +47,7 @@ def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
                            f"(at most pp={lay.pp} micro-batches in flight, not all {job.microbatches})")
         if lay.schedule == "interleaved":
             caveats.append(f"interleaved: the layout's {lay.stages} stages give {lay.vpp} virtual stages per "
-                           f"rank (--num-virtual-stages-per-pipeline-rank {lay.vpp} is implied by it)")
+                           "rank (Megatron derives its virtual pipeline size from the layout)")
     out += [("micro-batch-size", lay.mbs), ("global-batch-size", job.training.global_batch),
             ("seq-length", model.seq_len)]
     if lay.ac == "full":
@@ -61,8 +61,8 @@ def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     if lay.zero in (2, 3):
         strategy = "optim_grads" if lay.zero == 2 else "optim_grads_params"
         out += [("use-megatron-fsdp", True), ("data-parallel-sharding-strategy", strategy)]
-        caveats.append(f"zero={lay.zero} maps to Megatron-FSDP ({strategy}); its checkpoints need "
-                       "--ckpt-format fsdp_dtensor and it needs --no-gradient-accumulation-fusion")
+        caveats.append(f"zero={lay.zero} maps to Megatron-FSDP ({strategy}), which needs the fsdp_dtensor "
+                       "checkpoint format and no gradient-accumulation fusion (both set here)")
     elif lay.zero == 1:
         caveats.append("zero=1 maps to Megatron's distributed optimizer (optimizer state and fp32 main "
                        "weights sharded, gradients reduce-scattered once per step)")
