@@ -325,6 +325,7 @@ def test_api_priority_queue_position_and_owner_limits(tmp_path: Path) -> None:
         assert [positions[s["id"]] for s in (high, normal, low)] == [1, 2, 3]
         assert client.get(f"/api/sweeps/{high['id']}").json()["queue_position"] == 1
         page = client.get("/").text  # the dashboard's list shows the same places
-        assert 'title="place in the queue' in page and ">#1</span>" in page and ">#3</span>" in page
+        assert 'title="place in the queue' in page and ">#1</span> <span class=\"muted\">high</span>" in page
+        assert ">#3</span> <span class=\"muted\">low</span>" in page
         assert "queued #1" in client.get(f"/sweeps/{high['id']}").text
         assert store.list_sweeps(store.make_sessionmaker(store.create_engine(url))(), status="queued")[1] == 3
