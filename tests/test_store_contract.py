@@ -172,6 +172,33 @@ class TestStoreContract:
             assert out.best_tokens_per_s_per_device == 100.0
             assert out.simulated and out.device_seconds == 12.0  # simulate backend: labelled simulated
 
+    def test_stored_ranking_follows_each_result(self, sessions):
+        """Issue 15: the ranking is stored and kept in order as results land (api/store/_ranking.py):
+        every result moves the sweep's results version (the ETag), a re-measurement's pooled noise
+        moves every interval, and the stored rows are exactly the ranking recomputed from the trials."""
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            tags = [svc.ranking_tag(s, sweep_id=sw.id)]
+            plan = [("a", 100.0, "completed"), ("b", 90.0, "completed"), ("c", None, "oom"), ("a", 104.0, "completed"),
+                    ("b", 88.0, "completed")]
+            for n, (key, tps, status) in enumerate(plan):
+                store.insert_trial(s, sweep_id=sw.id, number=n, layout=LAYOUT, layout_key=key, world_size=4,
+                                   repeat=sum(k == key for k, _, _ in plan[:n]))
+                store.record_result(s, sweep_id=sw.id, number=n, attempt=0, result=_result(tps or 0.0, status))
+                store.refresh_sweep_cache(s, sweep_id=sw.id)
+                s.commit()
+                tags.append(svc.ranking_tag(s, sweep_id=sw.id))
+                for metric in svc.RANKING_METRICS:
+                    assert svc.ranking(s, sweep_id=sw.id, metric=metric).rows == svc.ranking_from_trials(
+                        s, sweep_id=sw.id, metric=metric).rows
+            assert len(set(tags)) == len(tags)  # a failure moves the version too
+            rows = svc.ranking(s, sweep_id=sw.id).rows
+            assert [(r.layout_key, r.n) for r in rows] == [("a", 2), ("b", 2)] and rows[0].low is not None
+            assert [r.layout_key for r in svc.ranking(s, sweep_id=sw.id, limit=1, offset=1).rows] == ["b"]
+            assert svc.ranking_tag(s, sweep_id=sw.id) == tags[-1]  # reading changes nothing
+            with pytest.raises(NotFoundError):
+                svc.ranking_tag(s, sweep_id=999_999)
+
     def test_metrics_counts(self, sessions):
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)
