@@ -47,6 +47,8 @@ from tuner import (
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# megatron-core warns about Transformer Engine features (CUDA graphs, fused attention) on CPU.
+pytestmark = pytest.mark.filterwarnings(r"ignore::UserWarning:megatron\.core\..*")
 
 def _hf(name):
     return model_from_hf_config(load_hf_config(EXAMPLES / "hf" / f"{name}.json"), name=name, seq_len=4096)
