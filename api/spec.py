@@ -107,7 +107,10 @@ class RequestModel(BaseModel):
 
 class SearchSettings(RequestModel):
     sampler: Literal["surrogate", "tpe", "nsga2", "gp", "random", "grid"] = Field(
-        "tpe", description="Optuna sampler; nsga2 maximises tokens/s and minimises peak memory."
+        "surrogate", description="How layouts are proposed: surrogate (default: the analytical model's parts "
+        "reweighted by the measurements plus a GP on what they leave, constrained expected improvement; "
+        "api/engine/_surrogate.py), Optuna's tpe, gp or nsga2 (maximises tokens/s and minimises peak memory), "
+        "random or grid."
     )
     max_trials: int = Field(
         20, ge=1, json_schema_extra={"maximum": MAX_TRIALS},

@@ -42,7 +42,7 @@ class TestStoreContract:
         with sessions() as s:
             a = svc.create_sweep(s, spec=SPEC, owner="alice")
             b = svc.create_sweep(s, spec=SPEC, owner="bob")
-            assert a.status == "queued" and a.spec["model"] == "tiny" and a.sampler == "tpe"
+            assert a.status == "queued" and a.spec["model"] == "tiny" and a.sampler == "surrogate"
             page = svc.list_sweeps(s, limit=1)
             assert page.total == 2 and [x.id for x in page.items] == [b.id]  # newest first
             assert svc.list_sweeps(s, owner="alice").total == 1
