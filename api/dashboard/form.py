@@ -22,7 +22,7 @@ FIELDS = (
 )
 DEFAULTS = {
     "name": "sweep", "model": "tiny", "cluster": "cpu-local", "nodes": "", "global_batch": "16",
-    "precision": "fp32", "sampler": "tpe", "max_trials": "20", "max_device_seconds": "", "patience": "",
+    "precision": "fp32", "sampler": "surrogate", "max_trials": "20", "max_device_seconds": "", "patience": "",
     "backend": "ray", "extra": "",
 }
 
