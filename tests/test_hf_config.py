@@ -115,6 +115,9 @@ def test_shape_features_are_read_from_each_architecture() -> None:
     mixed = model_from_hf_config(cfg, name="mixed")
     assert mixed.dense_layers == (0, 1, 2, 4) and mixed.moe_layers == 2
     assert mixed.params == hf_param_count(cfg)
+    from workers.model import Transformer
+
+    assert sum(p.numel() for p in Transformer(mixed).parameters()) == mixed.params
     # A multimodal Gemma 3 config: the text decoder is what is tuned.
     g3 = load_hf_config(HF / "gemma-3-1b.json")
     wrapped = {"model_type": "gemma3", "text_config": {k: v for k, v in g3.items() if k != "model_type"},
@@ -221,8 +224,11 @@ def test_the_built_in_model_refuses_what_it_cannot_split() -> None:
     assert {(layout.tp > 1, layout.ep > 1) for layout in enumerate_layouts(
         model=tiny, cluster=cluster, training=training).valid} >= {(True, False), (False, True)}
     mixed = model_spec({"hf_config": shrink(load_hf_config(HF / "qwen3-30b-a3b.json"), mlp_only_layers=[0])})
-    with pytest.raises(LayoutError, match=r"no dense layers in a MoE model \(dense_layers=\[0\]\)"):
-        check_supported(Layout(dp=4), mixed)
+    assert mixed.dense_layers == (0,)
+    check_supported(Layout(tp=2, ep=2), mixed)  # dense layers of a MoE model: built (and tested below)
+    geglu_moe = model_spec({"preset": "tiny-moe", "mlp": "geglu"})
+    with pytest.raises(LayoutError, match=r"^the built-in model's experts are SwiGLU, not mlp='geglu'"):
+        check_supported(Layout(dp=4), geglu_moe)
 
 
 def test_cli_plan_of_a_published_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,15 +279,17 @@ NUMERICS = {
     "qwen3-tp4-sp": ("qwen3-8b.json", Layout(tp=4, sp=True)),
     "qwen2moe-tp2-dp2": ("qwen1.5-moe-a2.7b.json", Layout(tp=2, dp=2)),
     "qwen2moe-dp2-ep2-zero1": ("qwen1.5-moe-a2.7b.json", Layout(dp=2, ep=2, zero=1)),
-    "qwen3moe-tp2-ep2-acsel": ("qwen3-30b-a3b.json", Layout(tp=2, ep=2, ac="selective")),
+    # decoder_sparse_step=2: layer 0 dense, layer 1 MoE (a MoE model's dense_layers).
+    "qwen3moe-tp2-ep2-acsel-dense0": ("qwen3-30b-a3b.json", Layout(tp=2, ep=2, ac="selective"),
+                                      {"decoder_sparse_step": 2}),
     "gemma2-tp2-dp2-sp-zero3": ("gemma-2-9b.json", Layout(tp=2, dp=2, sp=True, zero=3)),
 }
 
 
-def _numerics_request(config: str, layout: Layout):  # noqa: ANN202
+def _numerics_request(config: str, layout: Layout, extra: dict | None = None):  # noqa: ANN202
     from workers import TrialRequest
 
-    small = shrink(load_hf_config(HF / config), max_position_embeddings=32, num_hidden_layers=2)
+    small = shrink(load_hf_config(HF / config), max_position_embeddings=32, num_hidden_layers=2, **(extra or {}))
     return TrialRequest(
         model=model_spec({"hf_config": small, "name": config, "seq_len": 32}),
         cluster=cluster_spec({"preset": "cpu-local", "devices_per_node": layout.world_size}),

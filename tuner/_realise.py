@@ -189,11 +189,8 @@ def builtin_capabilities(model: ModelSpec) -> Capabilities:
 
 def builtin_refusal(layout: Layout, model: ModelSpec) -> str | None:
     """Why the built-in model cannot train ``model`` under ``layout`` (``builtin_capabilities``,
-    with the reason named), or None. Whole shapes it does not build: dense layers inside a MoE model
-    (``dense_layers``) and non-SwiGLU experts."""
-    if model.is_moe and model.dense_layers:
-        return (f"the built-in model has no dense layers in a MoE model (dense_layers="
-                f"{list(model.dense_layers)}): use the transformers workload")
+    with the reason named), or None. A whole shape it does not build: non-SwiGLU experts (no
+    supported Hugging Face architecture has them)."""
     if model.is_moe and model.mlp != "swiglu":
         return f"the built-in model's experts are SwiGLU, not mlp={model.mlp!r}: use the transformers workload"
     if layout.tp > 1 and layout.sp and model.shared_expert_ffn:

@@ -156,21 +156,23 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, index: int = 0) -> None:
         super().__init__()
+        # A MoE model's ``dense_layers`` (Qwen-MoE's mlp_only_layers) get a dense MLP of ``ffn``.
+        moe = spec.is_moe and index not in spec.dense_layers
         self.attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
         self.attention = Attention(spec)
         self.ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
-        self.feed_forward: nn.Module = MoE(spec) if spec.is_moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
+        self.feed_forward: nn.Module = MoE(spec) if moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
         # Gemma 2/3's sandwich norms: each sub-layer's output is normalised before the residual add.
         sandwich = spec.norms_per_layer == 4
         self.post_attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
         self.post_ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
         # Qwen2-MoE's shared expert: a dense MLP of every token beside the routed experts, outside
         # the MoE module so that data parallelism treats it as dense (workers/_data_parallel.py).
-        shared = spec.is_moe and spec.shared_expert_ffn > 0
+        shared = moe and spec.shared_expert_ffn > 0
         self.shared_expert = FeedForward(spec.hidden, spec.shared_expert_ffn, spec.mlp) if shared else None
-        self.shared_expert_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_expert_gate else None
+        self.shared_expert_gate = nn.Linear(spec.hidden, 1, bias=False) if shared and spec.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.attention(self.attention_norm(x), cos, sin)
@@ -190,7 +192,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=1e-5)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:

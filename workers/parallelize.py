@@ -63,7 +63,7 @@ from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
 from tuner._realise import Realisation, check_supported
 from workers._data_parallel import ExpertGradScale, apply_fsdp
 from workers._ep import SumGradOverGroup, apply_expert_parallel, apply_expert_tensor_parallel
-from workers.model import Transformer
+from workers.model import MoE, Transformer
 
 # --- 1. mesh -------------------------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     apply_root_tp(model, tp_mesh, sp=sp)
     kv_heads, tp = model.spec.kv_heads, tp_mesh.size()
     for block in model.layers.values():
-        moe = model.spec.is_moe
+        moe = isinstance(block.feed_forward, MoE)  # a MoE model's dense_layers are dense blocks
         parallelize_module(block, tp_mesh, block_tp_plan(sp, not moe and block.feed_forward.w3 is not None,
                                                           shard_kv=kv_heads % tp == 0, moe=moe,
                                                           qk_norm=block.attention.q_norm is not None,
