@@ -12,7 +12,8 @@ The coordinator is a real ``meshtune serve`` subprocess as the README runs it (i
 uvicorn process, uvloop/httptools when installed), with ``--no-engine`` so that it does not start
 the seeded sweep. The load is ``--clients`` asyncio tasks, each on its own keep-alive connection
 (a minimal HTTP/1.1 client, so that the load generator's own CPU stays small beside the server's),
-issuing ``--requests`` requests in all after a warm-up. Per request kind:
+issuing ``--requests`` requests per kind, the kinds taking turns in ``--rounds`` rounds (each round
+after a short warm-up), so that the shared machine's changing load falls on all kinds alike. Kinds:
 
     /healthz                     the framework's floor on the same server
     ranking                      the whole ranking (all layouts, ~2.6 MB of JSON)
@@ -241,7 +242,8 @@ def measure(url: str, label: str, args: argparse.Namespace, home: Path) -> dict[
         etag = httpx.get(f"{base}{ranking}?limit=20").headers["etag"]
         kinds = [("healthz", "/healthz", None, 200), ("full", ranking, None, 200), ("top20", f"{ranking}?limit=20", None, 200),
                  ("etag", f"{ranking}?limit=20", {"If-None-Match": etag}, 304), ("page", f"/sweeps/{sid}", None, 200)]
-        for kind, path, headers, expect in kinds:
+        firsts: dict[str, tuple[float, list[float], bytes]] = {}
+        for kind, path, headers, _ in kinds:
             async def single_client(path=path, headers=headers) -> tuple[float, list[float], bytes]:
                 conn = Connection(port)
                 await conn.open()
@@ -258,13 +260,25 @@ def measure(url: str, label: str, args: argparse.Namespace, home: Path) -> dict[
                 finally:
                     conn.close()
 
-            first, single, body = asyncio.run(single_client())
-            cpu0 = cpu_seconds(proc.pid)
-            n = min(args.requests, 200) if kind == "page" else args.requests  # ~1 MB of HTML each
-            lat, wall = asyncio.run(load(port, path, clients=args.clients, requests=n,
-                                         warmup=args.clients, headers=headers, expect=expect))
-            out[kind] = stats(lat, wall, single, cpu_seconds(proc.pid) - cpu0) | {"first": first, "bytes": len(body)}
-            print(f"  {label} {kind}: {len(body) / 1e6:.3f} MB; first request {first * 1e3:.1f} ms", flush=True)
+            firsts[kind] = asyncio.run(single_client())
+            print(f"  {label} {kind}: {len(firsts[kind][2]) / 1e6:.3f} MB; first request {firsts[kind][0] * 1e3:.1f} ms",
+                  flush=True)
+        # The kinds take turns in --rounds rounds, so that a change in the shared machine's load
+        # during the run falls on all of them alike (their ratios to /healthz are then comparable).
+        lat_of: dict[str, list[float]] = {k: [] for k, *_ in kinds}
+        wall_of, cpu_of = dict.fromkeys(lat_of, 0.0), dict.fromkeys(lat_of, 0.0)
+        for _ in range(args.rounds):
+            for kind, path, headers, expect in kinds:
+                n = (min(args.requests, 200) if kind == "page" else args.requests) // args.rounds  # page: ~1 MB
+                cpu0 = cpu_seconds(proc.pid)
+                lat, wall = asyncio.run(load(port, path, clients=args.clients, requests=n,
+                                             warmup=args.clients // 5, headers=headers, expect=expect))
+                cpu_of[kind] += cpu_seconds(proc.pid) - cpu0
+                lat_of[kind] += lat
+                wall_of[kind] += wall
+        for kind, *_ in kinds:
+            first, single, body = firsts[kind]
+            out[kind] = stats(lat_of[kind], wall_of[kind], single, cpu_of[kind]) | {"first": first, "bytes": len(body)}
     except AssertionError:
         print((home / "serve.log").read_text()[-3000:], file=sys.stderr)
         raise
@@ -286,6 +300,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--requests", type=int, default=1000, help="measured requests per kind (after a warm-up)")
     parser.add_argument("--pg", default=os.environ.get("MESHTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"))
+    parser.add_argument("--rounds", type=int, default=5, help="the request kinds take turns this many times")
     parser.add_argument("--sqlite-only", action="store_true", help="skip PostgreSQL")
     args = parser.parse_args()
 
