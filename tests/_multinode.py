@@ -12,6 +12,7 @@ and gets plain dicts back.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -131,11 +132,29 @@ class Driver:
             time.sleep(0.2)
         return {"raised": f"trial {tag} did not step within {timeout_s:g} s"}
 
+    def add_node(self, index: int) -> dict[str, Any]:
+        node = self.cluster.add_node(num_cpus=DEVICES_PER_NODE, resources={f"meshtune_node_{index}": 1},
+                                     object_store_memory=NODE_STORE_BYTES)
+        self.cluster.wait_for_nodes()
+        return {"node_id": node.node_id}
+
     def kill_node(self, node_id: str) -> dict[str, Any]:
         """SIGKILL every process of the worker node (raylet, object store, its rank processes)."""
+        import psutil
+        from ray._private import ray_constants
+
         (node,) = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+        (raylet,) = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+        # Its worker processes (the rank actors) are the raylet's children; Cluster.remove_node stops
+        # only the node's own daemons and leaves them to notice, so they go at the same moment here,
+        # as on a machine that dies.
+        workers = psutil.Process(raylet.process.pid).children(recursive=True)
         killed_at = time.monotonic()
         self.cluster.remove_node(node, allow_graceful=False)
+        for proc in workers:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(workers, timeout=30)
         return {"killed_at": killed_at}
 
     def resources(self) -> dict[str, Any]:
@@ -156,7 +175,7 @@ class Driver:
         for g in self._pool():
             if g.key == ("CPU", tuple(groups)) and g.pgs:
                 row = table[g.pgs[0].id.hex()]
-                out.append({k: row[k] for k in ("strategy", "bundles", "bundles_to_node_id", "state")})
+                out.append({k: row[k] for k in ("placement_group_id", "strategy", "bundles", "bundles_to_node_id", "state")})
         return {"groups": out}
 
     def gang_group(self, tag: str) -> dict[str, Any]:

@@ -202,6 +202,23 @@ def test_a_lost_node_fails_only_the_trial_on_it_frees_its_devices_and_the_next_t
     assert set(after["rank_nodes"]) == {kept_node, survivor["rank_nodes"][0]}  # never the lost node
 
 
+def test_a_gang_idle_on_a_lost_node_is_replaced_not_refilled(cluster: Cluster) -> None:
+    """The last trial's gang idles on the two nodes left; one of them dies and a new one joins. The next
+    trial of that shape must not respawn ranks into the lost node's bundle (Ray re-places it only
+    when there is room): the gang is destroyed and the trial gets a fresh one on the live nodes."""
+    (idle,) = cluster.call("groups_of", groups=[2, 2])["groups"]
+    first, second = (idle["bundles_to_node_id"][k] for k in sorted(idle["bundles_to_node_id"], key=int))
+    joined = cluster.call("add_node", index=NODES)["node_id"]
+    cluster.call("kill_node", node_id=second)
+    again = _run(cluster, "again", _request(Layout(tp=2, pp=2, schedule="gpipe"), 2))["result"]
+    assert again["status"] == "completed", again["error"]
+    assert set(again["rank_nodes"]) == {first, joined}
+    # A new group: the idle one was removed, not re-placed (that would keep its id).
+    assert cluster.call("resources")["groups"][idle["placement_group_id"]] == "REMOVED"
+    (now,) = cluster.call("groups_of", groups=[2, 2])["groups"]
+    assert now["placement_group_id"] != idle["placement_group_id"]
+
+
 def test_the_rank_to_node_map_is_stored_and_shown(tmp_path: Path) -> None:
     """A result's rank -> node map lands in trials.rank_nodes, the trial JSON of the API and the
     trial page (one row per node with its ranks). A store round trip: no cluster needed."""

@@ -326,10 +326,20 @@ def destroy(gang: Gang) -> None:
     gang.pgs = []
 
 
+class NodeLost(BackendUnavailable):
+    """Rank processes of an idle gang died with their node: destroy the gang (``GangPool.discard``)
+    and take another, rather than respawn into a bundle Ray is re-placing (which may find no room
+    while idle gangs hold the surviving nodes)."""
+
+
 def ensure_actors(gang: Gang, *, timeout_s: float) -> None:
     """Replace the gang's dead rank processes (``drop_dead``), start its missing ones and wait until
-    each has imported torch."""
-    drop_dead(gang)
+    each has imported torch. Raises ``NodeLost`` when the dead ones went with their node."""
+    nodes = [s.info["node_id"] if s.info else None for s in gang.ranks]
+    dead = drop_dead(gang)
+    gone = lost_nodes([nodes[r] for r in dead if nodes[r]]) if dead else set()
+    if gone:
+        raise NodeLost(f"node {sorted(gone)[0][:12]} of an idle gang died")
     gpu = gang.key[0] == "GPU"
     new: list[Slot] = []
     (pg,) = gang.pgs

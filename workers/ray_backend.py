@@ -65,7 +65,17 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 import tuner
 from tuner import BackendError, SpecError, check_layout
 from workers._contract import BackendUnavailable, TrialError, TrialRequest, TrialResult
-from workers._gangs import POOL, Slot, alive_nodes, drop, ensure_actors, kill_actors, lost_nodes, strategy_for
+from workers._gangs import (
+    POOL,
+    NodeLost,
+    Slot,
+    alive_nodes,
+    drop,
+    ensure_actors,
+    kill_actors,
+    lost_nodes,
+    strategy_for,
+)
 from workers._ray_start import check_reachable, start_ray
 from workers.aggregate import aggregate
 from workers.failures import died_error, timeout_error
@@ -228,7 +238,13 @@ class RayBackend:
             gang.trial_id = request.trial_id
             if request.trial_id in self._cancelled:  # cancelled while it waited for its gang
                 raise BackendUnavailable(f"trial {request.trial_id} was cancelled before it started")
-            ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
+            try:
+                ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
+            except NodeLost:  # it idled on a node that died since: a fresh gang on the nodes that remain
+                POOL.discard(gang)
+                gang = POOL.acquire((resource, groups), timeout_s=self.placement_timeout_s, strategy=strategy)
+                gang.trial_id = request.trial_id
+                ensure_actors(gang, timeout_s=self.actor_start_timeout_s)
             ranks = gang.ranks  # node-major: rank r is the r-th slot, as in the tuner's Placement
             hosts = sorted({s.info["host"] for s in ranks})
             rank_nodes = [s.info["node_id"] for s in ranks]
