@@ -333,3 +333,15 @@ def test_built_in_model_trains_the_new_shapes_like_one_process() -> None:
             assert not isinstance(got, str), f"{name} failed on rank {rank}:\n{got}"
             assert got[0] == pytest.approx(ref_losses, rel=NUMERICS_RTOL), f"{name} losses, rank {rank}"
             assert got[1] == pytest.approx(ref_norms, rel=NUMERICS_RTOL), f"{name} gradient norms, rank {rank}"
+
+
+def test_cli_sweep_model_override_from_a_config(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sweep", str(EXAMPLES / "tiny-cpu.yaml"), "--model", f"hf:{HF / 'llama3-tiny.json'}",
+            "--backend", "simulate", "--max-trials", "2", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{"):])
+    assert data["sweep"]["spec"]["model"]["name"] == "llama3-tiny"
+    assert data["sweep"]["spec"]["model"]["hf_config"]["model_type"] == "llama"  # stored inline, no file
+    assert main(["sweep", str(EXAMPLES / "tiny-cpu.yaml"), "--model", "hf:/nonexistent/config.json"]) == 2
+    assert "--model='/nonexistent/config.json': no such file or directory" in capsys.readouterr().err
