@@ -123,6 +123,14 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
         cluster = cluster_spec(cluster_data)
         training = training_spec(training_data, seq_len=model.seq_len)
         space = SearchSpace.from_mapping(data.get("space"))
+        workload = data.get("workload", "builtin")
+        if not isinstance(workload, str):
+            raise SpecError(f"workload must be 'builtin', 'hf' or 'module:attr', got {workload!r}")
+        if workload != "builtin":  # plan only what the spec's workload realises (valid means runnable)
+            from tuner._space import within_capabilities
+            from workers.workload import check_workload
+
+            space = within_capabilities(space, check_workload(workload, model, training))
     except SpecError as exc:
         raise type(exc)(f"{prefix}{exc}") from None
     return model, cluster, training, space
