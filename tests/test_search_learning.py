@@ -63,6 +63,22 @@ def test_time_fit_is_judged_held_out_and_refused_when_it_ranks_worse():
     assert not few["accepted"] and "too few" in few["reason"]
 
 
+def test_fitted_weights_stay_physical_where_the_data_are_mute():
+    """The linear fit once drove compute to 5e-16 and comm to 149 on a CPU run: a part with a small,
+    collinear share slid wherever the noise took it (here x7 to x20). The log-space fit keeps every
+    scale positive, bounded and near its prior unless the data insist, and still fits the level."""
+    prior = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        size = rng.uniform(0.5, 2.0, 8)
+        parts = np.column_stack([0.05 * size * rng.uniform(0.9, 1.1, 8), size, np.zeros(8), np.zeros(8), np.ones(8)])
+        measured = (0.3 * parts[:, 0] + 3.0 * parts[:, 1] + 0.5) * rng.lognormal(0, 0.05, 8)
+        w = cal.fit_weights(parts, measured, prior, [0, 4, 1])
+        assert 1 / 3 < w[0] < 3  # a 5% share the noise cannot pin down stays near its prior
+        assert 2.0 < w[1] < 4.5 and w[4] >= 0  # the dominant part is fitted (truth 3.0)
+        assert np.sqrt(np.mean(np.log(parts @ w / measured) ** 2)) < 0.1
+
+
 def test_an_oom_teaches_the_memory_model_for_the_rest_of_the_sweep():
     problem = Problem.from_spec(SweepSpec.model_validate(TINY))
     problem.arrays()
@@ -101,6 +117,8 @@ def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     assert first.fingerprint and first.fingerprint == second.fingerprint
     assert first.calibration.get("learned_from", []) == []
     assert second.calibration["learned_from"] == [ids[0]]
+    # the surrogate's per-program weights are stored for the sweeps after it
+    assert set(first.calibration["programs"]["weights"]) == set(cal.PROGRAM_PARTS[:-1])
     from api.cli.sweep import calibration_lines
 
     lines = calibration_lines(second.calibration)
