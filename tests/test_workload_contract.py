@@ -176,3 +176,14 @@ def test_run_trial_checks_the_workload_and_its_capabilities_before_launching(hom
     assert capsys.readouterr().err.strip() == "meshtune run-trial: error: workload 'hf' does not support tp (tp=2)"
     assert main(["run-trial", "--workload", "nosuch_mod:W", "--layout", "dp=4", "--backend", "simulate"]) == 2
     assert "workload='nosuch_mod:W': cannot import module 'nosuch_mod'" in capsys.readouterr().err
+
+
+def test_plan_of_a_spec_enumerates_only_what_its_workload_realises(home, capsys, example):
+    def cps(data: dict) -> set[int]:
+        path = home / "plan.yaml"
+        path.write_text(yaml.safe_dump({k: data[k] for k in ("model", "cluster", "training", "workload") if k in data}))
+        assert main(["plan", str(path), "--json"]) == 0
+        return {e["layout"]["cp"] for e in json.loads(capsys.readouterr().out)["entries"]}
+
+    assert cps({k: v for k, v in example.items() if k != "workload"}) > {1}  # the built-in model would run cp
+    assert cps(example) == {1}  # the README example declares cp=False
