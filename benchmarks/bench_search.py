@@ -103,7 +103,7 @@ def run_truth(name: str, truth, args, table: list[str]) -> None:
     methods = {**METHODS, **(GP if args.gp else {})}
     res = {m: ([], []) for m in methods}
     secs = {m: 0.0 for m in methods}
-    for seed in range(args.seeds):
+    for seed in range(args.seed_start, args.seed_start + args.seeds):
         for method, search in methods.items():
             # a fresh store per sweep: every sweep here is cold (nothing learned from the others)
             with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +133,7 @@ def run_transfer(args) -> None:
     _, truth_tps = truth_table(truth, problem)
     target = 0.98 * max(truth_tps.values())
     cold, warm = [], []
-    for seed in range(args.seeds):
+    for seed in range(args.seed_start, args.seed_start + args.seeds):
         for out, learn in ((cold, False), (warm, True)):
             with tempfile.TemporaryDirectory() as tmp:
                 url = f"sqlite:///{Path(tmp) / 'bench.db'}"
@@ -158,6 +158,7 @@ def run_transfer(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--seed-start", type=int, default=0, help="first seed (to split the seeds over processes)")
     ap.add_argument("--max-trials", type=int, default=40)
     ap.add_argument("--truth", choices=[*PROBLEMS, "all", "none"], default="all")
     ap.add_argument("--no-transfer", action="store_true")
