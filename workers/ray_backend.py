@@ -22,7 +22,7 @@ Failures
   - A node lost mid-trial (its raylet gone: the machine, the network) is that trial's ``crash``
     naming the node; the trials of other nodes go on, and the gang is destroyed with its placement
     group (``GangPool.discard``), so its devices are free and the next trial is placed on the nodes
-    that remain.
+    that remain; a gang that idled on a node that died since is replaced the same way (``NodeLost``).
   - A rank's exception comes back as a classified ``TrialError`` (workers/failures.py); when
     several ranks fail, a rank's own failure wins over its peers' errors inside collectives.
   - Watchdog: the driver polls each rank's ``Progress`` (beaten after every optimizer step) through
