@@ -381,3 +381,20 @@ def layout_from_mapping(data: dict[str, Any]) -> Layout:
     if unknown:
         raise SpecError(f"layout.{unknown[0]} is not a known field (known: {', '.join(sorted(known))})")
     return Layout(**data)
+
+
+class PlanRequest(RequestModel):
+    """``POST /api/plan``: the analytical plan of a model given as a mapping, e.g. a Hugging Face
+    config object (``{"hf_config": {...}, "seq_len": 4096}``), which a query string cannot carry."""
+
+    model: str | dict[str, Any] = Field(description="Model preset name, mapping (optional 'preset' + overrides), "
+                                        "or {'hf_config': {...config.json object...}, 'seq_len'?, 'name'?} "
+                                        "(a path is refused: the server reads no files).")
+    cluster: str | dict[str, Any] = Field(description="Cluster preset name, or a mapping (optional 'preset' + overrides).")
+    training: dict[str, Any] = Field(
+        description="global_batch (sequences) or global_batch_tokens; critical_batch(_tokens), precision, ...")
+    top: int = Field(10, ge=1, le=200, description="How many of the fastest layouts to return.")
+
+    def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+        model = model_spec(self.model, allow_path=False)
+        return model, cluster_spec(self.cluster), training_spec(self.training, seq_len=model.seq_len)

@@ -345,3 +345,14 @@ def test_cli_sweep_model_override_from_a_config(capsys: pytest.CaptureFixture[st
     assert data["sweep"]["spec"]["model"]["hf_config"]["model_type"] == "llama"  # stored inline, no file
     assert main(["sweep", str(EXAMPLES / "tiny-cpu.yaml"), "--model", "hf:/nonexistent/config.json"]) == 2
     assert "--model='/nonexistent/config.json': no such file or directory" in capsys.readouterr().err
+
+
+def test_api_plan_of_a_config_object(api: TestClient) -> None:
+    body = {"model": {"hf_config": load_hf_config(HF / "qwen3-30b-a3b.json"), "seq_len": 4096},
+            "cluster": {"preset": "h100-sxm", "nodes": 4}, "training": {"global_batch_tokens": 2**22}, "top": 3}
+    r = api.post("/api/plan", json=body, headers=ALICE)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["model"]["experts"] == 128 and data["model"]["head_dim"] == 128 and len(data["entries"]) == 3
+    r = api.post("/api/plan", json={**body, "model": {"hf_config": "examples/hf/qwen3-30b-a3b.json"}}, headers=ALICE)
+    assert r.status_code == 422 and "a path is not accepted here" in r.text

@@ -24,6 +24,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from api.deps import ReaderDep
 from api.schemas import ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
+from api.spec import PlanRequest
 from tuner import (
     ClusterSpec,
     ModelSpec,
@@ -143,6 +144,27 @@ def get_plan(
         answer = _plan(m, c, t)
     result, seconds = answer
     return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+
+
+@router.post(
+    "/api/plan",
+    response_model=PlanOut,
+    summary="Analytical plan of a model given as a mapping (e.g. a Hugging Face config object)",
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
+        "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}},
+)
+def post_plan(request: Request, caller: ReaderDep, body: PlanRequest) -> PlanOut:
+    """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
+    sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
+    m, c, t = body.to_problem()
+    _check_devices(c)
+    answer = _cached((m, c, t))
+    if answer is None:
+        _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
+                                                     remedy="plan it with `meshtune plan`, which has no such limit"))
+        answer = _plan(m, c, t)
+    result, seconds = answer
+    return PlanOut(**result.to_dict(top=body.top), seconds=round(seconds, 4))
 
 
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
