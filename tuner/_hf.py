@@ -233,8 +233,8 @@ def model_from_hf_source(source: Any, *, name: str | None = None, seq_len: int |
             raise SpecError(f"{field} must be a path to a config.json, got ''")
         config = load_hf_config(source, field=field)
         return model_from_hf_config(config, name=name or hf_model_name(source, config), seq_len=seq_len, field=field)
-    raise SpecError(f"{field} must be a path to a config.json{' or' if allow_path else ''} a config object, "
-                    f"got {type(source).__name__}")
+    what = "a path to a config.json or a config object" if allow_path else "a config object (config.json's content)"
+    raise SpecError(f"{field} must be {what}, got {type(source).__name__}")
 
 
 def inline_hf_config(model: Any, *, base_dir: str | os.PathLike[str] | None = None,

@@ -430,7 +430,9 @@ def model_spec(value: Any, *, allow_path: bool = True) -> ModelSpec:
     ``hf_config`` only ``name`` and ``seq_len`` may be given: the shape is the config's, so that the
     workload rebuilding the model from it trains what was planned. ``allow_path=False`` (the API)
     refuses a path: the server reads no file it is named."""
-    if isinstance(value, Mapping) and value.get("hf_config"):
+    # Any hf_config but "" (ModelSpec.to_dict's "not from a config") is one: an empty or wrong-typed
+    # one is then named as such, not reported as missing shape fields.
+    if isinstance(value, Mapping) and value.get("hf_config", "") != "":
         return _hf_model_spec(value, allow_path=allow_path)
     return _build(ModelSpec, "model", value, MODEL_PRESETS)
 
