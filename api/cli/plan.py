@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _count(n: float) -> str:
+    n = float(f"{n:.3g}")  # round first: 999.9M is "1B", not "1e+03M"
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.3g}{unit}"
