@@ -210,11 +210,24 @@ class SweepRunner:
         positions = store.queue_positions(s)
         queued = sorted((i for i in positions if i not in skip), key=positions.__getitem__)
         for sweep_id in [sw.id for sw in running] + queued:
+            if sweep_id in positions and not self._served_first(store.get_sweep(s, sweep_id=sweep_id)):
+                break  # the rest of the queue is behind it too: it stays queued (with its position)
             claimed = store.claim_sweep(s, runner_id=self.runner_id, stale_after_s=self.stale_after_s,
                                         sweep_id=sweep_id)
             if claimed is not None:
                 return claimed
         return None
+
+    def _served_first(self, sweep: store.Sweep) -> bool:
+        """Whether a queued sweep would get devices before every sweep already waiting in this runner
+        (fair share, priority, age): only then is it claimed, so a sweep that would only wait stays
+        queued and shows its place in the queue, and one that should go first is not kept out."""
+        with self._lock:
+            ledgers = list(self._ledgers.values())
+        held = sum(ledger.held_by(sweep.owner) for ledger in ledgers)
+        key = store.queue_key(owner_devices=held, priority=sweep.priority, created_at=sweep.created_at,
+                              sweep_id=sweep.id)
+        return all(head is None or key < head for head in (ledger.head_key() for ledger in ledgers))
 
     def run_sweep(
         self,

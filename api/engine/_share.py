@@ -87,6 +87,16 @@ class DeviceLedger:
         with self._cond:
             return [c.sweep_id for c, _ in self._order()]
 
+    def head_key(self) -> tuple | None:
+        """``store.queue_key`` of the waiter served next, or None when nobody (allowed) waits."""
+        with self._cond:
+            order = self._order()
+            if not order:
+                return None
+            c = order[0][0]
+            return store.queue_key(owner_devices=self._held(c.owner), priority=c.priority,
+                                   created_at=c.created_at, sweep_id=c.sweep_id)
+
     # --- requests ------------------------------------------------------------------------------
 
     def _held(self, owner: str | None) -> int:
