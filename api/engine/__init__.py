@@ -35,7 +35,8 @@ error never fails or interrupts a sweep that another runner owns. A database err
 ``run_pending`` survives any error (logged, retried with back-off).
 
 Several sweeps at once (issue 15): ``run_pending`` runs up to ``max_concurrent_sweeps`` claimed
-sweeps, one ``SweepLoop`` thread each; every trial takes its devices from the runner's
+sweeps, one ``SweepLoop`` thread each (a queued sweep is claimed only when it would be served
+before every sweep already waiting for devices, so the others stay queued with their position); every trial takes its devices from the runner's
 ``DeviceLedger`` for its backend (fair share between owners, then priority, then age; per-owner
 limits wait at launch) before its row is written and gives them back after its result is recorded,
 so the stored [started_at, finished_at) intervals never hold more devices than the cluster has
