@@ -57,11 +57,12 @@ LAYOUTS = {
     "tp4-sp-ac-full": (LLAMA, Layout(tp=4, sp=True, ac="full")),  # tp > kv_heads: k/v kept whole
     "pp2-dp2-1f1b-zero3": (LLAMA, Layout(pp=2, dp=2, schedule="1f1b", zero=3)),
     "tp2-pp2-gpipe": (LLAMA, Layout(tp=2, pp=2, schedule="gpipe")),
+    "pp2v2-dp2-interleaved-zero1": (LLAMA, Layout(pp=2, vpp=2, dp=2, schedule="interleaved", zero=1)),  # 2 chunks/rank
     # tied embeddings (a pipeline would untie them: not comparable there), q/k norms, wide heads
     "qwen3-tp2-dp2-zero2": (QWEN3, Layout(tp=2, dp=2, zero=2)),
     "qwen3moe-pp2-dp2-zero3-ac-full": (QWEN3_MOE, Layout(pp=2, dp=2, zero=3, ac="full")),
 }
-README_LAYOUTS = ("tp2-dp2-sp", "pp2-dp2-1f1b-zero3")  # the first two of its spec's search.layouts
+README_LAYOUTS = ("tp2-dp2-sp",)  # the first of its spec's search.layouts
 
 
 def make_request(cfg: dict, layout: Layout) -> TrialRequest:
