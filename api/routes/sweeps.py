@@ -109,7 +109,8 @@ def get_trial(sweep_id: SweepId, trial_id: TrialId, session: SessionDep, _: Read
     "/{sweep_id}/ranking",
     response_model=RankingOut,
     summary="Ranked layouts (JSON or CSV)",
-    responses={**READ_ONE, 200: {"content": {CSV: {}}, "description": "JSON, or CSV with ?format=csv or Accept: text/csv."}},
+    responses={**READ_ONE, 200: {"content": {CSV: {}}, "description": "JSON, or CSV with ?format=csv or Accept: text/csv."},
+               304: {"description": "Unchanged since the ETag given in If-None-Match (no result landed since)."}},
 )
 def ranking(
     request: Request,
