@@ -24,7 +24,10 @@ SPEC = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16
         "search": {"max_trials": 2}}
 # Who tries each action on a thing alice owns: the role check's four cases.
 CALLERS = ("root", "alice", "bob", "viewer")
-EXEMPT = {("POST", "/login"): "signs in: sets the token cookie, stores nothing"}
+EXEMPT = {  # mutating methods that write nothing (each still checked below)
+    ("POST", "/login"): "signs in: sets the token cookie, stores nothing",
+    ("POST", "/api/plan"): "a read by POST (a body a query string cannot carry): plans, stores nothing",
+}
 
 
 def _auth(name: str) -> dict[str, str]:
@@ -159,6 +162,10 @@ def test_reads_stay_open_to_every_role(client: TestClient) -> None:
     for who in CALLERS:
         assert client.get(f"/api/sweeps/{sid}", headers=_auth(who)).status_code == 200
     assert client.get(f"/api/sweeps/{sid}").status_code == 200  # reads do not require auth here
+    for who in CALLERS:  # the exempt POST read is open to read-only tokens too
+        r = client.post("/api/plan", json={"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
+                                           "top": 1}, headers=_auth(who))
+        assert r.status_code == 200, (who, r.text)
 
 
 def test_roles_from_settings_and_defaults() -> None:
