@@ -297,7 +297,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else PIPED_WIDTH)
     verb = "resuming" if args.resume is not None else "sweep"
     console.print(f"{verb} {sweep.id} '{spec.name}': {_problem_label(spec)}, sampler={spec.sampler_label}, "
-                  f"backend={spec.backend}, up to {_planned_trials(spec)} trials")
+                  f"backend={spec.backend}, up to {_planned_trials(spec)} trials{_trials_why(spec)}")
     stop = threading.Event()
     previous = _stop_on_ctrl_c(stop, console)
     try:
@@ -348,6 +348,15 @@ def _planned_trials(spec: Any) -> int:
     if search.layouts is not None:
         return len(search.layouts) * search.repeats
     return search.max_trials + max(0, search.remeasure_top_k * (search.repeats - 1))
+
+
+def _trials_why(spec: Any) -> str:
+    """What the planned count is made of: a spec that says max_trials: 4 and reads "up to 10" is a puzzle."""
+    search = spec.search
+    if search.layouts is not None:
+        return f" ({len(search.layouts)} layouts x {search.repeats} repeats)" if search.repeats > 1 else ""
+    extra = max(0, search.remeasure_top_k * (search.repeats - 1))
+    return f" ({search.max_trials} searched + {extra} re-measurements of the top {search.remeasure_top_k})" if extra else ""
 
 
 def list_cmd(args: argparse.Namespace) -> int:
