@@ -366,6 +366,9 @@ def _layout_error(where: str, message: str, given: set[str]) -> str:
     """``where.<field>: message``, naming the field the message starts with, else the first layout
     field it mentions (one the user gave, if any)."""
     message = message.removeprefix("layout.")
+    if message.startswith("tp*cp*ep*dp*pp="):  # the product: the one degree given, else the layout
+        degrees = sorted(given & {"tp", "cp", "ep", "dp", "pp"})
+        return f"{where}.{degrees[0]}: {message}" if len(degrees) == 1 else f"{where}: {message}"
     first = re.match(r"\w+", message)
     if first and (first.group(0) in given or _LAYOUT_FIELD.fullmatch(first.group(0))):
         return f"{where}.{first.group(0)}: {message}"
