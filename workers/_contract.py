@@ -106,6 +106,9 @@ class TrialError:
     exception_type: str | None = None
     traceback_tail: str | None = None
     bytes_requested: int | None = None  # for oom, when torch says how much it asked for
+    # The cluster failed, not the layout: "node_lost" (a node died under the trial) or "cluster_shrank"
+    # (refused: it no longer fits the nodes that remain). Never counted against the layout.
+    infra: str | None = None
 
 
 @dataclass
