@@ -78,11 +78,14 @@ def fresh_pg_url(pg_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[None]:
-    """One local Ray for the whole session (logical CPUs may exceed the 2 real cores)."""
+    """One local Ray for the whole session (logical CPUs may exceed the 2 real cores). Always a new
+    one (``address="local"``): a plain ``ray.init()`` joins the latest Ray cluster it finds on the
+    machine (another test run's, a multi-node test's head), whose nodes and devices are not these."""
     import ray
 
     if not ray.is_initialized():
         ray.init(
+            address="local",
             num_cpus=4,
             object_store_memory=200 * 2**20,
             include_dashboard=False,
