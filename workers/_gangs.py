@@ -129,12 +129,23 @@ class Gang:
         return [s for group in self.slots for s in group]
 
 
+# Nodes ``lost_nodes`` found gone (node id -> when): Ray's GCS keeps them "Alive" for tens of seconds
+# after they die, and the devices left must not count them meanwhile. Forgotten after LOST_MEMORY_S,
+# by when the GCS has long declared them dead (or, a false alarm, they answer again).
+LOST_MEMORY_S = 300.0
+_LOST: dict[str, float] = {}
+
+
 def alive_nodes(resource: str) -> dict[str, float]:
-    """Ray node id -> how much of ``resource`` it has, for every alive node that has some."""
+    """Ray node id -> how much of ``resource`` it has, for every alive node that has some (a node
+    seen lost is not alive, whatever the GCS still says)."""
+    now = time.monotonic()
+    for node_id in [k for k, at in _LOST.items() if now - at > LOST_MEMORY_S]:
+        _LOST.pop(node_id, None)
     out = {}
     for n in ray.nodes():
         amount = n.get("Resources", {}).get(resource, 0)
-        if n.get("Alive") and amount > 0:
+        if n.get("Alive") and amount > 0 and n["NodeID"] not in _LOST:
             out[n["NodeID"]] = amount
     return out
 
@@ -158,6 +169,7 @@ def lost_nodes(node_ids: list[str], *, connect_timeout_s: float = 2.0) -> set[st
                 pass
         except OSError:
             out.add(node_id)
+    _LOST.update(dict.fromkeys(out, time.monotonic()))
     return out
 
 

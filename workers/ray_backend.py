@@ -20,8 +20,10 @@ Failures
   - Placement is realised, not assumed: ``TrialResult.rank_nodes`` is the Ray node id each rank's
     process reported for itself (``RankWorker.info``), rank order.
   - A node lost mid-trial (its raylet gone: the machine, the network) is that trial's ``crash``
-    naming the node; the trials of other nodes go on, and the gang is destroyed with its placement
-    group (``GangPool.discard``), so its devices are free and the next trial is placed on the nodes
+    naming the node, marked ``TrialError.infra = "node_lost"`` (the cluster's fault, not the
+    layout's: the engine does not count it against the layout); the trials of other nodes go on,
+    and the gang is destroyed with its placement group (``GangPool.discard``), so its devices are
+    free, ``capacity()`` stops counting the node at once, and the next trial is placed on the nodes
     that remain; a gang that idled on a node that died since is replaced the same way (``NodeLost``).
   - A rank's exception comes back as a classified ``TrialError`` (workers/failures.py); when
     several ranks fail, a rank's own failure wins over its peers' errors inside collectives.
@@ -129,9 +131,10 @@ class RayBackend:
             self._started_ray = True
 
     def capacity(self) -> int:
+        """Devices of the live cluster (GPUs, else CPUs) on its alive nodes: a node seen lost stops
+        counting at once, not when the GCS declares it dead. A GCS read, cheap enough before each claim."""
         self._ensure_ray()
-        res = ray.cluster_resources()
-        return int(res.get("GPU", 0)) or int(res.get("CPU", 0))
+        return int(sum(alive_nodes("GPU").values())) or int(sum(alive_nodes("CPU").values()))
 
     def close(self) -> None:
         """Free the pool's idle gangs (shared with other backends of this process; busy ones stay);
@@ -178,13 +181,13 @@ class RayBackend:
         groups = self._node_groups(request)
         resource = "GPU" if cluster.device_kind == "cuda" else "CPU"
         self._ensure_ray(min_cpus=layout.world_size if resource == "CPU" else 0)
-        total = ray.cluster_resources().get(resource, 0)
+        nodes = alive_nodes(resource)  # the live cluster: a node seen lost no longer counts
+        total = sum(nodes.values())
         if total < layout.world_size:
             raise BackendError(
                 f"layout {layout.key} needs world size {layout.world_size} = {layout.world_size} {resource}"
                 f" bundles, but the Ray cluster has {total:g} {resource}"
             )
-        nodes = alive_nodes(resource)
         biggest = max(nodes.values(), default=0)
         if max(groups) > biggest:
             raise BackendError(
@@ -411,7 +414,7 @@ def node_lost_error(error: TrialError, rank_nodes: list[str], lost: set[str]) ->
     message = (f"node lost: node {node[:12]} died with ranks {_ranges(on_it)} of this trial; "
                f"rank {first}: {error.message}")[:500]
     return TrialError(kind="crash", message=message, rank=first, exception_type=error.exception_type,
-                      traceback_tail=error.traceback_tail)
+                      traceback_tail=error.traceback_tail, infra="node_lost")
 
 
 def _ranges(ranks: list[int]) -> str:
