@@ -26,7 +26,8 @@ class Budget:
     _rows: Callable[[], list[store.Trial]]  # SweepLoop's
 
     def _search_rows(self) -> list[store.Trial]:
-        return [t for t in self._rows() if t.phase == "search"]
+        # A trial lost with its node does not count (its layout is re-queued: api/engine/_lost.py).
+        return [t for t in self._rows() if t.phase == "search" and (t.error or {}).get("infra") != "node_lost"]
 
     def _over_device_budget(self) -> bool:
         limit = self.search.max_device_seconds
