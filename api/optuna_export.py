@@ -9,8 +9,10 @@ FIELD-NOTES, api/store/_db.py). By default it is a SQLite file beside the embedd
 Export on demand (``meshtune optuna-export SWEEP``), incremental: each meshtune trial becomes one
 Optuna trial, tagged with its row id (user attribute ``meshtune_trial_id``), so exporting again adds
 only the trials that finished since — a running sweep can be re-exported as often as wanted, and no
-trial is added twice. (Not synced live from the engine: the engine's result transaction stays one
-database's, and a sweep nobody opens in Optuna costs nothing.)
+trial is added twice. Or kept in sync as results land: ``meshtune serve --optuna-storage URL`` runs
+an ``OptunaMirror`` beside the API, which re-exports every sweep whose results version moved
+(api/store/_ranking.py) every few seconds — outside the engine's result transaction, which stays
+one database's, so a slow or unavailable Optuna storage never holds up a sweep.
 
 Mapping: study ``"{sweep id}-{sweep name}"``, direction maximize; params are the layout's knobs
 (integers as IntDistribution, ``ac``/``schedule``/``sp`` categorical); value is the measured
@@ -23,7 +25,9 @@ sampler was told). Trials still running or interrupted (re-run as a later attemp
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +41,7 @@ from api.services import sweeps as service
 from tuner import Layout
 from tuner._layout import CHECKPOINTING, SCHEDULES
 
+log = logging.getLogger("meshtune.optuna")
 OPTUNA_FILE = "optuna.db"
 TRIAL_ID_ATTR = "meshtune_trial_id"
 EXPORTED_STATUSES = ("completed", "pruned", "oom", "timeout", "crash", "nan")
@@ -138,3 +143,49 @@ def export_sweep(session: Session, *, sweep_id: int, storage: str) -> Export:
         return Export(store.safe_url(storage), name, len(new), len(have) + len(new))
     finally:
         rdb.engine.dispose()
+
+
+class OptunaMirror(threading.Thread):
+    """Keeps the Optuna storage in step with the store: every ``interval_s`` it exports the sweeps
+    whose results version moved since its last pass. ``passes`` counts finished passes (tests wait
+    on ``passed``, a Condition, rather than sleeping); an error is logged and retried next pass."""
+
+    def __init__(self, sessions: Any, *, storage: str, interval_s: float = 5.0) -> None:
+        super().__init__(name="optuna-mirror", daemon=True)
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.sessions, self.storage, self.interval_s = sessions, storage, interval_s
+        self.stop_event = threading.Event()
+        self.passed = threading.Condition()
+        self.passes = 0
+        self._seen: dict[int, int] = {}
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.sync_once()
+            except Exception:  # the mirror must never take the coordinator down
+                log.exception("optuna mirror: pass failed (storage %s); retrying", store.safe_url(self.storage))
+            with self.passed:
+                self.passes += 1
+                self.passed.notify_all()
+            if self.stop_event.wait(self.interval_s):
+                return
+
+    def sync_once(self) -> int:
+        """One pass; returns how many trials it added."""
+        added = 0
+        with self.sessions() as session:
+            for sweep_id, version in sorted(store.results_versions(session).items()):
+                if self._seen.get(sweep_id) != version:
+                    added += export_sweep(session, sweep_id=sweep_id, storage=self.storage).added
+                    self._seen[sweep_id] = version
+        return added
+
+    def wait_passes(self, n: int, timeout: float) -> bool:
+        with self.passed:
+            return self.passed.wait_for(lambda: self.passes >= n, timeout)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(30)

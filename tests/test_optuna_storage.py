@@ -26,7 +26,7 @@ from tests._dashboard_seed import add_running_trial, seed_sweep
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
     """One finished seeded sweep (failures, pruned layouts, re-measurements) exported once to the
-    default storage beside its store; the tests read it, and the last one adds a trial."""
+    default storage beside its store; the mirror and export tests each add a trial after it."""
     home = tmp_path_factory.mktemp("optuna")
     url = f"sqlite:///{home / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
@@ -103,13 +103,37 @@ def test_optuna_dashboard_opens_the_finished_sweep(seeded):
         proc.wait(30)
 
 
+def test_mirror_follows_results_as_they_land(seeded, tmp_path):
+    """``meshtune serve --optuna-storage``'s mirror: its first pass exports every ranked sweep, a pass
+    with no new result adds nothing, and a result landing is in the study after the next pass."""
+    from api.optuna_export import OptunaMirror
+
+    url, sessions, sid, _, first = seeded
+    mirror = OptunaMirror(sessions, storage=f"sqlite:///{tmp_path / 'live.db'}", interval_s=0.05)
+    assert mirror.sync_once() == first.total and mirror.sync_once() == 0  # unchanged version: no export
+    mirror.start()
+    try:
+        add_running_trial(sessions, sweep_id=sid, tokens=321.0, peak=2**30)
+        passes = mirror.passes
+        assert mirror.wait_passes(passes + 2, timeout=120)  # a whole pass after the result committed
+        study = optuna.load_study(study_name=f"{sid}-nightly", storage=mirror.storage)
+        assert len(study.trials) == first.total + 1 and 321.0 in [t.value for t in study.trials]
+    finally:
+        mirror.stop()
+    assert not mirror.is_alive()
+    with pytest.raises(ValueError, match="interval_s"):
+        OptunaMirror(sessions, storage=mirror.storage, interval_s=0)
+
+
 def test_export_is_a_standard_study_and_incremental(seeded):
     url, sessions, sid, storage, first = seeded
     assert storage == url.replace("meshtune.db", "meshtune-optuna.db")  # its own file beside the store
     expected = _expected(sessions, sid)
     assert {t.status for t in expected} >= {"completed", "pruned", "timeout", "crash", "nan"}
-    assert (first.study_name, first.added, first.total) == (f"{sid}-nightly", len(expected), len(expected))
+    assert first.study_name == f"{sid}-nightly" and first.added == first.total
+    assert first.total == len([t for t in expected if t.number < 30])  # the seeded 24 + 6 re-measurements
     with sessions() as s:
+        assert export_sweep(s, sweep_id=sid, storage=storage).added == len(expected) - first.total  # since
         assert export_sweep(s, sweep_id=sid, storage=storage).added == 0  # nothing twice
     add_running_trial(sessions, sweep_id=sid, tokens=123.0, peak=2**30)
     with sessions() as s:

@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--migrate-only", action="store_true", help="upgrade the database schema and exit (one-shot deploy step)"
     )
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    p.add_argument("--optuna-storage", default=None, metavar="URL",
+                   help="keep an Optuna storage (e.g. sqlite:///optuna.db, never meshtune's own database) in step "
+                        "with every sweep's trials as results land, for optuna-dashboard (api/optuna_export.py)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -60,6 +63,28 @@ def run(args: argparse.Namespace) -> int:
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     logging.getLogger("meshtune.serve").info("serving on %s:%s (%s event loop, %s HTTP parser)",
                                              args.host, args.port, loop, http)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
-                loop=loop, http=http)
+    mirror = _optuna_mirror(args.optuna_storage, url)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    access_log=not args.no_access_log, loop=loop, http=http)
+    finally:
+        if mirror is not None:
+            mirror.stop()
     return 0
+
+
+def _optuna_mirror(storage: str | None, url: str):  # -> OptunaMirror | None
+    """With ``--optuna-storage``: the thread that exports each sweep whose results moved."""
+    if storage is None:
+        return None
+    from api import store
+    from api.optuna_export import OptunaMirror
+
+    if storage == url:
+        raise SpecError("--optuna-storage must not be meshtune's own database (both have a 'trials' table)")
+    if storage.startswith("sqlite") and (problem := store.url_problem(storage)):
+        raise SpecError(f"--optuna-storage={store.safe_url(storage)!r}: {problem}")
+    mirror = OptunaMirror(store.make_sessionmaker(store.create_engine(url)), storage=storage)
+    mirror.start()
+    logging.getLogger("meshtune.serve").info("mirroring every sweep into the Optuna storage %s", store.safe_url(storage))
+    return mirror

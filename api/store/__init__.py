@@ -29,7 +29,14 @@ from api.store._models import (
     Sweep,
     Trial,
 )
-from api.store._ranking import RankedLayout, RankingState, ensure_ranked, ranked_rows, ranking_state
+from api.store._ranking import (
+    RankedLayout,
+    RankingState,
+    ensure_ranked,
+    ranked_rows,
+    ranking_state,
+    results_versions,
+)
 from api.store._sweeps import (
     claim_sweep,
     count_sweeps_by_status,
@@ -113,6 +120,7 @@ __all__ = [
     "open_store",
     "ranked_rows",
     "ranking_state",
+    "results_versions",
     "owner_device_seconds",
     "queue_key",
     "queue_positions",

@@ -300,3 +300,8 @@ def ranked_rows(session: Session, *, sweep_id: int, metric: str, limit: int | No
         if limit is not None:
             query = query.where(table.c.rank <= offset + limit)
     return list(session.execute(query.order_by(table.c.rank)).all())
+
+
+def results_versions(session: Session) -> dict[int, int]:
+    """Every ranked sweep's results version (what a mirror of the results compares to its last pass)."""
+    return {int(sid): int(v) for sid, v in session.execute(sa.select(RankingState.sweep_id, RankingState.version))}
