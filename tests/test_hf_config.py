@@ -355,3 +355,19 @@ def test_api_plan_of_a_config_object(api: TestClient) -> None:
     assert data["model"]["experts"] == 128 and data["model"]["head_dim"] == 128 and len(data["entries"]) == 3
     r = api.post("/api/plan", json={**body, "model": {"hf_config": "examples/hf/qwen3-30b-a3b.json"}}, headers=ALICE)
     assert r.status_code == 422 and "a path is not accepted here" in r.text
+
+
+def test_cli_run_trial_takes_a_config_and_refuses_what_the_built_in_model_cannot_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run-trial", "--model", f"hf:{HF / 'qwen3-moe-tiny.json'}", "--layout", "tp=2,ep=2",
+            "--backend", "simulate", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["simulated"] is True and data["status"] == "completed"
+    q2 = tmp_path / "qwen2-moe-small.json"
+    q2.write_text(json.dumps(shrink(load_hf_config(HF / "qwen1.5-moe-a2.7b.json"))))
+    argv = ["run-trial", "--model", f"hf:{q2}", "--layout", "tp=2,dp=2,sp=true", "--backend", "simulate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("the built-in model realises a shared expert (shared_expert_ffn=48) only without sp "
+                        "(tp=2, sp=True)") and "\n" not in err

@@ -93,11 +93,16 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     # A twin runs (and is reported) as its canonical layout: one key per distinct program.
     layout = canonical_layout(given, training=training)
     workload = getattr(args, "workload", None) or "builtin"
-    if workload != "builtin":  # the model code the ranks train (workers/workload.py): it must run this layout
-        from tuner._realise import check_supported
+    # The model code the ranks train (workers/workload.py) must run this layout: refused here, not
+    # in a trial (the built-in model's own limits: tuner._realise.builtin_refusal).
+    from tuner._realise import check_supported
+
+    if workload != "builtin":
         from workers.workload import check_workload
 
         check_supported(layout, model, check_workload(workload, model, training))
+    else:
+        check_supported(layout, model)
     note = twin_note(given, layout)
     if note:
         print(f"meshtune run-trial: note: {note}", file=sys.stderr)
