@@ -40,7 +40,8 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
     """The config.json mapping a spec was made from (``model.hf_config``); SpecError if none."""
     text = getattr(spec, "hf_config", "")
     if not text:
-        raise SpecError(f"workload='hf' needs model.hf_config (a Hugging Face config.json); model {spec.name!r} has none")
+        # check_workload prefixes "workload='hf': " (it said workload='hf' twice).
+        raise SpecError(f"needs model.hf_config (a Hugging Face config.json); model {spec.name!r} has none")
     try:
         data = json.loads(text)
     except ValueError as exc:
