@@ -22,6 +22,7 @@ from api import store
 from api.engine._budget import Budget
 from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._learning import Learning
+from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
 from api.engine._model import Problem
 from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
@@ -56,7 +57,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning, Sharing):
+class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -85,6 +86,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing):
         self.waiting = False  # asked the ledger for devices and was told to wait
         self.cancelled_ids: set[str] = set()
         self.reruns: list[Ticket] = []
+        self.any_lost = False  # a row lost with its node exists (then _requeue_next is asked)
         self.last_beat = 0.0
         self.backend_error: BackendError | None = None  # the first one; the loop drains, then raises it
 
@@ -135,7 +137,8 @@ class SweepLoop(Claim, Budget, Learning, Sharing):
             if t.status in store.TERMINAL_TRIAL_STATUSES:
                 self.problem.observe(t)  # memory: peaks and OOM bounds, as they arrived
                 if t.phase == "search":
-                    self._tell(Layout(**t.layout), None, t)
+                    self._teach(Layout(**t.layout), None, t)
+                self.any_lost = self.any_lost or infra_of(t) == NODE_LOST
         self._update_noise()
         return rows
 
@@ -215,6 +218,13 @@ class SweepLoop(Claim, Budget, Learning, Sharing):
                     if not self._take_devices(world):
                         break
                     self._rerun(self.reruns.pop(0))
+                    continue
+                lost = self._requeue_next() if self.any_lost else None
+                if lost is not None:  # lost with its node: once more, on the nodes that remain
+                    if not self._take_devices(world):
+                        break
+                    self._launch(Layout(**lost.layout), phase=lost.phase, source=REQUEUED, repeat=lost.repeat,
+                                 handle=None)
                     continue
                 if phase == "search":
                     if not self._search_done():
@@ -342,8 +352,10 @@ class SweepLoop(Claim, Budget, Learning, Sharing):
         try:
             return self._retrying(f"run trial {request.trial_id}", lambda: self.backend.run(request),
                                   trial_id=request.trial_id)
-        except BackendError:
+        except BackendUnavailable:
             raise
+        except BackendError as exc:  # the trial's result if the cluster shrank under it, else raised
+            return self._refused(exc)
         except Exception as exc:  # a backend bug is recorded as this trial's crash, not the sweep's end
             return TrialResult(
                 status="crash", backend=getattr(self.backend, "name", "?"),
@@ -384,8 +396,11 @@ class SweepLoop(Claim, Budget, Learning, Sharing):
             if row.status == "completed":
                 self._note_fingerprint(row)
             changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
+            if infra_of(row) == NODE_LOST:  # the live cluster is smaller now: claims count what is left
+                self.any_lost = True
+                self._refresh_capacity(now=True)
             if ticket.phase == "search":
-                self._tell(ticket.layout, ticket.handle, row)
+                self._teach(ticket.layout, ticket.handle, row)
             else:
                 self._update_noise()
             if not (ticket.phase == "search" and row.status == "completed" and self._maybe_calibrate()) and changed:

@@ -90,7 +90,7 @@ class SweepRunner:
                                       limits=self._owner_limits)
                 self._ledgers[backend_name] = ledger
             else:
-                ledger.capacity = max(1, int(capacity))  # a cluster that grew or shrank
+                ledger.set_capacity(capacity)  # a cluster that grew or shrank
             return ledger
 
     def _owner_limits(self, owner: str | None) -> OwnerLimits:

@@ -13,6 +13,13 @@ never starved by a stream of small ones. Per-owner limits (``MESHTUNE_OWNER_MAX_
 by its owner's limit does not hold back the others. A trial larger than the whole ledger is let
 through at once (the backend refuses it with the numbers, as it always did).
 
+The ledger follows the live cluster: its capacity is re-read from the backend (``capacity()``, on Ray
+the alive nodes' devices, a node seen lost no longer counted) at most every ``CAPACITY_TTL_S`` when a
+loop asks for devices, and at once after a node-lost failure, so trials never wait for devices a dead
+node held. A trial that fitted the cluster once but no longer fits the nodes that remain
+(``DeviceLedger.shrank``) is let through and refused by the backend; the loop records that as the
+trial's result (``infra="cluster_shrank"``), not as the sweep's end.
+
 Grants are in-process: after a coordinator restart nothing is held, and each resumed sweep's
 re-runs take their devices anew (the restart rule itself is api/engine/__init__.py's).
 """
@@ -30,6 +37,7 @@ from typing import Any
 from api import store
 
 log = logging.getLogger("meshtune.engine")
+CAPACITY_TTL_S = 2.0  # how long a backend's capacity is reused before a claim re-reads it
 
 
 @dataclass(frozen=True)
@@ -64,11 +72,25 @@ class DeviceLedger:
     def __init__(self, capacity: int, *, max_trials: int = 0,
                  limits: Callable[[str | None], OwnerLimits] | None = None) -> None:
         self.capacity = max(1, int(capacity))
+        self.peak = self.capacity  # the most it has had: below it, the cluster lost devices
+        self.read_at = time.monotonic()
         self.max_trials = max_trials
         self.limits = limits or (lambda owner: OwnerLimits())
         self._grants: list[Grant] = []
         self._waiting: dict[int, tuple[Claimant, int]] = {}
         self._cond = threading.Condition()
+
+    def set_capacity(self, capacity: int) -> None:
+        """The backend's devices now (a cluster that grew or lost a node)."""
+        with self._cond:
+            self.capacity = max(1, int(capacity))
+            self.peak = max(self.peak, self.capacity)
+            self.read_at = time.monotonic()
+            self._cond.notify_all()
+
+    def shrank(self) -> bool:
+        """Whether the cluster has fewer devices now than it once had (a node was lost)."""
+        return self.capacity < self.peak
 
     # --- reads -----------------------------------------------------------------------------------
 
@@ -185,10 +207,27 @@ class Sharing:
         for ticket in self.in_flight.values():
             ledger.release(ticket.grant)
 
+    def _refresh_capacity(self, *, now: bool = False) -> None:
+        """Re-read the backend's devices into the ledger (at most every CAPACITY_TTL_S, or ``now``:
+        after a node-lost failure). A backend that cannot answer keeps the last figure."""
+        if not now and time.monotonic() - self.ledger.read_at < CAPACITY_TTL_S:
+            return
+        try:
+            capacity = int(self.backend.capacity())
+        except Exception as exc:  # the trial launches then meet the same condition and say so
+            log.warning("sweep %s: could not re-read the backend's capacity (%s)", self.sweep_id, exc)
+            self.ledger.read_at = time.monotonic()
+            return
+        if capacity != self.ledger.capacity:
+            log.warning("sweep %s: the backend's capacity is now %d devices (was %d)", self.sweep_id,
+                        capacity, self.ledger.capacity)
+        self.ledger.set_capacity(capacity)
+
     def _take_devices(self, world: int) -> bool:
         """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
         limits: api/engine/_share.py); False: wait for them."""
         if self.held is None:
+            self._refresh_capacity()
             self.held = self.ledger.try_acquire(self.claimant, world)
         self.waiting = self.held is None
         return not self.waiting
