@@ -155,7 +155,101 @@ class Driver:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         psutil.wait_procs(workers, timeout=30)
-        return {"killed_at": killed_at}
+        return {"killed_at": killed_at, "killed_at_wall": time.time() - (time.monotonic() - killed_at)}
+
+    def ensure_nodes(self, count: int) -> dict[str, Any]:
+        """Add worker nodes until ``count`` are alive (earlier tests killed some)."""
+        from workers._gangs import lost_nodes
+
+        def live() -> dict[str, str]:  # the GCS calls a node killed a moment ago alive for a while
+            nodes = self.nodes()["nodes"]
+            gone = lost_nodes(list(nodes.values()))
+            return {k: v for k, v in nodes.items() if v not in gone}
+
+        index = 100
+        while len(live()) < count:
+            self.add_node(index)
+            index += 1
+        return {"nodes": live()}
+
+    # --- a sweep through the engine, on this cluster ------------------------------------------------
+
+    def sweep_start(self, db: str, specs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Run ``specs`` one after the other through one ``SweepRunner`` (the coordinator's engine,
+        one device ledger) on this cluster, stored in SQLite at ``db``. What the sampler is told is
+        recorded (``SweepLoop._tell``, wrapped)."""
+        from api import store
+        from api.engine import _loop
+        from api.engine._runner import SweepRunner
+        from api.services import sweeps as service
+        from api.settings import Settings
+        from api.spec import SweepSpec
+        from workers.ray_backend import RayBackend
+
+        url = f"sqlite:///{db}"
+        _, self.sessions = store.open_store(url)
+        self.told: list[dict[str, Any]] = []
+        tell = _loop.SweepLoop._tell
+
+        def spy(loop: Any, layout: Any, handle: Any, row: Any) -> None:
+            self.told.append({"number": row.number, "layout_key": layout.key, "status": row.status})
+            tell(loop, layout, handle, row)
+
+        _loop.SweepLoop._tell = spy  # type: ignore[method-assign]
+        runner = SweepRunner(Settings(database_url=url, backend="ray"), sessions=self.sessions,
+                             backend_factory=lambda spec: RayBackend(), poll_s=0.2)
+        with self.sessions() as s:
+            ids = [service.create_sweep(s, spec=SweepSpec.model_validate(spec), owner="alice").id for spec in specs]
+        self.sweep_done = threading.Event()
+        self.sweep_out: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                for sid in ids:
+                    runner.run_sweep(sid)
+            except Exception:  # noqa: BLE001 - the test reads it
+                self.sweep_out["raised"] = traceback.format_exc()
+            self.sweep_done.set()
+
+        threading.Thread(target=work, daemon=True).start()
+        return {"ids": ids}
+
+    def sweep_stepping(self, count: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait until ``count`` of the sweep's trials are stepping at once; trial id -> rank nodes."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.sweep_done.is_set():
+            busy = [g for g in self._pool() if g.busy and g.trial_id and g.ranks and all(s.info for s in g.ranks)]
+            stepping = {}
+            for g in busy:
+                try:
+                    snaps = ray.get([s.actor.snapshot.remote() for s in g.ranks], timeout=30)
+                except Exception:  # noqa: BLE001 - a rank still starting: ask again
+                    continue
+                if all(s["phase"] == "steps" and s["steps"] >= 1 for s in snaps):
+                    stepping[g.trial_id] = [s.info["node_id"] for s in g.ranks]
+            if len(stepping) >= count:
+                return {"stepping": stepping}
+            time.sleep(0.2)
+        return {"raised": f"{count} trials were not stepping at once within {timeout_s:g} s: {self.sweep_out}"}
+
+    def sweep_result(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        from api import store
+
+        if not self.sweep_done.wait(timeout_s):
+            return {"raised": f"the sweeps did not end within {timeout_s:g} s"}
+        out: dict[str, Any] = {"sweeps": {}, "told": self.told, **self.sweep_out}
+        with self.sessions() as s:
+            for sw in store.list_sweeps(s, limit=100)[0]:
+                out["sweeps"][sw.id] = {"status": sw.status, "error": sw.error, "trials": [
+                    {"number": t.number, "attempt": t.attempt, "status": t.status, "cause": t.cause,
+                     "infra": (t.error or {}).get("infra"), "layout_key": t.layout_key, "source": t.source,
+                     "world_size": t.world_size, "rank_nodes": t.rank_nodes,
+                     "started_at": t.started_at.timestamp() if t.started_at else None,
+                     "finished_at": t.finished_at.timestamp() if t.finished_at else None}
+                    for t in store.all_trials(s, sweep_id=sw.id)]}
+        return out
 
     def resources(self) -> dict[str, Any]:
         import ray

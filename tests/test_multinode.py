@@ -268,3 +268,71 @@ def test_a_gang_spreads_over_ray_nodes_and_a_single_node_ray_stands_in() -> None
     assert rank_nodes(["x", "x", "y", "x"]) == [
         {"node": 0, "node_id": "x", "ranks": "0-1, 3", "count": 3}, {"node": 1, "node_id": "y", "ranks": "2", "count": 1}]
     assert rank_nodes(None) == []
+
+
+def _peak_devices(trials: list[dict[str, Any]], *, after: float = float("-inf")) -> int:
+    """The most devices the stored [started_at, finished_at) intervals hold at one instant >= ``after``."""
+    edges = sorted((t, d) for r in trials if r["started_at"] is not None and (r["finished_at"] or 1e18) > after
+                   for t, d in ((max(r["started_at"], after), r["world_size"]), (r["finished_at"] or 1e18, -r["world_size"])))
+    peak = now = 0
+    for _, d in sorted(edges, key=lambda e: (e[0], e[1])):  # a release before a grant at the same instant
+        now += d
+        peak = max(peak, now)
+    return peak
+
+
+def test_a_sweep_goes_on_after_a_node_dies_under_one_of_its_trials(cluster: Cluster, tmp_path: Path) -> None:
+    """A real sweep through the engine (SweepRunner, SQLite) on 3 worker nodes of 2 devices, 2-rank
+    trials (one node each, 3 at once). One node is killed mid-trial: that trial is a `crash` with
+    the node-lost cause within 60 s, its layout is not told to the sampler (not infeasible) and runs
+    once more on the nodes that remain, the listed layout still waiting runs too, and the ledger
+    follows the live cluster (never more devices in use than it has). A second sweep that needs the
+    three nodes is refused trial by trial with the reason, and completes."""
+    nodes = cluster.call("ensure_nodes", count=3)["nodes"]
+    assert len(nodes) == 3
+    trial = {"warmup_steps": 1, "measure_steps": 12, "step_timeout_s": 120, "options": {"sleep_per_step_s": 0.4}}
+    small = {"name": "after-a-node-dies", "model": "tiny", "backend": "ray",
+             "cluster": {"preset": "cpu-local", "nodes": 1, "devices_per_node": 2},
+             "training": {"global_batch": 8, "precision": "fp32"}, "trial": trial,
+             "search": {"layouts": [{"dp": 2}, {"tp": 2}, {"pp": 2, "schedule": "gpipe"}, {"dp": 2, "zero": 1}],
+                        "repeats": 1}}
+    wide = {**small, "name": "needs-three-nodes", "cluster": {"preset": "cpu-local", "nodes": 3, "devices_per_node": 2},
+            "training": {"global_batch": 12, "precision": "fp32"},
+            "search": {"layouts": [{"tp": 2, "dp": 3}, {"dp": 6}], "repeats": 1}}
+    first, second = cluster.call("sweep_start", db=str(tmp_path / "s.db"), specs=[small, wide])["ids"]
+    stepping = cluster.call("sweep_stepping", count=3)["stepping"]
+    doomed_id = sorted(stepping)[0]
+    gone = stepping[doomed_id][0]
+    killed = cluster.call("kill_node", node_id=gone)
+    out = cluster.call("sweep_result")
+    assert "raised" not in out, out["raised"]
+    sweeps = {int(k): v for k, v in out["sweeps"].items()}
+    rows = sorted(sweeps[first]["trials"], key=lambda r: r["number"])
+    assert sweeps[first]["status"] == "completed", sweeps[first]
+
+    number = int(doomed_id.split("-")[1])
+    (lost,) = [r for r in rows if r["infra"] == "node_lost"]
+    assert lost["number"] == number and lost["status"] == "crash"
+    assert lost["cause"].startswith(f"crash: node lost: node {gone[:12]} died with ranks 0-1 of this trial"), lost
+    print(f"node loss recorded {lost['finished_at'] - killed['killed_at_wall']:.1f} s after the kill")
+    assert lost["finished_at"] - killed["killed_at_wall"] < LOST_WITHIN_S
+    # Not told to the sampler (so never infeasible); told: every other search result.
+    assert number not in [t["number"] for t in out["told"]]
+    assert sorted(t["number"] for t in out["told"]) == [r["number"] for r in rows if r["number"] != number]
+    # The lost layout ran once more, and every listed layout completed, none on the lost node.
+    (again,) = [r for r in rows if r["source"] == "requeued"]
+    assert again["layout_key"] == lost["layout_key"] and again["number"] > number
+    done = [r for r in rows if r["status"] == "completed"]
+    assert sorted(r["layout_key"] for r in done) == sorted({r["layout_key"] for r in rows}) and len(done) == 4
+    assert all(gone not in r["rank_nodes"] for r in done if r["started_at"] > killed["killed_at_wall"])
+    assert len(rows) == 5 and all(r["status"] in ("completed", "crash") for r in rows)
+    # Devices in use: never over the 6 the cluster had; never over the 4 left once the loss was seen.
+    assert _peak_devices(rows) <= 6
+    assert _peak_devices(rows, after=lost["finished_at"]) <= 4
+
+    # Needs 3 nodes, 2 are left: each trial is refused with the reason (a result), the sweep completes.
+    assert sweeps[second]["status"] == "completed", sweeps[second]
+    refused = sweeps[second]["trials"]
+    assert len(refused) == 2 and all(r["status"] == "crash" and r["infra"] == "cluster_shrank" for r in refused)
+    assert "no longer fits the cluster left after a node loss" in refused[0]["cause"], refused[0]["cause"]
+    assert not refused[0]["rank_nodes"]  # refused before any rank process started
