@@ -158,3 +158,9 @@ def test_api_refuses_a_wrong_typed_or_empty_config_and_a_workload_off_contract(t
             detail = r.json()["detail"]
             assert detail.startswith(line) and "\n" not in detail, detail
         assert c.get("/api/sweeps", headers=ALICE).json()["total"] == 0
+
+
+def test_run_trial_of_the_hf_workload_without_a_config_is_one_line(home, capsys):
+    assert main(["run-trial", "--workload", "hf", "--layout", "dp=4", "--backend", "simulate"]) == 2
+    err = _one_line(capsys.readouterr().err, "meshtune run-trial: error: workload='hf': needs model.hf_config")
+    assert err.count("workload='hf'") == 1 and "model 'tiny' has none" in err
