@@ -46,6 +46,11 @@ kills the trial's gang and removes its placement groups) to stop its trials in f
 are not recorded and their rows become "interrupted" (cause ``sweep cancelled``); a backend without
 ``cancel`` lets them finish, and they are recorded as before.
 
+A node lost under a trial (Ray marks the crash ``infra="node_lost"``) is the cluster's fault: the
+result is recorded, not told to the sampler, not counted in the budget, and the layout re-queued
+once; the ledger re-reads the live capacity; a trial that no longer fits the nodes left is refused
+as its result (api/engine/_lost.py).
+
 Submission (``api.services.sweeps.create_sweep``, schedules too) refuses a spec whose space leaves no
 valid layout or whose backend does not resolve (SpecError naming ``space.<field>`` / ``backend``).
 
