@@ -223,8 +223,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
                 if lost is not None:  # lost with its node: once more, on the nodes that remain
                     if not self._take_devices(world):
                         break
-                    self._launch(Layout(**lost.layout), phase=lost.phase, source=REQUEUED, repeat=lost.repeat,
-                                 handle=None)
+                    self._launch(Layout(**lost.layout), phase=lost.phase, source=REQUEUED, repeat=lost.repeat, handle=None)
                     continue
                 if phase == "search":
                     if not self._search_done():
@@ -396,9 +395,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
             if row.status == "completed":
                 self._note_fingerprint(row)
             changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
-            if infra_of(row) == NODE_LOST:  # the live cluster is smaller now: claims count what is left
-                self.any_lost = True
-                self._refresh_capacity(now=True)
+            self._note_lost(row)
             if ticket.phase == "search":
                 self._teach(ticket.layout, ticket.handle, row)
             else:

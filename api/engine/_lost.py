@@ -45,6 +45,7 @@ class LostNodes:
     ``_refresh_capacity`` Sharing's."""
 
     proposer: Any
+    any_lost: bool
     ledger: Any
     backend: Any
     _rows: Callable[[], list[store.Trial]]
@@ -68,6 +69,12 @@ class LostNodes:
             self._tell(layout, handle, row)
         elif handle is not None:  # an asked Optuna trial must end: FAIL, which its samplers ignore
             self.proposer.tell(layout, handle, values=None, violation=0.0, status=row.status)
+
+    def _note_lost(self, row: store.Trial) -> None:
+        """After a result: a node lost under it makes the live cluster smaller, at once for the claims."""
+        if infra_of(row) == NODE_LOST:
+            self.any_lost = True
+            self._refresh_capacity(now=True)
 
     def _requeue_next(self) -> store.Trial | None:
         """The lost row whose layout runs once more next, or None."""
