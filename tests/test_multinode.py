@@ -336,3 +336,80 @@ def test_a_sweep_goes_on_after_a_node_dies_under_one_of_its_trials(cluster: Clus
     assert len(refused) == 2 and all(r["status"] == "crash" and r["infra"] == "cluster_shrank" for r in refused)
     assert "no longer fits the cluster left after a node loss" in refused[0]["cause"], refused[0]["cause"]
     assert not refused[0]["rank_nodes"]  # refused before any rank process started
+
+
+class _LosesANode:
+    """Simulated results (labelled so) from a backend whose cluster loses a node under its first
+    trial: that trial is a node-lost crash, as the Ray backend reports one, and the capacity drops
+    from 4 devices to 2; a trial wider than what is left is refused (BackendError), as Ray does."""
+
+    name = "loses-a-node"
+
+    def __init__(self) -> None:
+        from workers.simulate import SimulateBackend
+
+        self.sim, self.devices, self.lock = SimulateBackend(seed=0), 4, threading.Lock()
+
+    def capacity(self) -> int:
+        return self.devices
+
+    def close(self) -> None:
+        return None
+
+    def run(self, request: Any) -> Any:
+        from tuner import BackendError
+        from workers import TrialError, TrialResult
+
+        with self.lock:
+            first, self.devices = self.devices == 4, 2
+        if first:
+            return TrialResult(status="crash", backend=self.name, simulated=True, device_seconds=1.0, error=TrialError(
+                kind="crash", message="node lost: node abc died with ranks 0-1 of this trial", infra="node_lost"))
+        if request.layout.world_size > self.devices:
+            raise BackendError(f"needs {request.layout.world_size} devices, the cluster has {self.devices}")
+        return self.sim.run(request)
+
+
+def test_the_engine_does_not_hold_a_lost_node_against_the_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cluster (simulated results): the engine's side of a node loss with an Optuna sampler. The
+    lost trial is recorded but not told (its asked trial ends FAIL), not counted in max_trials, its
+    layout re-queued once; the ledger follows the smaller capacity; a wider sweep is refused trial by
+    trial as results, and completes."""
+    from api import store
+    from api.engine import SweepRunner, _loop
+    from api.services import sweeps as service
+    from api.settings import Settings
+    from api.spec import SweepSpec
+
+    told: list[int] = []
+    tell = _loop.SweepLoop._tell
+    monkeypatch.setattr(_loop.SweepLoop, "_tell", lambda self, lay, h, row: (told.append(row.number), tell(self, lay, h, row)))
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    _, sessions = store.open_store(url)
+    backend = _LosesANode()
+    runner = SweepRunner(Settings(database_url=url, home=tmp_path), sessions=sessions, backend_factory=lambda spec: backend)
+    base = {"model": "tiny", "training": {"global_batch": 8}, "backend": "simulate", "trial": {"measure_steps": 1}}
+    with sessions() as s:
+        small = service.create_sweep(s, owner="a", spec=SweepSpec.model_validate({
+            **base, "cluster": {"preset": "cpu-local", "devices_per_node": 2},
+            "search": {"sampler": "tpe", "max_trials": 3, "repeats": 1}})).id
+        wide = service.create_sweep(s, owner="a", spec=SweepSpec.model_validate({
+            **base, "cluster": {"preset": "cpu-local", "devices_per_node": 4},
+            "search": {"sampler": "tpe", "max_trials": 2, "repeats": 1}})).id
+    assert runner.run_sweep(small).status == "completed"
+    with sessions() as s:
+        rows = sorted(store.all_trials(s, sweep_id=small), key=lambda t: t.number)
+    lost, *rest = rows
+    assert (lost.status, lost.error["infra"], lost.cause) == ("crash", "node_lost", "crash: " + lost.error["message"])
+    assert lost.number not in told and told == [t.number for t in rest]
+    (again,) = [t for t in rest if t.source == "requeued"]
+    assert again.layout_key == lost.layout_key and again.status == "completed"
+    assert len(rest) == 3 and all(t.status == "completed" for t in rest)  # max_trials=3 besides the lost one
+    assert runner._ledgers[backend.name].capacity == 2
+    assert runner.run_sweep(wide).status == "completed"
+    with sessions() as s:
+        refused = store.all_trials(s, sweep_id=wide)
+    assert len(refused) == 2 and all(t.status == "crash" and t.error["infra"] == "cluster_shrank" for t in refused)
+    assert len(told) == 3  # a refusal is not the layout's either
+    assert refused[0].cause == ("crash: refused: it no longer fits the cluster left after a node loss:"
+                                " needs 4 devices, the cluster has 2")
