@@ -212,6 +212,7 @@ def _device_seconds_text(sweep: Any) -> str:
 def _print_sweep(console: Any, sweep: Any) -> None:
     console.print(
         f"sweep {sweep.id} [bold]{sweep.name}[/bold]: {sweep.status}  sampler={sweep.sampler} backend={sweep.backend} "
+        f"{_workload_text((getattr(sweep, 'spec', None) or {}).get('workload'))}"
         f"trials={sweep.n_trials} (completed {sweep.n_completed}, pruned {sweep.n_pruned}, failed {sweep.n_failed}) "
         f"{_device_seconds_text(sweep)}"
     )
@@ -339,7 +340,14 @@ def _problem_label(spec: Any) -> str:
     from api import format as fmt
 
     model, cluster, _ = spec.to_problem()
-    return f"{model.name} on {fmt.cluster_label(cluster)}"
+    workload = _workload_text(spec.workload).strip()
+    return f"{model.name} on {fmt.cluster_label(cluster)}" + (f", {workload}" if workload else "")
+
+
+def _workload_text(workload: str | None) -> str:
+    """`` workload=hf `` where the model code trained is not the built-in model (which trained is what
+    the numbers measure), else nothing."""
+    return f"workload={workload} " if workload and workload != "builtin" else ""
 
 
 def _planned_trials(spec: Any) -> int:
