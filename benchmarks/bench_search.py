@@ -12,7 +12,8 @@ random search's exact expectation without replacement ((N+1)/(K+1) for K targets
 Then learning across sweeps: on the ``roofline`` cluster a sweep of llama3-8b runs first; a sweep of
 llama3-70b on the same cluster fingerprint then starts from what it learned, against a cold one.
 
-    python benchmarks/bench_search.py --seeds 10 --max-trials 40
+    python benchmarks/bench_search.py --seeds 10 --max-trials 30      # the README's table
+    python benchmarks/bench_search.py --truth none --seeds 10 --max-trials 30   # learning across sweeps only
 """
 
 from __future__ import annotations
