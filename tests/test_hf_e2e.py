@@ -75,7 +75,7 @@ def test_plan_sweep_show_and_export_a_qwen3_moe_config(home, capsys, ray_local, 
     assert rows[0]["tokens_per_s_per_device"] >= rows[1]["tokens_per_s_per_device"]
     assert main(["show", str(sid)]) == 0
     shown = capsys.readouterr().out
-    assert "hf-e2e: completed" in shown and "ranked by tokens_per_s_per_device" in shown
+    assert "hf-e2e: completed" in shown and "workload=hf" in shown and "ranked by tokens_per_s_per_device" in shown
 
     # Every ranked layout, in every format, is what tuner.export_layout writes for it (after the
     # service's header), and the framework's own classes accept it.
