@@ -4,8 +4,8 @@ A process can be connected to one Ray at a time, and the test session's own Ray 
 stay up for the other tests, so the cluster lives in this child process: a head that holds no
 devices and ``--nodes`` worker nodes (separate raylets, object stores and worker processes), each
 declaring its own devices — 2 CPUs — and a custom resource ``meshtune_node_<i>`` naming it. The
-test sends commands (start a trial, wait for it to step, kill a node, read the placement groups)
-and gets plain dicts back.
+test sends commands (start a trial, wait for it to step, kill a node, read the placement groups,
+run sweeps through the engine — ``SweepRunner`` with SQLite — on this cluster) and gets plain dicts back.
 
     python tests/_multinode.py SOCKET AUTHKEY_HEX NODES
 """
@@ -215,13 +215,14 @@ class Driver:
         return {"ids": ids}
 
     def sweep_stepping(self, count: int, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Wait until ``count`` of the sweep's trials are stepping at once; trial id -> rank nodes."""
+        """Wait until ``count`` of the sweep's trials are stepping at once; trial id -> rank nodes, and
+        trial id -> the optimizer steps its slowest rank has made."""
         import ray
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.sweep_done.is_set():
             busy = [g for g in self._pool() if g.busy and g.trial_id and g.ranks and all(s.info for s in g.ranks)]
-            stepping = {}
+            stepping, steps = {}, {}
             for g in busy:
                 try:
                     snaps = ray.get([s.actor.snapshot.remote() for s in g.ranks], timeout=30)
@@ -229,8 +230,9 @@ class Driver:
                     continue
                 if all(s["phase"] == "steps" and s["steps"] >= 1 for s in snaps):
                     stepping[g.trial_id] = [s.info["node_id"] for s in g.ranks]
+                    steps[g.trial_id] = min(s["steps"] for s in snaps)
             if len(stepping) >= count:
-                return {"stepping": stepping}
+                return {"stepping": stepping, "steps": steps}
             time.sleep(0.2)
         return {"raised": f"{count} trials were not stepping at once within {timeout_s:g} s: {self.sweep_out}"}
 

@@ -300,8 +300,9 @@ def test_a_sweep_goes_on_after_a_node_dies_under_one_of_its_trials(cluster: Clus
             "training": {"global_batch": 12, "precision": "fp32"},
             "search": {"layouts": [{"tp": 2, "dp": 3}, {"dp": 6}], "repeats": 1}}
     first, second = cluster.call("sweep_start", db=str(tmp_path / "s.db"), specs=[small, wide])["ids"]
-    stepping = cluster.call("sweep_stepping", count=3)["stepping"]
-    doomed_id = sorted(stepping)[0]
+    now = cluster.call("sweep_stepping", count=3)
+    stepping = now["stepping"]
+    doomed_id = min(stepping, key=now["steps"].__getitem__)  # the furthest from its end
     gone = stepping[doomed_id][0]
     killed = cluster.call("kill_node", node_id=gone)
     out = cluster.call("sweep_result")
