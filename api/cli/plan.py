@@ -188,7 +188,7 @@ def _print(result: Plan, top: int) -> None:
     for col, justify in (
         ("#", "right"), ("tp·cp·ep·dp·pp", "left"), ("zero", "right"), ("mbs", "right"), ("m", "right"),
         ("ac", "left"), ("sp", "left"), ("schedule", "left"), ("placement", "left"),
-        (f"{unit} p/g/o/act", "right"), (f"{unit} total", "right"), ("step s", "right"), ("tok/s/dev", "right"),
+        (f"{unit} p/g/o/buf/act", "right"), (f"{unit} total", "right"), ("step s", "right"), ("tok/s/dev", "right"),
         ("MFU", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -202,13 +202,16 @@ def _print(result: Plan, top: int) -> None:
         table.add_row(
             str(i), "·".join(str(getattr(lay, a)) for a in ("tp", "cp", "ep", "dp", "pp")), str(lay.zero),
             str(lay.mbs), str(e.microbatches), lay.ac, "y" if lay.sp else "n", sched, e.placement.summary,
-            "/".join(f"{x / size:.1f}" for x in (mem.params, mem.grads, mem.optimizer, mem.activations)),
+            "/".join(f"{x / size:.1f}" for x in (mem.params, mem.grads, mem.optimizer, mem.buffers,
+                                                    mem.activations)),
             f"{mem.total / size:.1f}", f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
             *(budget_columns(e, c, t) if priced else ()),
         )
     if shown:
         console.print(table)
-        console.print(f"totals include a framework allowance of {shown[0].memory.overhead / size:.1f} {unit} per device")
+        console.print(f"p/g/o/buf/act: params, grads, optimizer, buffers (FSDP's gathered weights, gradients held "
+                      f"between micro-batches), activations; totals add a framework allowance of "
+                      f"{shown[0].memory.overhead / size:.1f} {unit} per device")
     considered = len(result.entries) + sum(result.rejected.values())
     if result.rejected:
         rej = Table(box=box.SIMPLE_HEAD, title=f"Rejected: {sum(result.rejected.values()):,} of {considered:,} layouts")
