@@ -45,7 +45,10 @@ def start_ray(address: str | None, *, num_cpus: int, retry_delays_s: tuple[float
                 if address:
                     ray.init(address=address, log_to_driver=False)
                     return False
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+                # address="local": always a new local Ray. A bare ray.init() joins the latest Ray found on
+                # the machine (/tmp/ray/ray_current_cluster), which then refuses num_cpus, or worse,
+                # runs meshtune's trials on someone else's cluster.
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
                 return True
             except (ValueError, TypeError) as exc:
                 raise BackendError(f"cannot {where}: {exc}") from exc
