@@ -22,9 +22,10 @@ from api import _http, dashboard, errors, store
 from api.dashboard import plan_page, trends
 from api.export import routes as export_routes
 from api.reshard import routes as reshard
-from api.routes import health, metrics, plan, presets, sweeps
+from api.routes import health, metrics, plan, presets
 from api.schedules import routes as schedules
 from api.settings import Settings, get_settings
+from api.sweeps import routes as sweeps
 
 log = logging.getLogger("meshtune.api")
 

@@ -37,7 +37,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from api import store
-from api.services import sweeps as service
+from api.sweeps import service
 from tuner import Layout
 from tuner._layout import CHECKPOINTING, SCHEDULES
 

@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from api import store  # noqa: E402
-from api.services import sweeps as service  # noqa: E402
 from api.spec import SweepSpec  # noqa: E402
+from api.sweeps import service  # noqa: E402
 from tuner import plan, to_dict  # noqa: E402
 from workers import TrialRequest  # noqa: E402
 from workers.simulate import SimulateBackend  # noqa: E402
@@ -210,7 +210,7 @@ def stats(lat: list[float], wall: float, single: list[float], cpu: float) -> dic
 
 def serialise_alone(url: str, sid: int, repeats: int = 5) -> dict[str, float]:
     """Seconds to read the whole stored ranking (services) and to serialise it as JSON, in process."""
-    from api.schemas import RankingOut
+    from api.sweeps.schemas import RankingOut
 
     engine, sessions = store.open_store(url, upgrade_schema=False)
     read, dump = [], []

@@ -47,8 +47,8 @@ from _dashboard_seed import seed_sweep  # noqa: E402
 from api import store  # noqa: E402
 from api.dashboard import data  # noqa: E402
 from api.main import create_app  # noqa: E402
-from api.services import sweeps as service  # noqa: E402
 from api.settings import Settings  # noqa: E402
+from api.sweeps import service as service  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 PLOTS = """() => ['plot-pareto', 'plot-heatmap-0', 'plot-timeline', 'plot-stages', 'plot-losses']

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tuner  # noqa: E402
 from api import store  # noqa: E402
 from api.engine import SweepRunner  # noqa: E402
-from api.services import sweeps as svc  # noqa: E402
 from api.settings import Settings  # noqa: E402
 from api.spec import SweepSpec  # noqa: E402
+from api.sweeps import service as svc  # noqa: E402
 from benchmarks.truth_backend import TruthBackend  # noqa: E402
 from benchmarks.truths import registry  # noqa: E402
 

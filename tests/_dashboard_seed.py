@@ -21,8 +21,8 @@ import sqlalchemy as sa
 
 import tuner
 from api import store
-from api.services import sweeps as service
 from api.spec import SweepSpec
+from api.sweeps import service
 from tuner import Layout, LayoutError, check_layout
 from workers._contract import TrialError, TrialRequest, TrialResult
 from workers.simulate import SimulateBackend

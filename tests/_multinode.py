@@ -181,9 +181,9 @@ class Driver:
         from api import store
         from api.engine import _loop
         from api.engine._runner import SweepRunner
-        from api.services import sweeps as service
         from api.settings import Settings
         from api.spec import SweepSpec
+        from api.sweeps import service
         from workers.ray_backend import RayBackend
 
         url = f"sqlite:///{db}"

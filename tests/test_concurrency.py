@@ -26,9 +26,9 @@ import sqlalchemy as sa
 from api import store
 from api.engine import SweepRunner
 from api.engine._share import Claimant, DeviceLedger, OwnerLimits
-from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 from tuner import ConflictError
 
 TESTS = Path(__file__).resolve().parent

@@ -28,9 +28,9 @@ from _dashboard_seed import StubReshardRunner, add_running_trial, seed_migration
 
 from api import store
 from api.main import create_app
-from api.services import sweeps as service
 from api.settings import Settings
 from api.spec import SweepSpec
+from api.sweeps import service
 
 pytestmark = pytest.mark.browser
 

@@ -13,15 +13,17 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from _dashboard_seed import MIGRATION_LAYOUTS, StubReshardRunner, seed_migration_sweep, seed_sweep, summary_of
+from _dashboard_seed import (
+    MIGRATION_LAYOUTS, StubReshardRunner, add_running_trial, seed_migration_sweep, seed_sweep, summary_of,
+)
 from fastapi.testclient import TestClient
 
 from api import store
-from api.dashboard import data, views
+from api.dashboard import data, router, views
 from api.dashboard.importance import param_importance
 from api.main import create_app
-from api.services import sweeps as service
 from api.settings import Settings
+from api.sweeps import service
 from tuner import Layout
 
 TOKEN = "tok-alice"
@@ -112,18 +114,14 @@ def client(stored):
         yield c
 
 
-def _embedded(html: str) -> dict:
-    m = re.search(r'<script type="application/json" id="sweep-data">(.*?)</script>', html, re.S)
-    assert m, "no chart data embedded"
-    return json.loads(m.group(1))
-
-
-def test_sweep_page_embeds_the_stored_data(client, stored):
+def test_sweep_page_and_its_chart_data(client, stored):
     sid = stored["sid"]
     truth = summary_of(stored["sessions"], sid)
     r = client.get(f"/sweeps/{sid}")
     assert r.status_code == 200
-    bundle = _embedded(r.text)
+    # The charts' data is fetched by dashboard.js (data.json), not embedded in the page.
+    assert 'id="sweep-data"' not in r.text and f'data-data-url="/sweeps/{sid}/data.json"' in r.text
+    bundle = client.get(f"/sweeps/{sid}/data.json").json()
     assert bundle["live"] is False and bundle["pareto"]["points"] == len(truth["pareto"])
     assert sum(len(t["x"]) for t in bundle["timeline"]["traces"]) == truth["n_trials"]
     assert bundle["summary"]["best_tokens_per_s_per_device"] == views.sig(truth["ranking"].rows[0].median)
@@ -131,7 +129,52 @@ def test_sweep_page_embeds_the_stored_data(client, stored):
     # Links go to this sweep's trials and every asset is served here (root-relative, no CDN).
     assert f'href="/sweeps/{sid}/trials/' in r.text
     assert not re.search(r'(src|href)="(https?:)?//', r.text)
-    assert client.get(f"/sweeps/{sid}/data.json").json()["pareto"] == bundle["pareto"]
+
+
+def test_sweep_page_shows_one_ranking_page_at_a_time(tmp_path):
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    sid = seed_sweep(sessions, n_trials=130, name="paged sweep")
+    rows = summary_of(sessions, sid)["ranking"].rows
+    assert len(rows) > router.RANK_PAGE  # the seed measures more layouts than one page holds
+    app = create_app(Settings(database_url=url), run_engine=False)
+    with TestClient(app) as c:
+        first, second = c.get(f"/sweeps/{sid}").text, c.get(f"/sweeps/{sid}?rank_page=2").text
+    engine.dispose()
+    ranks = [re.findall(r'<tr class="[^"]*" data-trial="[^"]*" data-key="[^"]*" data-rank="(\d+)"', t) for t in (first, second)]
+    assert ranks[0] == [str(r.rank) for r in rows[:router.RANK_PAGE]]
+    assert ranks[1] == [str(r.rank) for r in rows[router.RANK_PAGE:2 * router.RANK_PAGE]]
+    assert f'/sweeps/{sid}?rank_page=2&amp;' in first and "page 1 of" in first
+
+
+def test_sweep_page_etag_and_a_new_result_renders_it_again(tmp_path):
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    sid = seed_sweep(sessions, n_trials=12, name="etag sweep")
+    app = create_app(Settings(database_url=url, api_tokens={"alice": TOKEN, "reader": "r" * 24},
+                              api_roles={"reader": "read-only"}), run_engine=False)
+    with TestClient(app) as c:
+        for path in (f"/sweeps/{sid}", f"/sweeps/{sid}/tables", f"/sweeps/{sid}/data.json"):
+            r = c.get(path)
+            etag = r.headers["etag"]
+            assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
+            again = c.get(path, headers={"If-None-Match": etag})
+            assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
+        page = c.get(f"/sweeps/{sid}")
+        # A read-only viewer's page hides the actions: a page of its own, never the writer's cached one.
+        reader = c.get(f"/sweeps/{sid}", headers={"Authorization": "Bearer " + "r" * 24})
+        assert reader.headers["etag"] != page.headers["etag"]
+        assert "check migration" in page.text and "check migration" not in reader.text
+        assert c.get(f"/sweeps/{sid}").headers["etag"] == page.headers["etag"]  # the writer's again
+        # A result lands: the page's version changes, so the old ETag no longer matches and the page shows it.
+        add_running_trial(sessions, sweep_id=sid, tokens=987654.0, peak=3 * 2**30)
+        with store.session_scope(sessions) as session:
+            store.set_sweep_status(session, sweep_id=sid, status="completed")
+        after = c.get(f"/sweeps/{sid}", headers={"If-None-Match": page.headers["etag"]})
+        assert after.status_code == 200 and after.headers["etag"] != page.headers["etag"]
+        assert "987,654" in after.text or "988k" in after.text or "987.7k" in after.text
+        assert c.get(f"/sweeps/{sid}/data.json").json()["pareto"]["points"] == len(summary_of(sessions, sid)["pareto"])
+    engine.dispose()
 
 
 def test_trial_pages_and_filters(client, stored):

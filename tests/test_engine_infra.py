@@ -14,9 +14,9 @@ import pytest
 import tuner
 from api import store
 from api.engine import SweepRunner, _loop
-from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 from workers import BackendUnavailable
 from workers.simulate import SimulateBackend
 

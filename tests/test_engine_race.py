@@ -15,9 +15,9 @@ import sqlalchemy as sa
 import tuner
 from api import store
 from api.engine import SweepRunner, _claim, _loop
-from api.services import sweeps as svc
 from api.settings import Settings
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 from workers.simulate import SimulateBackend
 
 TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from api import store
-from api.services import sweeps as svc
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 
 TESTS = Path(__file__).resolve().parent
 COORDINATOR = """

@@ -402,8 +402,8 @@ def stored(tmp_path_factory):
     from _dashboard_seed import SPEC, seed_sweep
 
     from api import store
-    from api.services import sweeps as sweeps_service
     from api.spec import SweepSpec
+    from api.sweeps import service as sweeps_service
 
     url = f"sqlite:///{tmp_path_factory.mktemp('export') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)

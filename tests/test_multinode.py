@@ -226,9 +226,9 @@ def test_the_rank_to_node_map_is_stored_and_shown(tmp_path: Path) -> None:
 
     from api import store
     from api.main import create_app
-    from api.services import sweeps as service
     from api.settings import Settings
     from api.spec import SweepSpec
+    from api.sweeps import service
     from workers import TrialResult
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
@@ -378,9 +378,9 @@ def test_the_engine_does_not_hold_a_lost_node_against_the_layout(tmp_path: Path,
     trial as results, and completes."""
     from api import store
     from api.engine import SweepRunner, _loop
-    from api.services import sweeps as service
     from api.settings import Settings
     from api.spec import SweepSpec
+    from api.sweeps import service
 
     told: list[int] = []
     tell = _loop.SweepLoop._tell

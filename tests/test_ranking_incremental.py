@@ -1,5 +1,5 @@
 """The stored ranking (api/store/_ranking.py) maintained as results land is exactly the ranking
-recomputed from every trial (api.services.sweeps.ranking_from_trials), on SQLite and PostgreSQL:
+recomputed from every trial (api.sweeps.service.ranking_from_trials), on SQLite and PostgreSQL:
 after every single result of a sweep with ties, failures, re-measured layouts (pooled noise moves every
 interval), a non-positive measurement, trials without useful throughput and predictions made under
 several calibration versions; plus the backfill migration, paging and the route's ETag/304."""
@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api import store
-from api.services import sweeps as svc
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 from tests._dashboard_seed import seed_sweep
 from workers import TrialError, TrialResult
 

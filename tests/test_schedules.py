@@ -232,13 +232,13 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
     its history, none is flagged, nothing is POSTed."""
     url, sessions = db
     with sessions() as s:
-        from api.services.sweeps import create_sweep
         from api.spec import SweepSpec
+        from api.sweeps.service import create_sweep
 
         source = create_sweep(s, spec=SweepSpec.model_validate({**SIM_TEMPLATE, "name": "source"}), owner="t").id
     run_sweeps(url, sessions, [source])
     with sessions() as s:
-        from api.services.sweeps import ranking
+        from api.sweeps.service import ranking
 
         top2 = [r.layout_key for r in ranking(s, sweep_id=source).rows[:2]]
     sid = make_schedule(sessions, template=None, remeasure={"sweep_id": source, "top_k": 2, "repeats": 3},
@@ -300,8 +300,8 @@ def test_history_is_grouped_by_previous_fire_for_the_nightly_means_test() -> Non
 def _failed_fire(sessions, url: str, webhook: str) -> tuple[int, int]:
     """A schedule whose source sweep measured nothing: its fire fails with a failure alert."""
     with sessions() as s:
-        from api.services.sweeps import create_sweep
         from api.spec import SweepSpec
+        from api.sweeps.service import create_sweep
 
         empty = create_sweep(s, spec=SweepSpec.model_validate({**SIM_TEMPLATE, "name": "never-run"}), owner="t").id
     sid = make_schedule(sessions, template=None, remeasure={"sweep_id": empty, "top_k": 1, "repeats": 2},

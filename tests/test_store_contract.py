@@ -8,8 +8,8 @@ import pytest
 import sqlalchemy as sa
 
 from api import store
-from api.services import sweeps as svc
 from api.spec import SweepSpec
+from api.sweeps import service as svc
 from tuner import ConflictError, NotFoundError, SpecError
 from workers import TrialError, TrialResult
 
@@ -154,7 +154,7 @@ class TestStoreContract:
     def test_the_sweeps_best_is_the_rankings_first_row_not_the_fastest_run(self, sessions):
         """Issue 11 item 15: one lucky run of a noisy layout (130 among 20s) is the fastest trial, but
         the steady layout has the best median and is the ranking's #1: the sweep says the same."""
-        from api.schemas import SweepOut
+        from api.sweeps.schemas import SweepOut
 
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)

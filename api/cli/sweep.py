@@ -217,7 +217,7 @@ def _print_sweep(console: Any, sweep: Any) -> None:
         f"{_device_seconds_text(sweep)}"
     )
     from api import format as fmt
-    from api.services import budget
+    from api.sweeps import budget
 
     prob = budget.problem(sweep)
     if prob is not None:
@@ -266,8 +266,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from api import format as fmt
     from api import store
     from api.engine import SweepRunner
-    from api.services import sweeps as svc
     from api.spec import SweepSpec
+    from api.sweeps import service as svc
 
     if args.resume is not None:
         if args.spec or args.backend or args.max_trials is not None:
@@ -372,7 +372,7 @@ def list_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from api import format as fmt
-    from api.services import sweeps as svc
+    from api.sweeps import service as svc
 
     _, sessions = _sessions()
     with sessions() as s:
@@ -409,7 +409,7 @@ def show_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from api import format as fmt
-    from api.services import sweeps as svc
+    from api.sweeps import service as svc
 
     _, sessions = _sessions()
     with sessions() as s:

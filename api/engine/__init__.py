@@ -51,7 +51,7 @@ result is recorded, not told to the sampler, not counted in the budget, and the 
 once; the ledger re-reads the live capacity; a trial that no longer fits the nodes left is refused
 as its result (api/engine/_lost.py).
 
-Submission (``api.services.sweeps.create_sweep``, schedules too) refuses a spec whose space leaves no
+Submission (``api.sweeps.service.create_sweep``, schedules too) refuses a spec whose space leaves no
 valid layout or whose backend does not resolve (SpecError naming ``space.<field>`` / ``backend``).
 
 A sweep that FAILS (e.g. its backend cannot be imported) is never resumed: its rows still "running"

@@ -1,6 +1,6 @@
 """The export service: pick a ranked layout of a stored sweep (by rank, or by layout key) and write
 it in a framework's configuration (``tuner.export_layout``). Keyword-only; reads only (the ranking
-comes from ``api.services.sweeps``, which queries the store). Errors: an unknown format, a bad rank
+comes from ``api.sweeps.service``, which queries the store). Errors: an unknown format, a bad rank
 or both selectors SpecError (422 / exit 2), an unknown sweep, rank or layout NotFoundError (404), a
 sweep with no completed trial ConflictError (409): one line naming the field and the value."""
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.services import sweeps as sweeps_service
 from api.spec import SweepSpec, layout_from_mapping
+from api.sweeps import service as sweeps_service
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
 
 CHARSET = "; charset=utf-8"

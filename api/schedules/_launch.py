@@ -6,7 +6,7 @@ effect, inserts the fire's sweeps as "queued" in the SAME transaction; the engin
 committing leaves nothing behind (the fire is still unclaimed and any replica can take it), so there
 is never a claimed fire without its sweeps nor a sweep without its fire.
 
-The sweeps are inserted with ``api.store.insert_sweep`` rather than ``services.sweeps.create_sweep``
+The sweeps are inserted with ``api.store.insert_sweep`` rather than ``api.sweeps.service.create_sweep``
 because the service commits on its own, which would split the claim from the launch. Validation is
 the same: every spec is a validated ``SweepSpec`` (templates are re-validated at each fire, so a
 template that a later release no longer accepts fails its fire with the reason instead of running).
@@ -61,14 +61,14 @@ def remeasure_spec(source: SweepSpec, layouts: list[Layout], *, repeats: int, na
 
 def top_layouts(session: Session, *, sweep_id: int, k: int) -> list[Layout]:
     """The k best measured layouts of a sweep (the engine's ranking order)."""
-    from api.services.sweeps import ranking
+    from api.sweeps.service import ranking
 
     rows = ranking(session, sweep_id=sweep_id).rows[:k]
     return [Layout(**row.layout) for row in rows]
 
 
 def check_reference_layouts(spec: SweepSpec) -> None:
-    """The same check ``services.sweeps.create_sweep`` makes on a submitted spec."""
+    """The same check ``api.sweeps.service.create_sweep`` makes on a submitted spec."""
     known = getattr(tuner, "REFERENCE_LAYOUTS", None)
     if known is None:
         return

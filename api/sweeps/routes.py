@@ -1,4 +1,4 @@
-"""/api/sweeps: submit, list, read, rank and cancel sweeps (thin wrappers over api.services.sweeps)."""
+"""/api/sweeps: submit, list, read, rank and cancel sweeps (thin wrappers over api.sweeps.service)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,11 @@ from fastapi import APIRouter, Body, Query, Request, Response, status
 from api._http import GuardedRoute
 from api.deps import ReaderDep, SessionDep, SettingsDep, SweepId, TrialId, WriterDep
 from api.routes._cache import VersionedCache, etag_matches, sweep_version
-from api.schemas import (
-    BODY_RESPONSES,
-    ERROR_RESPONSES,
-    NOT_FOUND,
-    ErrorOut,
-    ParetoOut,
-    RankingOut,
-    SweepOut,
-    SweepPage,
-    TrialOut,
-    TrialPage,
-)
-from api.services import sweeps as service
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND, ErrorOut
 from api.spec import SweepSpec
 from api.store import SWEEP_PRIORITIES, SWEEP_STATUSES, TRIAL_STATUSES
+from api.sweeps import service
+from api.sweeps.schemas import ParetoOut, RankingOut, SweepOut, SweepPage, TrialOut, TrialPage
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
 _cache = VersionedCache(max_entries=256)  # ranking pages and Pareto answers, by version

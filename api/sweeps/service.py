@@ -22,11 +22,11 @@ from sqlalchemy.orm import Session
 from api import store
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable, predict_under
-from api.services import budget
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
 from api.store._models import utcnow
+from api.sweeps import budget
 from tuner import ConflictError, Layout, NotFoundError, SpecError
 from tuner._stats import pareto_front, rank, relative_error
 
@@ -63,7 +63,7 @@ class RankingRow:
     memory_prediction_error: float | None
     simulated: bool
     trial_numbers: list[int] = field(default_factory=list)
-    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.services.budget)
+    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.sweeps.budget)
 
 
 @dataclass
@@ -404,7 +404,7 @@ CSV_COLUMNS = (
 # One column per layout field after layout_key (the key stays: it is the layout's identity), so a
 # spreadsheet can filter and pivot on tp, pp, ... without parsing the key.
 CSV_LAYOUT_COLUMNS = tuple(Layout.__dataclass_fields__)
-# Last: the time and cost to train training.train_tokens at the row's median (api.services.budget).
+# Last: the time and cost to train training.train_tokens at the row's median (api.sweeps.budget).
 CSV_BUDGET_COLUMNS = ("time_to_train_s", "cost_to_train")
 
 
