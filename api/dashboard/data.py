@@ -1,6 +1,6 @@
 """The dashboard's reads: sweep-service calls turned into the plain dicts ``views`` and the templates use.
 
-Only services are called here (routes never build queries): ``api.services.sweeps`` for sweeps and
+Only services are called here (routes never build queries): ``api.sweeps.service`` for sweeps and
 trials, ``api.reshard.service`` for the sweep's migration (reshard) checks. One page load reads the
 sweep's trials once (``list_trials``), the ranking and the Pareto points; a 2,000-trial sweep is a
 few hundred kB of rows.
@@ -19,7 +19,7 @@ from api import format as fmt
 from api.dashboard import views
 from api.engine._calibrate import describe
 from api.reshard import service as reshard_service
-from api.services import sweeps as service
+from api.sweeps import service
 from api.spec import SweepSpec
 from tuner import Layout, LayoutError, TrainingSpec, microbatches
 from tuner._stats import TIED, pareto_front, relative_error
@@ -244,7 +244,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
             capacity_gib=cap / GiB if cap else None,
             memory_fraction=min(r.peak_memory_bytes / cap, 1.0) if r.peak_memory_bytes and cap else None,
             memory_error=r.memory_prediction_error, time_error=r.prediction_error,
-            # time and cost to train training.train_tokens at its measured tokens/s (api.services.budget)
+            # time and cost to train training.train_tokens at its measured tokens/s (api.sweeps.budget)
             budget_cells=fmt.budget_cells(r.budget, simulated=bool(r.budget and r.budget.get("simulated"))),
         )
         rows.append(d)

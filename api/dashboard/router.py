@@ -43,7 +43,7 @@ from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
 from api.deps import SessionDep, SettingsDep, SweepId, TrialId
-from api.services import sweeps as service
+from api.sweeps import service
 from api.settings import Settings
 from api.spec import SAMPLERS
 from api.store import SWEEP_STATUSES
