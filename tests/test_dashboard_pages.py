@@ -14,13 +14,19 @@ from pathlib import Path
 
 import pytest
 from _dashboard_seed import (
-    MIGRATION_LAYOUTS, StubReshardRunner, add_running_trial, seed_migration_sweep, seed_sweep, summary_of,
+    MIGRATION_LAYOUTS,
+    StubReshardRunner,
+    add_running_trial,
+    seed_migration_sweep,
+    seed_sweep,
+    summary_of,
 )
 from fastapi.testclient import TestClient
 
 from api import store
-from api.dashboard import data, router, views
+from api.dashboard import data, views
 from api.dashboard.importance import param_importance
+from api.dashboard.router import RANK_PAGE
 from api.main import create_app
 from api.settings import Settings
 from api.sweeps import service
@@ -136,14 +142,14 @@ def test_sweep_page_shows_one_ranking_page_at_a_time(tmp_path):
     engine, sessions = store.open_store(url)
     sid = seed_sweep(sessions, n_trials=130, name="paged sweep")
     rows = summary_of(sessions, sid)["ranking"].rows
-    assert len(rows) > router.RANK_PAGE  # the seed measures more layouts than one page holds
+    assert len(rows) > RANK_PAGE  # the seed measures more layouts than one page holds
     app = create_app(Settings(database_url=url), run_engine=False)
     with TestClient(app) as c:
         first, second = c.get(f"/sweeps/{sid}").text, c.get(f"/sweeps/{sid}?rank_page=2").text
     engine.dispose()
     ranks = [re.findall(r'<tr class="[^"]*" data-trial="[^"]*" data-key="[^"]*" data-rank="(\d+)"', t) for t in (first, second)]
-    assert ranks[0] == [str(r.rank) for r in rows[:router.RANK_PAGE]]
-    assert ranks[1] == [str(r.rank) for r in rows[router.RANK_PAGE:2 * router.RANK_PAGE]]
+    assert ranks[0] == [str(r.rank) for r in rows[:RANK_PAGE]]
+    assert ranks[1] == [str(r.rank) for r in rows[RANK_PAGE:2 * RANK_PAGE]]
     assert f'/sweeps/{sid}?rank_page=2&amp;' in first and "page 1 of" in first
 
 
@@ -160,12 +166,14 @@ def test_sweep_page_etag_and_a_new_result_renders_it_again(tmp_path):
             assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
             again = c.get(path, headers={"If-None-Match": etag})
             assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
-        page = c.get(f"/sweeps/{sid}")
         # A read-only viewer's page hides the actions: a page of its own, never the writer's cached one.
-        reader = c.get(f"/sweeps/{sid}", headers={"Authorization": "Bearer " + "r" * 24})
-        assert reader.headers["etag"] != page.headers["etag"]
-        assert "check migration" in page.text and "check migration" not in reader.text
-        assert c.get(f"/sweeps/{sid}").headers["etag"] == page.headers["etag"]  # the writer's again
+        mig = seed_migration_sweep(sessions)
+        writer = c.get(f"/sweeps/{mig}")
+        reader = c.get(f"/sweeps/{mig}", headers={"Authorization": "Bearer " + "r" * 24})
+        assert reader.headers["etag"] != writer.headers["etag"]
+        assert 'class="mig-open"' in writer.text and 'class="mig-open"' not in reader.text
+        assert c.get(f"/sweeps/{mig}").text == writer.text  # the writer's again
+        page = c.get(f"/sweeps/{sid}")
         # A result lands: the page's version changes, so the old ETag no longer matches and the page shows it.
         add_running_trial(sessions, sweep_id=sid, tokens=987654.0, peak=3 * 2**30)
         with store.session_scope(sessions) as session:

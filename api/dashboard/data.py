@@ -8,6 +8,7 @@ few hundred kB of rows.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -19,8 +20,9 @@ from api import format as fmt
 from api.dashboard import views
 from api.engine._calibrate import describe
 from api.reshard import service as reshard_service
-from api.sweeps import service
+from api.routes._cache import sweep_version
 from api.spec import SweepSpec
+from api.sweeps import service
 from tuner import Layout, LayoutError, TrainingSpec, microbatches
 from tuner._stats import TIED, pareto_front, relative_error
 
@@ -181,6 +183,7 @@ _finished_lock = threading.Lock()
 _FINISHED_KEEP = 8
 LIVE_TTL_S = 2.0
 _live: dict[int, tuple[float, dict[str, Any]]] = {}
+_versions = itertools.count(1)  # each state read gets its own: the router's rendered pages key on it
 
 
 def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
@@ -198,7 +201,9 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
                 del _live[sid]
             _live[sweep.id] = (now, state)
         return state
-    key = (sweep.id, sweep.status, sweep.finished_at, sweep.n_trials, sweep.n_completed, sweep.device_seconds)
+    # sweep_version: the counters every recorded result refreshes, and the calibration (a refit
+    # changes the ranking's order and errors)
+    key = (sweep.id, sweep.finished_at, *sweep_version(sweep))
     with _finished_lock:
         if key in _finished:
             _finished.move_to_end(key)
@@ -277,7 +282,8 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     header["search_spent"] = fmt.search_spent(sweep.device_seconds or 0.0, simulated=sweep.backend == "simulate",
                                               price_per_device_hour=spend.get("price_per_device_hour"))
     bundle["summary"]["search_spent"] = header["search_spent"]  # refreshed on a live page (data-fact)
-    return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob}
+    return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob,
+            "version": next(_versions)}
 
 
 # --- migration (reshard) checks, issue 8 ------------------------------------------------------------

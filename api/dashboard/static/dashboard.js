@@ -1,4 +1,4 @@
-/* meshtune sweep page: draws the charts from the JSON the server embedded, re-draws them with
+/* meshtune sweep page: draws the charts from data.json (fetched once loaded), re-draws them with
    Plotly.react from data.json every few seconds while the sweep runs, and lazily loads the
    parameter importance (computed server-side with Optuna). */
 (function () {
@@ -133,14 +133,24 @@
       .then(drawImportance).catch(function (e) { drawImportance({ params: [], importance: [], evaluator: "", note: String(e) }); });
   }
 
-  const initial = JSON.parse(document.getElementById("sweep-data").textContent);
-  drawAll(initial).then(loadImportance);
-  window.meshtuneDashboard = { initial: initial };
-
-  let live = initial.live;
+  // The charts' data is fetched, not embedded: the page stays one page of tables (tens of kB) while
+  // a 10,000-trial sweep's chart data is ~1 MB (served with an ETag, so a reload revalidates it).
+  let live = false;
   const period = Number(root.dataset.refreshMs || 5000);
-  let lastCompleted = initial.summary.counts.completed;
-  let lastCounts = JSON.stringify(initial.summary.counts);
+  let lastCompleted = null;
+  let lastCounts = null;
+  function start(initial) {
+    window.meshtuneDashboard = { initial: initial };
+    live = initial.live;
+    lastCompleted = initial.summary.counts.completed;
+    lastCounts = JSON.stringify(initial.summary.counts);
+    drawAll(initial).then(loadImportance);
+    if (live) setTimeout(refresh, period);
+  }
+  function load() {
+    fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(start)
+      .catch(function () { setTimeout(load, period); });
+  }
   function refresh() {
     fetch(urls.data, { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(async function (b) {
       await drawAll(b);
@@ -164,5 +174,5 @@
       if (live) setTimeout(refresh, period);
     }).catch(function () { setTimeout(refresh, period * 2); });
   }
-  if (live) setTimeout(refresh, period);
+  load();
 })();
