@@ -4,7 +4,8 @@ transaction that adds trial rows first re-asserts that this runner still owns th
 (``store.hold_sweep``). A runner that finds the sweep taken over (a heartbeat answered by another
 owner, an insert whose number already exists, a result whose row is no longer its own) raises
 ``LostClaim``: it stops running the sweep at once and writes nothing more to it; the new owner
-re-runs what was in flight. ``SweepLoop`` (api/engine/_loop.py) takes these checks from ``Claim``.
+re-runs what was in flight (``Claim._recover``, the restart rule). ``SweepLoop`` (api/engine/_loop.py)
+takes these checks from ``Claim``.
 """
 
 from __future__ import annotations
@@ -55,12 +56,37 @@ class KeepAlive:
 
 
 class Claim:
-    """The loop's ownership checks (mixed into SweepLoop, which sets ``r``, ``sweep_id``, ``last_beat``)."""
+    """The loop's ownership checks (mixed into SweepLoop, which sets ``r``, ``sweep_id``, ``last_beat``
+    and provides ``_load_rows`` / ``_rows``)."""
 
     r: SweepRunner
     sweep_id: int
     last_beat: float
     _status: str | None
+
+    def _recover(self) -> list[store.Trial]:
+        """The documented restart rule: a trial found "running" belonged to a coordinator that died;
+        its row becomes "interrupted" and the trial re-runs under the same number as attempt + 1."""
+        with store.session_scope(self.r.sessions) as s:
+            self._hold(s)  # never interrupt the trials of a coordinator that took the sweep over
+            store.mark_interrupted(s, sweep_id=self.sweep_id)
+            rows = store.all_trials(s, sweep_id=self.sweep_id)
+            live = {t.number for t in rows if t.status != "interrupted"}
+            redo: dict[int, store.Trial] = {}
+            for t in rows:
+                if t.number not in live and (t.number not in redo or t.attempt > redo[t.number].attempt):
+                    redo[t.number] = t
+            for t in redo.values():
+                self._inserted(store.insert_trial(
+                    s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt + 1, phase=t.phase,
+                    source=t.source, repeat=t.repeat, layout=t.layout, layout_key=t.layout_key,
+                    world_size=t.world_size, predicted_memory_bytes=t.predicted_memory_bytes,
+                    predicted_step_time_s=t.predicted_step_time_s,
+                    predicted_tokens_per_s_per_device=t.predicted_tokens_per_s_per_device,
+                    useful_fraction=t.useful_fraction, backend=t.backend,
+                ), t.number)
+        self._load_rows()
+        return [t for t in self._rows() if t.status == "running"]
 
     def _hold(self, s: Any) -> None:
         """First statement of every transaction that adds trial rows (see the module docstring)."""

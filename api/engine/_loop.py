@@ -106,30 +106,6 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
         self.rows[number] = row
         return row
 
-    def _recover(self) -> list[store.Trial]:
-        """The documented restart rule: a trial found "running" belonged to a coordinator that died;
-        its row becomes "interrupted" and the trial re-runs under the same number as attempt + 1."""
-        with store.session_scope(self.r.sessions) as s:
-            self._hold(s)  # never interrupt the trials of a coordinator that took the sweep over
-            store.mark_interrupted(s, sweep_id=self.sweep_id)
-            rows = store.all_trials(s, sweep_id=self.sweep_id)
-            live = {t.number for t in rows if t.status != "interrupted"}
-            redo: dict[int, store.Trial] = {}
-            for t in rows:
-                if t.number not in live and (t.number not in redo or t.attempt > redo[t.number].attempt):
-                    redo[t.number] = t
-            for t in redo.values():
-                self._inserted(store.insert_trial(
-                    s, sweep_id=self.sweep_id, number=t.number, attempt=t.attempt + 1, phase=t.phase,
-                    source=t.source, repeat=t.repeat, layout=t.layout, layout_key=t.layout_key,
-                    world_size=t.world_size, predicted_memory_bytes=t.predicted_memory_bytes,
-                    predicted_step_time_s=t.predicted_step_time_s,
-                    predicted_tokens_per_s_per_device=t.predicted_tokens_per_s_per_device,
-                    useful_fraction=t.useful_fraction, backend=t.backend,
-                ), t.number)
-        self._load_rows()
-        return [t for t in self._rows() if t.status == "running"]
-
     def _rebuild(self) -> list[store.Trial]:
         """Replay every finished search trial into the in-memory study (Optuna's state is derived)."""
         rows = self._rows()
