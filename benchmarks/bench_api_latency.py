@@ -19,7 +19,9 @@ after a short warm-up), so that the shared machine's changing load falls on all 
     ranking                      the whole ranking (all layouts, ~2.6 MB of JSON)
     ranking?limit=20             its first page
     ranking?limit=20 + ETag      the same with If-None-Match of the page's ETag (304)
-    /sweeps/{id}                 the dashboard's sweep page (HTML)
+    /sweeps/{id}                 the dashboard's sweep page (HTML: one page of the ranking and trials)
+    /sweeps/{id} + ETag          the same with If-None-Match of its ETag (304)
+    /sweeps/{id}/data.json       the charts' data the page fetches once loaded (~1 MB at 10,000 trials)
 
 with p50/p99 under load, the unloaded median (one client), the server's CPU per request (from
 /proc), and each p99 as a multiple of /healthz's. "serialise" is the whole ranking's JSON
@@ -28,6 +30,7 @@ load average (``uptime``) is printed before and after: quote it with the numbers
 
     python benchmarks/bench_api_latency.py [--trials 10000] [--clients 50] [--requests 1000]
                                            [--pg postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+                                           [--sqlite-only] [--rounds 5] [--kinds top20,page,page304]
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ SPEC = {
     "training": {"global_batch_tokens": 4194304},
     "backend": "simulate",
 }
+
+
+TITLES = (("healthz", "/healthz"), ("full", "whole ranking"), ("top20", "ranking?limit=20"),
+          ("etag", "?limit=20, If-None-Match (304)"), ("page", "dashboard sweep page"),
+          ("page304", "sweep page, If-None-Match (304)"), ("data", "sweep page's chart data.json"))
+KINDS = tuple(k for k, _ in TITLES if k != "healthz")
 
 
 def seed(url: str, n_trials: int) -> int:
@@ -240,8 +249,12 @@ def measure(url: str, label: str, args: argparse.Namespace, home: Path) -> dict[
     ranking = f"/api/sweeps/{sid}/ranking"
     try:
         etag = httpx.get(f"{base}{ranking}?limit=20").headers["etag"]
+        page_etag = httpx.get(f"{base}/sweeps/{sid}").headers["etag"]
         kinds = [("healthz", "/healthz", None, 200), ("full", ranking, None, 200), ("top20", f"{ranking}?limit=20", None, 200),
-                 ("etag", f"{ranking}?limit=20", {"If-None-Match": etag}, 304), ("page", f"/sweeps/{sid}", None, 200)]
+                 ("etag", f"{ranking}?limit=20", {"If-None-Match": etag}, 304), ("page", f"/sweeps/{sid}", None, 200),
+                 ("page304", f"/sweeps/{sid}", {"If-None-Match": page_etag}, 304),
+                 ("data", f"/sweeps/{sid}/data.json", None, 200)]
+        kinds = [k for k in kinds if k[0] == "healthz" or k[0] in args.kinds]
         firsts: dict[str, tuple[float, list[float], bytes]] = {}
         for kind, path, headers, _ in kinds:
             async def single_client(path=path, headers=headers) -> tuple[float, list[float], bytes]:
@@ -269,7 +282,7 @@ def measure(url: str, label: str, args: argparse.Namespace, home: Path) -> dict[
         wall_of, cpu_of = dict.fromkeys(lat_of, 0.0), dict.fromkeys(lat_of, 0.0)
         for _ in range(args.rounds):
             for kind, path, headers, expect in kinds:
-                n = (min(args.requests, 200) if kind == "page" else args.requests) // args.rounds  # page: ~1 MB
+                n = (min(args.requests, 200) if kind == "data" else args.requests) // args.rounds  # data: ~1 MB
                 cpu0 = cpu_seconds(proc.pid)
                 lat, wall = asyncio.run(load(port, path, clients=args.clients, requests=n,
                                              warmup=args.clients // 5, headers=headers, expect=expect))
@@ -302,7 +315,11 @@ def main() -> None:
     parser.add_argument("--pg", default=os.environ.get("MESHTUNE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"))
     parser.add_argument("--rounds", type=int, default=5, help="the request kinds take turns this many times")
     parser.add_argument("--sqlite-only", action="store_true", help="skip PostgreSQL")
+    parser.add_argument("--kinds", default=",".join(KINDS), type=lambda v: [k for k in v.split(",") if k],
+                        help=f"request kinds to measure, comma-separated (of {','.join(KINDS)}; /healthz always)")
     args = parser.parse_args()
+    if unknown := [k for k in args.kinds if k not in KINDS]:
+        parser.error(f"--kinds: {unknown[0]!r} is not a kind (one of {', '.join(KINDS)})")
 
     before = uptime()
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -327,8 +344,7 @@ def main() -> None:
     after = uptime()
 
     stores = list(results)
-    titles = (("healthz", "/healthz"), ("full", "whole ranking"), ("top20", "ranking?limit=20"),
-              ("etag", "?limit=20, If-None-Match (304)"), ("page", "dashboard sweep page"))
+    titles = [(k, t) for k, t in TITLES if k in results[stores[0]]]
     print(f"\n{'':34s}" + "".join(f"{s + ' ' + c:>16s}" for s in stores for c in ("p50", "p99")) +
           "".join(f"{s + ' p99/healthz':>24s}" for s in stores))
     for kind, title in titles:
@@ -345,9 +361,14 @@ def main() -> None:
         ("server CPU per ?limit=20", "top20", "cpu", 1e3, "ms"),
         ("server CPU per whole ranking", "full", "cpu", 1e3, "ms"),
         ("server CPU per sweep page", "page", "cpu", 1e3, "ms"),
+        ("server CPU per chart data.json", "data", "cpu", 1e3, "ms"),
+        ("sweep page size", "page", "bytes", 1e-6, "MB"),
+        ("chart data.json size", "data", "bytes", 1e-6, "MB"),
         ("throughput ?limit=20", "top20", "rps", 1, "req/s"),
         ("whole ranking size", "full", "bytes", 1e-6, "MB"),
     ):
+        if kind not in results[stores[0]]:
+            continue
         print(f"{label + ' (' + unit + ')':34s}" + "".join(f"{results[s][kind][key] * scale:16.2f}" for s in stores))
     print(f"\nload before: {before}\nload after:  {after}")
 
