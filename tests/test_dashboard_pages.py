@@ -166,6 +166,10 @@ def test_sweep_page_etag_and_a_new_result_renders_it_again(tmp_path):
             assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
             again = c.get(path, headers={"If-None-Match": etag})
             assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
+            # gzipped once for browsers; the same bytes plain for a client that does not take gzip
+            plain = c.get(path, headers={"Accept-Encoding": "identity"})
+            assert r.headers["content-encoding"] == "gzip" and "content-encoding" not in plain.headers
+            assert plain.content == r.content and plain.headers["etag"] == etag
         # A read-only viewer's page hides the actions: a page of its own, never the writer's cached one.
         mig = seed_migration_sweep(sessions)
         writer = c.get(f"/sweeps/{mig}")

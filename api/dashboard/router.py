@@ -330,11 +330,25 @@ def _cached_html(request: Request, session: Any, settings: Settings, sweep_id: i
         body = templates.get_template(template).render(ctx).encode()
         return body, f'"dash-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
-    body, etag = _rendered.get(key, (state["version"], _checks_version(checks)), render)
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}  # revalidate every time (a live sweep changes)
+    entry = _rendered.get(key, (state["version"], _checks_version(checks)), lambda: _packed(*render()))
+    return _send(request, entry, "text/html; charset=utf-8")
+
+
+def _packed(body: bytes, etag: str) -> tuple[bytes, bytes, str]:
+    """The bytes, gzipped once (a browser then gets ~10x fewer: 160 kB of tables, 0.7 MB of chart
+    data at 10,000 trials), and the ETag."""
+    return body, gzip.compress(body, compresslevel=5), etag
+
+
+def _send(request: Request, entry: tuple[bytes, bytes, str], media_type: str) -> Response:
+    raw, packed, etag = entry
+    # Weak (RFC 9110 section 8.8.1): the gzipped and the plain bytes are one representation's two encodings.
+    headers = {"ETag": "W/" + etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding"}  # revalidated on each use
     if etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
-    return Response(body, media_type="text/html; charset=utf-8", headers=headers)
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        return Response(packed, media_type=media_type, headers=headers | {"Content-Encoding": "gzip"})
+    return Response(raw, media_type=media_type, headers=headers)
 
 
 @router.get("/sweeps/{sweep_id}", name="dashboard_sweep")
@@ -377,11 +391,8 @@ def sweep_data(request: Request, sweep_id: SweepId, session: SessionDep, setting
         body = JSONResponse(state["bundle"] | {"status": state["sweep"]["status"]}).body
         return body, f'"data-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
-    body, etag = _rendered.get(("data.json", sweep_id), state["version"], render)
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if etag_matches(request.headers.get("if-none-match"), etag):
-        return Response(status_code=304, headers=headers)
-    return Response(body, media_type="application/json", headers=headers)
+    entry = _rendered.get(("data.json", sweep_id), state["version"], lambda: _packed(*render()))
+    return _send(request, entry, "application/json")
 
 
 @router.get("/sweeps/{sweep_id}/importance.json", name="dashboard_sweep_importance")
