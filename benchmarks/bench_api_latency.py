@@ -24,7 +24,9 @@ after a short warm-up), so that the shared machine's changing load falls on all 
     /sweeps/{id}/data.json       the charts' data the page fetches once loaded (~1 MB at 10,000 trials)
 
 with p50/p99 under load, the unloaded median (one client), the server's CPU per request (from
-/proc), and each p99 as a multiple of /healthz's. "serialise" is the whole ranking's JSON
+/proc), and each p99 as a multiple of /healthz's. The clients are a closed loop (each sends its next
+request when its answer arrives), so on one server process a kind's median is about ``--clients``
+times its server time per request (Little's law): 50 clients at 1 ms each is ~50 ms, idle or not. "serialise" is the whole ranking's JSON
 serialisation alone, in process (what the whole ranking costs besides sending it). The machine's
 load average (``uptime``) is printed before and after: quote it with the numbers.
 
@@ -249,7 +251,10 @@ def measure(url: str, label: str, args: argparse.Namespace, home: Path) -> dict[
     ranking = f"/api/sweeps/{sid}/ranking"
     try:
         etag = httpx.get(f"{base}{ranking}?limit=20").headers["etag"]
-        page_etag = httpx.get(f"{base}/sweeps/{sid}").headers["etag"]
+        started = time.perf_counter()  # the page's first load reads every trial and renders it (then cached)
+        page_etag = httpx.get(f"{base}/sweeps/{sid}", timeout=120).headers["etag"]
+        print(f"  {label} sweep page, cold (reads the sweep's trials, renders): {(time.perf_counter() - started) * 1e3:.0f} ms",
+              flush=True)
         kinds = [("healthz", "/healthz", None, 200), ("full", ranking, None, 200), ("top20", f"{ranking}?limit=20", None, 200),
                  ("etag", f"{ranking}?limit=20", {"If-None-Match": etag}, 304), ("page", f"/sweeps/{sid}", None, 200),
                  ("page304", f"/sweeps/{sid}", {"If-None-Match": page_etag}, 304),
