@@ -375,6 +375,7 @@ def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stor
     with TestClient(app) as c:
         page = _RankedRows()
         page.feed(c.get(f"/sweeps/{sid}").text)
+        assert "data-check=" not in c.get(f"/sweeps/{sid}/tables").text  # rendered (and cached) before any check
         assert len(page.rows) == len(MIGRATION_LAYOUTS) == page.buttons == len(page.targets)
         assert {r["key"] for r in page.rows} == {lay.key for lay in MIGRATION_LAYOUTS}
         assert [t["rank"] for t in page.targets] == [1, 2, 3, 4] and page.targets[0]["key"] == page.rows[0]["key"]
