@@ -17,9 +17,9 @@ fitting tuner.CalibrationFactors by Nelder-Mead, which on 8 CPU layouts drove co
 0.009 and turned a +0.76 rank correlation into +0.07 (issue 13): nothing judged the fit on layouts it
 had not seen.
 
-Judgement: leave-one-out. Each sample is placed among the others by the fit to the others, and the
-Spearman rank correlation (Spearman 1904) of those held-out places with the measurements is
-compared with the prior's (which saw none of them); the held-out step times give the rms error. A fit that ranks worse is refused: the sweep
+Judgement: leave-one-out. Each sample's step time is predicted by the fit to the others, and the
+Spearman rank correlation (Spearman 1904) of those held-out predictions with the measurements is
+compared with the prior's (which saw none of them). A fit that ranks worse is refused: the sweep
 keeps the prior (or the calibration inherited from earlier sweeps on the cluster, whichever ranks
 better). The figures are stored with the calibration and shown by ``meshtune show`` and the dashboard.
 
@@ -173,18 +173,12 @@ def judge_time(parts: np.ndarray, measured: np.ndarray, priors: dict[str, np.nda
     if n < MIN_JUDGED or not free:
         return {**out, "accepted": False, "weights": named(base, TIME_PARTS), "loo_spearman": None,
                 "loo_rms_log_error": None, "reason": f"{n} measurements: too few to judge a fit (need {MIN_JUDGED})"}
-    loo, place = np.empty(n), np.empty(n)
+    loo = np.empty(n)
     for i in range(n):
         keep = np.arange(n) != i
         w = fit_weights(parts[keep], measured[keep], base, free)
-        pred = parts @ w
-        loo[i] = pred[i]
-        # Where the fold's model places the held-out sample among the others. Comparing raw held-out
-        # predictions across folds would rank the folds' constants instead: leaving out a slow run
-        # lowers the fitted per-step constant, so on a CPU run dominated by it the held-out
-        # predictions came out exactly reversed (Spearman -1.00 against a prior of +0.85).
-        place[i] = float((pred[keep] < pred[i]).sum()) + 0.5 * float((pred[keep] == pred[i]).sum())
-    loo_sp, loo_err = spearman(place, measured), _rms_log(loo, measured)
+        loo[i] = parts[i] @ w
+    loo_sp, loo_err = spearman(loo, measured), _rms_log(loo, measured)
     # Equal rank correlation keeps the fit when it also predicts held-out step times better (it fixed
     # the scale); a worse rank correlation is always refused.
     accepted = _nz(loo_sp) > _nz(scores[base_name]) or (_nz(loo_sp) == _nz(scores[base_name]) and loo_err <= errs[base_name])
