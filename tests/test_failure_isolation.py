@@ -170,8 +170,11 @@ def test_slow_ray_start_is_retried_then_one_backend_unavailable(ray_start_times_
 
     with pytest.raises(BackendUnavailable, match=r"cannot start a local Ray after 3 attempts: .*timed out during startup"):
         RayBackend().run(_request())
-    assert [sorted(c) for c in ray_start_times_out] == [["include_dashboard", "log_to_driver", "num_cpus"],
-                                                        ["cleaned"]] * 3  # each failed attempt cleaned up
+    # Each attempt starts a new local Ray (address="local": never another Ray found on the machine),
+    # and each failed attempt cleaned up.
+    assert [sorted(c) for c in ray_start_times_out] == [
+        ["address", "include_dashboard", "log_to_driver", "num_cpus"], ["cleaned"]] * 3
+    assert {c["address"] for c in ray_start_times_out[::2]} == {"local"}
 
 
 def test_a_failed_ray_start_leaves_no_ray_process_behind(monkeypatch) -> None:
