@@ -51,21 +51,11 @@ from tuner._memory import (
 from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, partition_stages
 from tuner._placement import AxisPlacement, Placement, place
 from tuner._plan import R_MEMORY, R_TP_NODES, Plan, PlannedLayout, plan, plan_one
+from tuner._presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_spec, model_spec, training_spec
 from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts
 from tuner._specfile import Problem, load_problem, problem_from_mapping, read_spec_file
-from tuner._specs import (
-    CLUSTER_PRESETS,
-    MODEL_PRESETS,
-    PRECISIONS,
-    ClusterSpec,
-    ModelSpec,
-    TrainingSpec,
-    cluster_spec,
-    model_spec,
-    to_dict,
-    training_spec,
-)
+from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict
 from tuner._timing import (
     CalibrationFactors,
     TimeEstimate,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tuner._layout import Layout, check_layout
-from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec, cluster_spec, model_spec
+from tuner._presets import cluster_spec, model_spec
+from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
 
 
 @dataclass(frozen=True)

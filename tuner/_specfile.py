@@ -21,8 +21,9 @@ except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None  # type: ignore[assignment]
 
 from tuner._errors import SpecError
+from tuner._presets import cluster_spec, model_spec, training_spec
 from tuner._space import SearchSpace
-from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, cluster_spec, model_spec, training_spec
+from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
