@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import tuner._specs as specs
+import tuner._presets as presets
 from tuner import (
     Layout,
     LayoutError,
@@ -31,14 +31,14 @@ REQUIRED = ("a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200", "b200", "gb
 
 @pytest.mark.parametrize("name", REQUIRED)
 def test_preset_validates_and_cites_its_datasheet(name):
-    c = specs.CLUSTER_PRESETS[name]
+    c = presets.CLUSTER_PRESETS[name]
     assert c.name == name
-    assert specs.ClusterSpec(**dataclasses.asdict(c)) == c  # every field passes __post_init__ again
+    assert presets.ClusterSpec(**dataclasses.asdict(c)) == c  # every field passes __post_init__ again
     assert c.domain_devices % c.devices_per_node == 0
     if name == "cpu-local":
         return
     # The comment right above the preset names its source and the figures it took from it.
-    source = inspect.getsource(specs)
+    source = inspect.getsource(presets)
     at = source.index(f'ClusterSpec("{name}"')
     comment = " ".join(line.strip().lstrip("#") for line in source[:at].splitlines()[-4:] if line.strip().startswith("#"))
     assert re.search(r"\d[\d.,]* [TP]FLOP/s bf16 dense", comment), comment
@@ -49,7 +49,7 @@ def test_preset_validates_and_cites_its_datasheet(name):
 
 
 def test_datasheet_figures_of_a_few_presets():
-    p = specs.CLUSTER_PRESETS
+    p = presets.CLUSTER_PRESETS
     assert p["h100-sxm"].peak_flops == 989e12 and p["h100-sxm"].intra_node_bandwidth == 450e9
     assert p["a100-40g"].device_memory == 40 * 2**30 and p["a100-80g"].device_memory == 80 * 2**30
     assert p["mi300x"].device_memory == 192 * 2**30 and p["l40s"].device_memory == 48 * 2**30
