@@ -160,9 +160,16 @@ def test_bodies_are_bounded_and_the_caller_is_checked_before_the_body_is_read(cl
     pytest.param(b'{"model": {"a": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}}", "deeper than the limit", id="42-deep"),
 ])
 def test_undecodable_bodies_are_a_documented_422_naming_body(client: TestClient, content: bytes, needle: str) -> None:
-    r = client.post("/api/sweeps", content=content, headers={**ALICE, "content-type": "application/json"})
-    assert _first_error(r)["field"] == "body" and needle in r.json()["detail"], r.text
-    assert "UTF-8" in client.get("/openapi.json").json()["paths"]["/api/sweeps"]["post"]["responses"]["422"]["description"]
+    # Every route that reads a JSON body (from the OpenAPI document, so a new one is covered too).
+    doc = client.get("/openapi.json").json()
+    json_posts = [path for path, ops in doc["paths"].items()
+                  if "application/json" in ops.get("post", {}).get("requestBody", {}).get("content", {})]
+    assert "/api/sweeps" in json_posts and "/api/plan" in json_posts
+    for path in json_posts:
+        url = path.replace("{sweep_id}", "1").replace("{schedule_id}", "1")
+        r = client.post(url, content=content, headers={**ALICE, "content-type": "application/json"})
+        assert r.status_code == 422 and _first_error(r)["field"] == "body" and needle in r.json()["detail"], (path, r.text)
+        assert "UTF-8" in doc["paths"][path]["post"]["responses"]["422"]["description"], path
 
 
 def test_planning_work_is_bounded_before_it_starts(client: TestClient) -> None:

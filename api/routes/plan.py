@@ -22,8 +22,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from api._http import GuardedRoute
 from api.deps import ReaderDep
-from api.schemas import ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
 from api.spec import PlanRequest
 from tuner import (
     ClusterSpec,
@@ -39,7 +40,8 @@ from tuner import (
 from tuner._plan import check_planning_work
 from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
 
-router = APIRouter(tags=["plan"])
+# GuardedRoute: POST /api/plan's body gets the rules every body gets (1 MiB, UTF-8, depth; auth first).
+router = APIRouter(tags=["plan"], route_class=GuardedRoute)
 
 MAX_TOP = 200
 MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
@@ -97,6 +99,17 @@ def _plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> tup
     return answer
 
 
+ModelName = Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")]
+ClusterName = Annotated[str, Query(max_length=100, description="Cluster preset name (see /api/presets).")]
+DevicesPerNode = Annotated[int | None, Query(ge=1, le=1024, description="Override the preset's devices per node.")]
+GlobalBatch = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Sequences per optimiser step.")]
+GlobalBatchTokens = Annotated[
+    int | None, Query(ge=1, le=2**40, description="Tokens per step (a multiple of the model's seq_len).")
+]
+CriticalBatchTokens = Annotated[
+    int | None, Query(ge=1, le=2**40, description="Critical batch in tokens (useful tokens/s level off past it).")
+]
+Precision = Annotated[Literal["bf16", "fp32"], Query(description="Training precision.")]
 TrainTokens = Annotated[float | None, Query(gt=0, le=1e18, description="Token budget of the training run "
                                              "(training.train_tokens): time and cost to train it.")]
 Price = Annotated[float | None, Query(ge=0, le=1e6, description="Price of one device-hour "
@@ -114,20 +127,14 @@ Price = Annotated[float | None, Query(ge=0, le=1e6, description="Price of one de
 def get_plan(
     request: Request,
     caller: ReaderDep,
-    model: Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")],
-    cluster: Annotated[str, Query(max_length=100, description="Cluster preset name (see /api/presets).")],
+    model: ModelName,
+    cluster: ClusterName,
     nodes: Annotated[int | None, Query(ge=1, le=100_000, description="Override the preset's node count.")] = None,
-    devices_per_node: Annotated[
-        int | None, Query(ge=1, le=1024, description="Override the preset's devices per node.")
-    ] = None,
-    global_batch: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Sequences per optimiser step.")] = None,
-    global_batch_tokens: Annotated[
-        int | None, Query(ge=1, le=2**40, description="Tokens per step (a multiple of the model's seq_len).")
-    ] = None,
-    critical_batch_tokens: Annotated[
-        int | None, Query(ge=1, le=2**40, description="Critical batch in tokens (beyond it throughput is discounted).")
-    ] = None,
-    precision: Annotated[Literal["bf16", "fp32"], Query(description="Training precision.")] = "bf16",
+    devices_per_node: DevicesPerNode = None,
+    global_batch: GlobalBatch = None,
+    global_batch_tokens: GlobalBatchTokens = None,
+    critical_batch_tokens: CriticalBatchTokens = None,
+    precision: Precision = "bf16",
     top: Annotated[int, Query(ge=1, le=MAX_TOP, description="How many of the fastest layouts to return.")] = 10,
     train_tokens: TrainTokens = None,
     price_per_device_hour: Price = None,
@@ -150,7 +157,7 @@ def get_plan(
     "/api/plan",
     response_model=PlanOut,
     summary="Analytical plan of a model given as a mapping (e.g. a Hugging Face config object)",
-    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
+    responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES, 429: {
         "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}},
 )
 def post_plan(request: Request, caller: ReaderDep, body: PlanRequest) -> PlanOut:
@@ -223,20 +230,14 @@ _SIZES: OrderedDict[tuple[Any, ...], tuple[Any, float]] = OrderedDict()
 def get_plan_sizes(
     request: Request,
     caller: ReaderDep,
-    model: Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")],
-    cluster: Annotated[str, Query(max_length=100, description="Cluster preset name (see /api/presets).")],
+    model: ModelName,
+    cluster: ClusterName,
     nodes: Annotated[str, Query(max_length=400, description="Node counts to compare, comma-separated: 4,8,16,32,64.")],
-    devices_per_node: Annotated[
-        int | None, Query(ge=1, le=1024, description="Override the preset's devices per node.")
-    ] = None,
-    global_batch: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="Sequences per optimiser step.")] = None,
-    global_batch_tokens: Annotated[
-        int | None, Query(ge=1, le=2**40, description="Tokens per step (a multiple of the model's seq_len).")
-    ] = None,
-    critical_batch_tokens: Annotated[
-        int | None, Query(ge=1, le=2**40, description="Critical batch in tokens (useful tokens/s level off past it).")
-    ] = None,
-    precision: Annotated[Literal["bf16", "fp32"], Query(description="Training precision.")] = "bf16",
+    devices_per_node: DevicesPerNode = None,
+    global_batch: GlobalBatch = None,
+    global_batch_tokens: GlobalBatchTokens = None,
+    critical_batch_tokens: CriticalBatchTokens = None,
+    precision: Precision = "bf16",
     scale_batch: Annotated[bool, Query(description="Grow the global batch with the devices from the first size's.")] = False,
     train_tokens: TrainTokens = None,
     price_per_device_hour: Price = None,
