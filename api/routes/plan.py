@@ -144,13 +144,7 @@ def get_plan(
     train_tokens / price_per_device_hour, each one's time and cost to train the budget)."""
     m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour)
-    answer = _cached((m, c, t))
-    if answer is None:
-        _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
-                                                     remedy="plan it with `meshtune plan`, which has no such limit"))
-        answer = _plan(m, c, t)
-    result, seconds = answer
-    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+    return _plan_answer(request, caller, m, c, t, top=top)
 
 
 @router.post(
@@ -165,13 +159,18 @@ def post_plan(request: Request, caller: ReaderDep, body: PlanRequest) -> PlanOut
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
     m, c, t = body.to_problem()
     _check_devices(c)
+    return _plan_answer(request, caller, m, c, t, top=body.top)
+
+
+def _plan_answer(request: Request, caller: Any, m: ModelSpec, c: ClusterSpec, t: TrainingSpec, *, top: int) -> PlanOut:
+    """The cached plan of (m, c, t), or a new one charged to an anonymous caller's budget first."""
     answer = _cached((m, c, t))
     if answer is None:
         _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                                      remedy="plan it with `meshtune plan`, which has no such limit"))
         answer = _plan(m, c, t)
     result, seconds = answer
-    return PlanOut(**result.to_dict(top=body.top), seconds=round(seconds, 4))
+    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
 
 
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
