@@ -1,5 +1,5 @@
-"""Shared fixtures: a fresh PostgreSQL database per test session, one local Ray per session, and a
-throw-away MESHTUNE_HOME for the whole run."""
+"""Shared fixtures: a fresh PostgreSQL database per test session, one local Ray per session, a headless
+Chromium per browser-test module, and a throw-away MESHTUNE_HOME for the whole run."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def artifacts_dir() -> Path:
     """Where a test run keeps files a person may want to look at (screenshots, reports)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """A headless Chromium shared by a module's tests (each opens its own context); once per module,
+    not per session: tests/_browser.py says why."""
+    from _browser import chromium
+
+    with chromium() as b:
+        yield b
 
 
 @pytest.fixture(scope="session")

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from _browser import Watched, serve, watched_page
 from _dashboard_seed import StubReshardRunner, add_running_trial, seed_migration_sweep, seed_sweep, summary_of
 
 from api import store
@@ -34,21 +32,12 @@ from api.sweeps import service
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
 TOKEN = "s3cret-token"
 GiB = 2**30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory) -> Iterator[dict]:
-    import uvicorn
-
     url = f"sqlite:///{tmp_path_factory.mktemp('dashboard') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
     t0 = time.perf_counter()
@@ -62,66 +51,17 @@ def coordinator(tmp_path_factory) -> Iterator[dict]:
     settings = Settings(database_url=url, api_tokens={"alice": TOKEN}, read_requires_auth=False, backend="simulate")
     app = create_app(settings, run_engine=False)
     app.state.reshard_runner = runner = StubReshardRunner(delay_s=1.0)  # TEST STUB (see the module docstring)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
     try:
-        yield {"base": f"http://127.0.0.1:{port}", "sessions": sessions, "ids": ids, "seed_s": seed_s,
-               "reshard_runner": runner}
+        with serve(app) as base:
+            yield {"base": base, "sessions": sessions, "ids": ids, "seed_s": seed_s, "reshard_runner": runner}
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        yield b
-        b.close()
-
-
-class Watched:
-    """A page with its console errors, uncaught exceptions and off-host requests recorded."""
-
-    def __init__(self, page, base: str) -> None:
-        self.page, self.base = page, base
-        self.errors: list[str] = []
-        self.foreign: list[str] = []
-        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
-        page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
-        page.on("request", lambda r: None if r.url.startswith((base, "data:")) else self.foreign.append(r.url))
-
-    def goto(self, path: str):
-        resp = self.page.goto(self.base + path, wait_until="load")
-        assert resp is not None and resp.status == 200, f"{path}: HTTP {resp and resp.status}"
-        return resp
-
-    def clean(self) -> None:
-        assert self.errors == [], f"console errors: {self.errors}"
-        assert self.foreign == [], f"requests that left the coordinator: {self.foreign}"
 
 
 @pytest.fixture
 def page(browser, coordinator) -> Iterator[Watched]:
-    ctx = browser.new_context(viewport={"width": 1440, "height": 900})
-    ctx.set_default_timeout(60_000)  # generous: the machine is shared; load times are reported, not asserted
-    w = Watched(ctx.new_page(), coordinator["base"])
-    yield w
-    ctx.close()
+    with watched_page(browser, coordinator["base"], width=1440, height=900) as w:
+        yield w
 
 
 PLOTS_DRAWN = """() => ['plot-pareto', 'plot-heatmap-0', 'plot-timeline', 'plot-stages', 'plot-losses', 'plot-importance']

@@ -3,13 +3,14 @@ regression marked on the chart. Runs use the simulate backend (labelled simulate
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+import html
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _browser import serve, watched_page
 from fastapi.testclient import TestClient
 
 from api import store
@@ -21,7 +22,6 @@ from api.schedules.schemas import ScheduleIn
 from api.settings import Settings
 from tuner import Layout
 
-CHROMIUM = "/usr/bin/chromium"
 ONE_RANK = {
     "name": "nightly", "model": "tiny", "cluster": {"preset": "cpu-local", "devices_per_node": 1, "peak_flops": 1e11},
     "training": {"global_batch": 8}, "space": pinned_space(Layout()),
@@ -72,55 +72,29 @@ def test_pages_render_with_the_regression(seeded) -> None:
         assert "nightly-sim" in listing.text and f"/schedules/{seeded['sid']}/trends" in listing.text
         page = c.get(f"/schedules/{seeded['sid']}/trends")
         assert page.status_code == 200
-        assert 'id="trend-plot"' in page.text and "alert-regression" in page.text and "simulated" in page.text
+        assert 'id="trend-plot"' in page.text and "alert-regression" in page.text and 'class="banner sim"' in page.text
         data = c.get(f"/schedules/{seeded['sid']}/trends.json").json()
         marks = [t for t in data["traces"] if t["name"] == "regression"]
         assert len(marks) == 1 and len(marks[0]["x"]) == 1 and data["simulated"] is True
+        # the page embeds the same traces for static/figure.js to draw
+        embedded = re.search(r"data-figure='(.*?)'", page.text, re.S)
+        assert embedded and json.loads(html.unescape(embedded[1]))["data"] == data["traces"]
+        assert c.get("/dashboard/static/figure.js").status_code == 200
         assert c.get("/schedules/999/trends").status_code == 404
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.browser
-def test_trends_page_in_chromium_marks_the_regression(seeded, artifacts_dir: Path) -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is not installed")
-    import uvicorn
-    from playwright.sync_api import sync_playwright
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(_app(seeded["url"]), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-            page = browser.new_page()
-            errors: list[str] = []
-            outside: list[str] = []
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(base) else None)
-            page.goto(f"{base}/schedules")
-            page.click(f"a[href='/schedules/{seeded['sid']}/trends']")
-            page.wait_for_selector("#trend-plot .main-svg", timeout=30_000)
-            names = page.evaluate("() => document.getElementById('trend-plot').data.map(t => t.name)")
-            points = page.locator("#trend-plot .scatterlayer .trace").count()
-            page.screenshot(path=str(artifacts_dir / "schedule-trends.png"), full_page=True)
-            assert page.locator("#alerts-table tr.alert-regression").count() == 1
-            browser.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
-    assert names == [Layout().short, "regression"] and points == 2  # legends show Layout.short
-    assert errors == [] and outside == []
+def test_trends_page_in_chromium_marks_the_regression(seeded, browser, artifacts_dir: Path) -> None:
+    with serve(_app(seeded["url"])) as base, watched_page(browser, base) as w:
+        page = w.page
+        w.goto("/schedules")
+        page.click(f"a[href='/schedules/{seeded['sid']}/trends']")
+        page.wait_for_selector("#trend-plot .main-svg", timeout=30_000)
+        names = page.evaluate("() => document.getElementById('trend-plot').data.map(t => t.name)")
+        points = page.locator("#trend-plot .scatterlayer .trace").count()
+        axis = page.evaluate("() => document.getElementById('trend-plot').layout.yaxis")  # the page's data-layout
+        assert axis["title"]["text"] == "best tokens/s" and axis["rangemode"] == "tozero"
+        page.screenshot(path=str(artifacts_dir / "schedule-trends.png"), full_page=True)
+        assert page.locator("#alerts-table tr.alert-regression").count() == 1
+        assert names == [Layout().short, "regression"] and points == 2  # legends show Layout.short
+        w.clean()
