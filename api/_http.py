@@ -154,7 +154,7 @@ class GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             request = _ParsedRequest(request.scope, request.receive)
             if guard is not None:  # raises 401/403 (the dependency runs again later; it is cheap)
-                guard(request.app.state.settings, await bearer(request))
+                await guard(request.app.state.settings, await bearer(request))
             # Parsed here, outside FastAPI's body reader, which would turn these 422s into a bare 400.
             if has_body and _is_json(request) and (raw := await request.body()):
                 request.parsed = parse_json_body(raw)
@@ -163,7 +163,7 @@ class GuardedRoute(APIRoute):
         return guarded
 
 
-def storable_params(request: Request) -> None:
+async def storable_params(request: Request) -> None:
     """App-wide dependency: a query or path value the stores cannot hold is a 422 naming it."""
     for section, items in (("path", request.path_params.items()), ("query", request.query_params.multi_items())):
         for name, value in items:

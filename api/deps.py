@@ -6,7 +6,7 @@ lifespan), so a test can build an app on any settings without touching process-w
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, Path, Query, Request, Security
@@ -23,14 +23,14 @@ bearer = HTTPBearer(
 )
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """One session per request; services commit their own writes, anything left is rolled back."""
     with request.app.state.sessions() as session:
         yield session
@@ -41,7 +41,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 
-def reader(settings: SettingsDep, credentials: Credentials) -> Principal:
+async def reader(settings: SettingsDep, credentials: Credentials) -> Principal:
     """The caller of a read endpoint: a token is needed only when ``read_requires_auth`` is set."""
     return authenticate(
         credentials.scheme if credentials else None,
@@ -52,7 +52,7 @@ def reader(settings: SettingsDep, credentials: Credentials) -> Principal:
     )
 
 
-def writer(settings: SettingsDep, credentials: Credentials) -> Principal:
+async def writer(settings: SettingsDep, credentials: Credentials) -> Principal:
     """The caller of a mutating endpoint: always needs a valid token (unless no tokens are configured)
     whose role may write (a read-only token: 403). Whether it may act on a given sweep or schedule
     (its owner, or an admin) is the service's check (api.auth.require_owner)."""

@@ -18,7 +18,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagge
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from api import _http, dashboard, errors, store
+from api import _answers, _http, dashboard, errors, store
 from api.dashboard import plan_page, trends
 from api.export import routes as export_routes
 from api.reshard import routes as reshard
@@ -144,4 +144,5 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     # Outermost last: the body limit applies before anything, even routing, reads the body.
     app.add_middleware(_http.AllowedMethods)
     app.add_middleware(_http.BodyLimit)
+    app.add_middleware(_answers.AnswerReplay)  # unchanged read answers, before routing (api/_answers.py)
     return app

@@ -24,6 +24,7 @@ read them).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import zlib
 from functools import lru_cache
@@ -40,6 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import NoMatchFound
 
 from api import format as fmt
+from api._answers import remember
 from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
@@ -330,8 +332,22 @@ def _cached_html(request: Request, session: Any, settings: Settings, sweep_id: i
         body = templates.get_template(template).render(ctx).encode()
         return body, f'"dash-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
-    entry = _rendered.get(key, (state["version"], _checks_version(checks)), lambda: _packed(*render()))
+    version = (state["version"], _checks_version(checks))
+    entry = _rendered.get(key, version, lambda: _packed(*render()))
+    _remember(request, sweep_id, version)
     return _send(request, entry, "text/html; charset=utf-8")
+
+
+def _page_version(sessions: Any, sweep_id: int) -> tuple:
+    """What a sweep's pages and chart data are a function of, read again (api/_answers.py's probe)."""
+    with sessions() as session:
+        state = data.sweep_state(session, sweep_id=sweep_id)
+        return state["version"], _checks_version(data.migration_checks(session, sweep_id=sweep_id))
+
+
+def _remember(request: Request, sweep_id: int, version: tuple) -> None:
+    remember(request, probe_key=("sweep-page", sweep_id), version=version,
+             probe=functools.partial(_page_version, request.app.state.sessions, sweep_id))
 
 
 def _packed(body: bytes, etag: str) -> tuple[bytes, bytes, str]:
@@ -392,6 +408,7 @@ def sweep_data(request: Request, sweep_id: SweepId, session: SessionDep, setting
         return body, f'"data-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
     entry = _rendered.get(("data.json", sweep_id), state["version"], lambda: _packed(*render()))
+    _remember(request, sweep_id, (state["version"], _checks_version(data.migration_checks(session, sweep_id=sweep_id))))
     return _send(request, entry, "application/json")
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import functools
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response, status
 
+from api._answers import remember
 from api._http import GuardedRoute
 from api.deps import ReaderDep, SessionDep, SettingsDep, SweepId, TrialId, WriterDep
 from api.routes._cache import VersionedCache, etag_matches, sweep_version
@@ -130,7 +132,15 @@ def ranking(
     body = _cache.get(key, tag, lambda: _ranking_body(session, sweep_id, metric, wants_csv, limit, offset))
     if wants_csv:
         headers["Content-Disposition"] = f'attachment; filename="sweep-{sweep_id}-ranking.csv"'
+    remember(request, probe_key=("ranking", sweep_id, metric), version=tag,
+             probe=functools.partial(_ranking_tag, request.app.state.sessions, sweep_id, metric))
     return Response(body, media_type=CSV if wants_csv else "application/json", headers=headers)
+
+
+def _ranking_tag(sessions: Any, sweep_id: int, metric: str) -> str:
+    """The ranking's current tag, in a session of its own (the probe api/_answers.py replays by)."""
+    with sessions() as session:
+        return service.ranking_tag(session, sweep_id=sweep_id, metric=metric)
 
 
 def _ranking_body(session: SessionDep, sweep_id: int, metric: str, wants_csv: bool, limit: int | None,
