@@ -47,11 +47,20 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes():
+CUT_SHAPES = {
+    "tiny": "tiny",
+    "geglu-qk-norm": {"preset": "tiny", "mlp": "geglu", "qk_norm": True},
+    "moe-shared-expert": {"preset": "tiny-moe", "shared_expert_ffn": 32, "shared_expert_gate": True},
+}
+
+
+@pytest.mark.parametrize("shape", list(CUT_SHAPES))
+def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes(shape):
     from tuner._realise import Capabilities as Caps
+    from workers.parallelize import block_tp_plan
     from workers.workload import WorkloadModel, build_model, builtin_parts
 
-    spec = model_spec("tiny")
+    spec = model_spec(CUT_SHAPES[shape])
     training = training_spec({"global_batch": 2, "seed": 7}, seq_len=spec.seq_len)
     native = build_model(spec, training, torch.device("cpu"))
     torch.manual_seed(training.seed)
@@ -64,6 +73,15 @@ def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes():
     grads = dict(generic.named_parameters())
     for name, p in native.named_parameters():
         assert torch.equal(p.grad, grads[name].grad), name
+    # The cut's plan names the block's real modules, and the built-in plan's module-level entries.
+    plan = builtin_parts(spec, training).tp_plan
+    block = native.layers["0"]
+    assert all(block.get_submodule(key) is not None for key in plan), sorted(plan)
+    native_plan = block_tp_plan(True, block.feed_forward.w3 is not None, moe=spec.is_moe, qk_norm=spec.qk_norm,
+                                shared_expert=block.shared_expert is not None)
+    leaves = {k for k in native_plan if k not in ("attention", "feed_forward")} - (
+        {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"} if spec.is_moe else set())
+    assert leaves <= set(plan), sorted(leaves - set(plan))
 
 
 def test_readme_example_meets_the_contract_and_its_spec_validates(example):

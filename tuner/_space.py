@@ -10,6 +10,11 @@ levels that run the same program on a mesh (twins) are one layout, listed and co
 the canonical level, valid or rejected alike; ``Enumeration.twins`` says how many space
 combinations were folded so. A world-size mismatch has no dp, so its combinations are counted as
 given.
+
+Valid means runnable by the trial's workload: the space is first cut to what its capabilities
+declare (``within_capabilities``), then what ``tuner._realise.check_supported`` still refuses (e.g.
+tp > kv_heads for a workload that cannot keep k/v whole, a shape the built-in model does not build)
+is counted as ``R_WORKLOAD``: the same function a listed layout and the workers are checked with.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from tuner._errors import SpecError
+from tuner._errors import LayoutError, SpecError
 from tuner._layout import (
     AXES,
     CHECKPOINTING,
@@ -35,10 +40,11 @@ from tuner._layout import (
     degree_violation,
 )
 from tuner._placement import _place, check_order
-from tuner._realise import Capabilities, builtin_capabilities
+from tuner._realise import Capabilities, builtin_capabilities, check_supported
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 R_MAX_LAYOUTS = "beyond space.max_layouts"
+R_WORKLOAD = "not realised by the workload"
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -141,6 +147,8 @@ class Enumeration:
     twins: int = 0
     # [start, stop) ranges of ``valid`` that share mesh, schedule, vpp and mbs (plan shares work).
     groups: list[tuple[int, int]] = field(default_factory=list)
+    # The first reason the workload gave for a layout counted as R_WORKLOAD (None: it refused none).
+    refusal: str | None = None
 
     @property
     def considered(self) -> int:
@@ -267,6 +275,19 @@ def within_capabilities(space: SearchSpace, capabilities: Capabilities) -> Searc
     return replace(space, **changes) if changes else space
 
 
+def _refusal(tp: int, cp: int, ep: int, dp: int, pp: int, ac: str, sp: bool, *, model: ModelSpec,
+             capabilities: Capabilities | None) -> str | None:
+    """Why the workload cannot run this mesh with ``ac`` and ``sp``, or None: ``check_supported``
+    itself (the rule a listed layout and the workers' ``parallelize_model`` apply), so valid means
+    runnable. It reads only the degrees, sp and ac, so one probe stands for every other knob."""
+    probe = Layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, ac=ac, sp=sp)
+    try:
+        check_supported(probe, model, capabilities)
+    except LayoutError as exc:
+        return str(exc)
+    return None
+
+
 def enumerate_layouts(
     *,
     model: ModelSpec,
@@ -278,7 +299,8 @@ def enumerate_layouts(
     capabilities: Capabilities | None = None,
 ) -> Enumeration:
     """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted.
-    ``capabilities``: what the trial's workload realises (None: the built-in model for this shape).
+    ``capabilities``: what the trial's workload realises (None: the built-in model for this shape);
+    the space is cut to it and what ``check_supported`` still refuses is counted as ``R_WORKLOAD``.
     TP groups stay inside a node (placed in ``order``) unless ``allow_tp_across_nodes``."""
     space = space or SearchSpace()
     # Only what the workload realises is enumerated (valid means runnable); None: the built-in model.
@@ -310,12 +332,23 @@ def enumerate_layouts(
         if True in sp_ok and model.seq_len % (tp * cp):
             sp_ok.remove(True)
             count(R_SP_SEQ, sum(len(z) for _, _, z in per_mbs) * n_ac * len(scheds))
+        knobs, refused = [], 0
+        for ac in space.ac:
+            for sp in sp_ok:
+                why = _refusal(tp, cp, ep, dp, pp, ac, sp, model=model, capabilities=capabilities)
+                if why is None:
+                    knobs.append((ac, sp))
+                else:
+                    refused += 1
+                    out.refusal = out.refusal or why
+        if refused:
+            count(R_WORKLOAD, sum(len(z) for _, _, z in per_mbs) * refused * len(scheds))
         for schedule, vpp in scheds:
             if pp * vpp > model.layers:
-                count(R_STAGES, sum(len(z) for _, _, z in per_mbs) * n_ac * len(sp_ok))
+                count(R_STAGES, sum(len(z) for _, _, z in per_mbs) * len(knobs))
                 continue
             for mbs, m, zeros in per_mbs:
-                n_per = len(zeros) * n_ac * len(sp_ok)
+                n_per = len(zeros) * len(knobs)
                 if m is None:
                     count(R_BATCH, n_per)
                     continue
@@ -337,15 +370,14 @@ def enumerate_layouts(
                 base = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "mbs": mbs, "schedule": schedule, "vpp": vpp}
                 start = len(valid)
                 for zero in zeros:
-                    for ac in space.ac:
-                        for sp in sp_ok:
-                            layout = new(Layout)
-                            d = layout.__dict__
-                            d.update(base)
-                            d["zero"] = zero
-                            d["ac"] = ac
-                            d["sp"] = sp
-                            valid.append(layout)
+                    for ac, sp in knobs:
+                        layout = new(Layout)
+                        d = layout.__dict__
+                        d.update(base)
+                        d["zero"] = zero
+                        d["ac"] = ac
+                        d["sp"] = sp
+                        valid.append(layout)
                 del valid[start + keep:]
                 ms.extend([m] * keep)
                 groups.append((start, start + keep))

@@ -116,19 +116,34 @@ class RopeContext(nn.Module):
 
 
 def builtin_parts(model: ModelSpec, training: TrainingSpec) -> Parts:
-    """``workers.model.Transformer`` (dense) as Parts, weights as the built-in path draws them."""
+    """``workers.model.Transformer`` as Parts, weights as the built-in path draws them, its block plan
+    that of ``workers.parallelize.block_tp_plan`` in the contract's styles: q/k/v and w1 (and w3, the
+    gate of SwiGLU and GeGLU alike; the GELU MLP has none) column-split, wo/w2 row-split, Qwen3's
+    per-head q/k norms as ``head_norm``, a shared expert split as the dense MLP is. Not in it: the
+    routed experts (``workers._ep.apply_expert_tensor_parallel`` splits their stacked weights, which
+    no block-plan style names) and Gemma's sandwich norms under sp (kept sequence-sharded with a
+    local output there, which no style names either)."""
     from workers.model import Transformer
 
     t = Transformer(model)
-    t.init_weights(training.seed)
+    if not t.output.weight.is_meta:  # check_workload builds on the meta device: nothing to draw there
+        t.init_weights(training.seed)
     plan: dict[str, str] = {
         "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-        "feed_forward.w1": "colwise", "feed_forward.w2": "rowwise",
         "attention_norm": "sequence_parallel", "ffn_norm": "sequence_parallel",
         "attention": "sequence_gather", "feed_forward": "sequence_gather",
     }
-    if model.mlp == "swiglu":
-        plan["feed_forward.w3"] = "colwise"
+    gated = model.mlp != "gelu"  # workers.model.FeedForward: w3 for swiglu and geglu
+    if not model.is_moe or model.dense_layers:  # a dense MLP in some block (a MoE block's are parameters)
+        plan.update({"feed_forward.w1": "colwise", "feed_forward.w2": "rowwise"})
+        if gated:
+            plan["feed_forward.w3"] = "colwise"
+    if model.qk_norm:
+        plan.update({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"})
+    if model.is_moe and model.shared_expert_ffn:
+        plan.update({"shared_expert.w1": "colwise", "shared_expert.w2": "rowwise"})
+        if gated:
+            plan["shared_expert.w3"] = "colwise"
     return Parts(embed=t.tok_embeddings, blocks=list(t.layers.values()), norm=t.norm, head=t.output,
                  context=RopeContext(model.head_dim), tp_plan=plan,
                  kv_projections=("attention.wk", "attention.wv"), selective_ac="attention")

@@ -85,7 +85,7 @@ def _node_list(text: str) -> list[int]:
     return out
 
 
-def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
+def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace, Any]:
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
     try:
@@ -123,27 +123,28 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace]:
         cluster = cluster_spec(cluster_data)
         training = training_spec(training_data, seq_len=model.seq_len)
         space = SearchSpace.from_mapping(data.get("space"))
-        workload = data.get("workload", "builtin")
+        workload, caps = data.get("workload", "builtin"), None
         if not isinstance(workload, str):
             raise SpecError(f"workload must be 'builtin', 'hf' or 'module:attr', got {workload!r}")
         if workload != "builtin":  # plan only what the spec's workload realises (valid means runnable)
             from tuner._space import within_capabilities
             from workers.workload import check_workload
 
-            space = within_capabilities(space, check_workload(workload, model, training))
+            caps = check_workload(workload, model, training)
+            space = within_capabilities(space, caps)
     except SpecError as exc:
         raise type(exc)(f"{prefix}{exc}") from None
-    return model, cluster, training, space
+    return model, cluster, training, space, caps
 
 
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
-    model, cluster, training, space = _problem(args)
+    model, cluster, training, space, caps = _problem(args)
     if (args.nodes is not None and len(args.nodes) > 1) or args.plot:
         return _run_sizes(args, model, cluster, training, space)
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                             allow_tp_across_nodes=args.allow_tp_across_nodes)
+                             allow_tp_across_nodes=args.allow_tp_across_nodes, capabilities=caps)
     if not enum.valid:  # nothing to rank: the problem (or the space) admits no layout at all
         reasons = ", ".join(f"{r} ({n:,})" for r, n in sorted(enum.rejected.items(), key=lambda kv: -kv[1])[:3])
         raise LayoutError(

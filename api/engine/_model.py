@@ -30,6 +30,7 @@ from api.engine import _calibrate as cal
 from api.engine._space import LayoutSpace
 from api.spec import SearchSettings, SweepSpec
 from tuner import ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
+from tuner._realise import Capabilities
 
 REFIT_AT = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200)
 MAX_FIT_SAMPLES = 60
@@ -63,16 +64,18 @@ class Prediction:
         }
 
 
-def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, Any] | None) -> str:
+def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, Any] | None,
+                            refusal: str | None = None) -> str:
     """Why a search space is empty: the restricting ``space.<field>`` values, then the most common
-    rejection reason (and the others with their counts)."""
+    rejection reason (and the others with their counts); ``refusal``: what the workload said of the
+    layouts it refused (``tuner.Enumeration.refusal``)."""
     reasons = sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0]))
     where = ", ".join(f"space.{k}={v!r}" for k, v in sorted((space_fields or {}).items()))
     head = f"{where}: " if where else "space: "
     top = f"; top rejection reason: {reasons[0][0]} ({reasons[0][1]} of {sum(rejected.values())} layouts)" if reasons else ""
     rest = ", ".join(f"{k}: {v}" for k, v in reasons[1:])
     return (f"{head}the search space leaves no valid layout for this model and cluster{top}"
-            + (f" (also: {rest})" if rest else ""))
+            + (f" (also: {rest})" if rest else "") + (f"; the workload: {refusal}" if refusal else ""))
 
 
 def check_runnable(spec: SweepSpec) -> None:
@@ -109,13 +112,17 @@ class Problem:
         calibration: dict[str, Any] | None = None,
         layouts: list[Layout] | None = None,
         space_fields: dict[str, Any] | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.model, self.cluster, self.training = model, cluster, training
         self.listed = layouts is not None  # search.layouts: exactly these, in this order
         if layouts is None:
-            enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+            # ``capabilities``: the sweep's workload (None: the built-in model). The enumeration keeps
+            # only what ``tuner.check_supported`` lets it run, the check a listed layout passes.
+            enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
+                                                  capabilities=capabilities)
             if not enumeration.valid:
-                raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields))
+                raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields, enumeration.refusal))
             layouts = enumeration.valid
         self.space = LayoutSpace(layouts, cluster.devices)
         self.tokens = training.global_batch * model.seq_len
@@ -141,7 +148,8 @@ class Problem:
     def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> Problem:
         model, cluster, training = spec.to_problem()
         return cls(model, cluster, training, space=spec.search_space(), calibration=calibration,
-                   layouts=spec.listed_layouts(), space_fields=spec.space)
+                   layouts=spec.listed_layouts(), space_fields=spec.space,
+                   capabilities=spec.workload_capabilities())
 
     @property
     def version(self) -> int:

@@ -1,0 +1,16 @@
+"""Test workloads (``workload: _workloads:NAME``): the built-in model cut to the contract
+(``workers.workload.builtin_parts``) under capabilities that refuse some layouts, so a test can
+check that nothing the workload refuses is enumerated, proposed or run."""
+
+from __future__ import annotations
+
+from tuner._realise import Capabilities
+from workers.workload import Workload, builtin_parts
+
+# The generic path realises neither cp nor ep (workers.workload.contract_problem).
+CUT = Workload(name="cut", build=builtin_parts, capabilities=Capabilities(workload="cut", cp=False, ep=False))
+# tp > kv_heads would need the k/v projections kept whole: declared unsupported.
+NOKV = Workload(name="nokv", build=builtin_parts,
+                capabilities=Capabilities(workload="nokv", cp=False, ep=False, replicated_kv=False))
+NOTP = Workload(name="notp", build=builtin_parts,
+                capabilities=Capabilities(workload="notp", tp=False, cp=False, ep=False, ac=("none", "full")))
