@@ -24,7 +24,10 @@ after a short warm-up), so that the shared machine's changing load falls on all 
     /sweeps/{id}/data.json       the charts' data the page fetches once loaded (~1 MB at 10,000 trials)
 
 with p50/p99 under load, the unloaded median (one client), the server's CPU per request (from
-/proc), and each p99 as a multiple of /healthz's. The clients are a closed loop (each sends its next
+/proc), and each p99 as a multiple of /healthz's. Repeat requests of an unchanged answer are
+replayed before routing (api/_answers.py: one coalesced version read per wave of callers, then the
+kept bytes), so the ranking's pages and the sweep page cost the server ~0.1-0.2 ms each; /healthz
+does a database round trip every time, by design. The clients are a closed loop (each sends its next
 request when its answer arrives), so on one server process a kind's median is about ``--clients``
 times its server time per request (Little's law): 50 clients at 1 ms each is ~50 ms, idle or not. "serialise" is the whole ranking's JSON
 serialisation alone, in process (what the whole ranking costs besides sending it). The machine's
