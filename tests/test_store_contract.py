@@ -120,6 +120,42 @@ class TestStoreContract:
             assert svc.list_trials(s, sweep_id=sw.id, status="pruned").total == 1
             assert store.next_number(s, sweep_id=sw.id) == 3
 
+    def test_a_node_lost_trial_counts_once_its_rerun_is_recorded(self, sessions):
+        """A trial a node died under (``infra="node_lost"``) is re-run once as a later trial of the same
+        layout, phase and repeat (api/engine/_lost.py): the sweep's counts hold the re-run, not both;
+        the lost row stays listed. Until the re-run exists, and when the re-run is lost too (no
+        second re-run), the lost row is the layout's trial and counts."""
+        lost = TrialResult(status="crash", backend="ray", device_seconds=1.0, error=TrialError(
+            kind="crash", message="node lost: node abc died with ranks 0-1 of this trial", infra="node_lost"))
+
+        def counted(s, sweep_id):
+            store.refresh_sweep_cache(s, sweep_id=sweep_id)
+            s.commit()
+            sw = svc.get_sweep(s, sweep_id=sweep_id)
+            return sw.n_trials, sw.n_completed, sw.n_failed, sw.device_seconds
+
+        with sessions() as s:
+            sw = svc.create_sweep(s, spec=SPEC, owner=None)
+            kw = dict(sweep_id=sw.id, layout=LAYOUT, world_size=4)
+
+            def run(number, key, result, source="sampler"):
+                store.insert_trial(s, number=number, layout_key=key, source=source, **kw)
+                assert store.record_result(s, sweep_id=sw.id, number=number, attempt=0, result=result)
+
+            run(0, "a", lost)
+            assert counted(s, sw.id) == (1, 0, 1, 1.0)  # not re-run yet: it is the layout's trial
+            run(1, "b", _result(50.0))
+            store.insert_trial(s, number=2, layout_key="a", source="requeued", **kw)  # the re-run, running
+            assert counted(s, sw.id) == (2, 1, 0, 3.0)
+            assert store.record_result(s, sweep_id=sw.id, number=2, attempt=0, result=_result(60.0))
+            assert counted(s, sw.id) == (2, 2, 0, 5.0)  # device time: every row spent it
+            run(3, "c", lost)
+            run(4, "c", lost, source="requeued")  # lost again: re-queued only once, so it counts
+            assert counted(s, sw.id) == (3, 2, 1, 7.0)
+            rows, total = store.list_trials(s, sweep_id=sw.id)
+            assert total == 5 and [(t.number, (t.error or {}).get("infra")) for t in rows] == [
+                (0, "node_lost"), (1, None), (2, None), (3, "node_lost"), (4, "node_lost")]
+
     def test_ranking_ties_pareto_and_csv(self, sessions):
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)

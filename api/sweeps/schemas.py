@@ -22,7 +22,7 @@ class SweepOut(ResponseModel):
     created_at: datetime = Field(description="When the sweep was submitted (UTC).")
     started_at: datetime | None = Field(None, description="When its first trial started (UTC).")
     finished_at: datetime | None = Field(None, description="When it completed, failed or was cancelled (UTC).")
-    n_trials: int = Field(0, description="Trials recorded so far (pruned ones included, interrupted attempts not).")
+    n_trials: int = Field(0, description="Trials recorded so far (pruned ones included; interrupted attempts, and a node-lost trial once its re-run exists, not).")
     n_completed: int = Field(0, description="Trials that ran and were measured.")
     n_pruned: int = Field(0, description="Trials rejected by the memory model before running (no device time).")
     n_failed: int = Field(0, description="Trials that ran and failed (oom, timeout, crash, nan).")
