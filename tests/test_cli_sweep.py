@@ -285,3 +285,55 @@ def test_sweep_header_names_the_resolved_cluster_not_a_mapping(home, capsys):
     assert main(["sweep", str(spec)]) == 0
     out = capsys.readouterr().out
     assert "tiny on cpu-local (1×4 cpu)" in out and "{'preset'" not in out
+
+
+def test_a_node_lost_trial_counts_once_in_show_sweeps_and_the_api(home, capsys, monkeypatch):
+    """A trial a node died under is re-run once under a new number (api/engine/_lost.py): the API's
+    sweep, `meshtune sweeps` and `meshtune show` count the layout once (its re-run), while the trial
+    lists keep the lost row, labelled node lost. Rows built in the store as the engine leaves them."""
+    from fastapi.testclient import TestClient
+
+    from api import store
+    from api.main import create_app
+    from api.settings import Settings
+    from api.spec import SweepSpec
+    from api.sweeps import service
+    from tuner import Layout
+    from workers import TrialError, TrialResult
+
+    url = f"sqlite:///{home / 'lost.db'}"
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
+    engine, sessions = store.open_store(url)
+    spec = SweepSpec.model_validate({"name": "lost-one", "model": "tiny", "cluster": "cpu-local",
+                                     "training": {"global_batch": 16}, "backend": "simulate"})
+    lost = TrialResult(status="crash", backend="ray", device_seconds=1.0, error=TrialError(
+        kind="crash", message="node lost: node abc died with ranks 0-1 of this trial", infra="node_lost"))
+    done = TrialResult(status="completed", backend="ray", step_time_s=0.1, tokens_per_s=400.0,
+                       tokens_per_s_per_device=100.0, peak_memory_bytes=2**30, device_seconds=2.0)
+    with store.session_scope(sessions) as s:
+        sid = service.create_sweep(s, spec=spec, owner="alice").id
+        for number, lay, source, result in ((0, Layout(dp=4), "sampler", lost), (1, Layout(tp=2, dp=2), "sampler", done),
+                                            (2, Layout(dp=4), "requeued", done)):
+            store.insert_trial(s, sweep_id=sid, number=number, layout=lay.__dict__.copy(), layout_key=lay.key,
+                               world_size=4, source=source, backend="ray")
+            assert store.record_result(s, sweep_id=sid, number=number, attempt=0, result=result)
+            store.refresh_sweep_cache(s, sweep_id=sid)  # as the engine does with each result
+    engine.dispose()
+
+    assert main(["show", str(sid), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["sweep"]["n_trials"], shown["sweep"]["n_completed"], shown["sweep"]["n_failed"]) == (2, 2, 0)
+    assert [(t["number"], (t["error"] or {}).get("infra")) for t in shown["trials"]] == [
+        (0, "node_lost"), (1, None), (2, None)]
+    assert main(["show", str(sid), "--trials"]) == 0
+    text = capsys.readouterr().out
+    assert "trials=2 (completed 2, pruned 0, failed 0)" in text
+    (lost_line,) = [x for x in text.splitlines() if "(node lost)" in x]
+    assert lost_line.split("│")[1].strip() == "0" and "crash (node lost)" in lost_line
+    assert main(["sweeps", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["items"][0]["n_trials"] == 2
+    with TestClient(create_app(Settings(database_url=url), run_engine=False)) as c:
+        sweep = c.get(f"/api/sweeps/{sid}").json()
+        trials = c.get(f"/api/sweeps/{sid}/trials").json()
+    assert (sweep["n_trials"], sweep["n_completed"], sweep["n_failed"]) == (2, 2, 0)
+    assert trials["total"] == 3 and trials["items"][0]["error"]["infra"] == "node_lost"

@@ -452,7 +452,7 @@ def test_form_text_the_store_cannot_hold_names_the_field(client):
 def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(client, stored):
     """The dashboard prints the lines `meshtune show` prints (issue 13): the held-out (leave-one-out)
     Spearman against the prior's, and the earlier sweeps on this cluster it learned from."""
-    from api.cli.sweep import calibration_lines
+    from api.cli.show import calibration_lines
     from api.spec import SweepSpec
 
     spec = SweepSpec.model_validate({"name": "calibrated", "model": "tiny", "cluster": "cpu-local",

@@ -119,7 +119,7 @@ def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     assert second.calibration["learned_from"] == [ids[0]]
     # the surrogate's per-program weights are stored for the sweeps after it
     assert set(first.calibration["programs"]["weights"]) == set(cal.PROGRAM_PARTS[:-1])
-    from api.cli.sweep import calibration_lines
+    from api.cli.show import calibration_lines
 
     lines = calibration_lines(second.calibration)
     assert any(f"learned from earlier sweeps on this cluster: #{ids[0]}" in line for line in lines)
@@ -193,7 +193,7 @@ def test_real_cpu_runs_calibration_never_ranks_worse_held_out_and_show_reports_i
     what makes this hold is the calibration's own rule, asserted here on the real data: a fit is
     kept only if its held-out Spearman is >= the prior's, else the prior (the uncalibrated model)
     stays and both rank alike. Both figures are printed by `meshtune show` (calibration_lines)."""
-    from api.cli.sweep import calibration_lines
+    from api.cli.show import calibration_lines
     from api.engine._model import PRIOR_TIME_W
 
     settings, sessions = db
