@@ -5,7 +5,7 @@
   limit of 2) at any instant of the stored intervals; cancelling a sweep stops its running trial,
   removes its placement group and frees its devices (timed, printed).
 * A coordinator killed with two sweeps in flight (scripted backend, no Ray) is resumed by a new one:
-  no trial lost, none doubled, in either sweep.
+  no trial lost, none doubled, in either sweep, on SQLite and on PostgreSQL.
 * The ledger's order (fair share, then priority, then age) and owner limits, without any backend.
 """
 
@@ -254,8 +254,9 @@ def _start(url: str, home: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'r.db'}"
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: Path, db: str, request) -> None:  # noqa: ANN001
+    url = f"sqlite:///{tmp_path / 'r.db'}" if db == "sqlite" else request.getfixturevalue("fresh_pg_url")
     engine, sessions = store.open_store(url)
     spec = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
             "search": {"sampler": "random", "max_trials": 8, "remeasure_top_k": 0},
