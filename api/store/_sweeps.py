@@ -254,7 +254,8 @@ def _lost_and_rerun() -> sa.ColumnElement[bool]:
     row stays listed, but the sweep's counts hold its re-run alone, not the layout twice."""
     later = aliased(Trial)
     # "later" as a difference, not later.number > number: SQLite would then walk the (sweep_id, number)
-    # index over every later trial of the sweep (110 ms at 10,000 trials) instead of the layout's rows.
+    # index over every later trial of the sweep instead of the layout's few rows (at 10,000 trials, 200 of
+    # them lost: 39 ms against 2.3 ms).
     return sa.and_(Trial.error["infra"].as_string() == "node_lost", sa.exists().where(
         later.sweep_id == Trial.sweep_id, later.layout_key == Trial.layout_key, later.phase == Trial.phase,
         later.repeat == Trial.repeat, later.number - Trial.number > 0, later.status != "interrupted"))
