@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--grace", type=float, default=7200.0, help="misfire grace window in seconds (default 7200)")
     a.add_argument("--min-effect", type=float, default=0.05, help="smallest alerted change (default 0.05 = 5%%)")
     a.add_argument("--alpha", type=float, default=0.05, help="false-alarm rate per night (default 0.05)")
+    a.add_argument("--priority", default="normal", metavar="PRIORITY",
+                   help="queue priority of the sweeps it fires: high, normal or low (default normal, as a "
+                        "submitted sweep's; fair share between owners comes first)")
     a.add_argument("--disabled", action="store_true", help="create it disabled")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=add_cmd)
@@ -107,6 +110,7 @@ def add_cmd(args: argparse.Namespace) -> int:
     data: dict[str, Any] = dict(
         name=args.name, cron=args.cron, timezone=args.timezone, webhook_url=args.webhook, enabled=not args.disabled,
         misfire_grace_s=args.grace, regression={"min_effect": args.min_effect, "alpha": args.alpha},
+        priority=args.priority,
     )
     if args.template:
         data["template"] = load_spec(args.template)
@@ -123,7 +127,8 @@ def add_cmd(args: argparse.Namespace) -> int:
     if args.json:
         _dump(out.model_dump(mode="json"))
     else:
-        print(f"schedule {out.id} {out.name!r}: {out.cron} ({out.timezone}), next fire {out.next_fire_at or '-'}")
+        print(f"schedule {out.id} {out.name!r}: {out.cron} ({out.timezone}), priority {out.priority}, "
+              f"next fire {out.next_fire_at or '-'}")
     return 0
 
 
@@ -141,11 +146,11 @@ def list_cmd(args: argparse.Namespace) -> int:
         _dump({"items": [i.model_dump(mode="json") for i in items], "total": total})
         return 0
     table = Table(title=f"schedules ({total})")
-    for col in ("id", "name", "cron", "timezone", "runs", "enabled", "next fire (UTC)", "webhook"):
+    for col in ("id", "name", "cron", "timezone", "runs", "priority", "enabled", "next fire (UTC)", "webhook"):
         table.add_column(col)
     for i in items:
         what = f"sweep {i.source_sweep_id} top-{i.top_k} x{i.repeats}" if i.kind == "remeasure" else "template"
-        table.add_row(str(i.id), i.name, i.cron, i.timezone, what, "yes" if i.enabled else "no",
+        table.add_row(str(i.id), i.name, i.cron, i.timezone, what, i.priority, "yes" if i.enabled else "no",
                       i.next_fire_at.strftime("%Y-%m-%d %H:%M:%S") if i.next_fire_at else "-", i.webhook_url or "-")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0

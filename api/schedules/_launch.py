@@ -127,7 +127,7 @@ def fire_schedule(
     for spec in specs:
         sweep = store.insert_sweep(
             session, name=spec.name, owner=f"schedule:{schedule.id}", spec=spec.model_dump(mode="json"),
-            backend=spec.backend, sampler=spec.sampler_label,
+            backend=spec.backend, sampler=spec.sampler_label, priority=schedule.priority or "normal",
         )
         sweep_ids.append(sweep.id)
     _store.set_fire_sweeps(session, fire_id=fire_id, sweep_ids=sweep_ids)

@@ -15,7 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.schedules.models import AlertDelivery, Schedule, ScheduleAlert, ScheduleFire
-from api.store import Trial
+from api.store import SWEEP_PRIORITIES, Trial
 from api.store._models import utcnow
 
 
@@ -32,6 +32,7 @@ def _insert_ignoring_conflict(session: Session, model: type, values: dict[str, A
 
 
 def insert_schedule(session: Session, **values: Any) -> Schedule:
+    assert values.get("priority", "normal") in SWEEP_PRIORITIES, values.get("priority")  # validated by ScheduleIn
     now = utcnow()
     row = Schedule(**values, active_since=now, created_at=now, updated_at=now)
     session.add(row)
@@ -55,6 +56,7 @@ def list_schedules(
 
 
 def update_schedule(session: Session, *, schedule_id: int, values: dict[str, Any]) -> bool:
+    assert values.get("priority", "normal") in SWEEP_PRIORITIES, values.get("priority")  # validated by ScheduleUpdate
     values = {**values, "updated_at": utcnow()}
     if values.get("enabled") is True:  # re-enabled: its off-time is not owed as missed fires
         current = session.scalar(sa.select(Schedule.enabled).where(Schedule.id == schedule_id))

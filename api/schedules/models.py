@@ -60,6 +60,8 @@ class Schedule(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     misfire_grace_s: Mapped[float] = mapped_column(Float, default=7200.0)
     policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # tuner RegressionPolicy fields
+    # The queue priority of the sweeps it fires (store.SWEEP_PRIORITIES; api/engine/_share.py).
+    priority: Mapped[str] = mapped_column(String(8), default="normal", server_default="normal")
     # Fires before this instant are never owed (set on creation and whenever the schedule is enabled),
     # so a schedule that was off does not report its off-time as missed.
     active_since: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -7,7 +7,7 @@ and the value, which the API turns into a 422 and the CLI into exit 2.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,9 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from api.schedules._cron import check_cron, check_timezone
 from api.schedules._urls import RefusedTarget, check_target, mask_url
 from api.spec import RequestModel, SweepSpec
+from api.store import SWEEP_PRIORITIES
 from tuner._regression import RegressionPolicy
 
 MAX_GRACE_S = 7 * 86400.0
+# The queue priority of the sweeps a schedule fires: the sweeps' own (POST /api/sweeps?priority=).
+Priority = Literal[SWEEP_PRIORITIES]  # type: ignore[valid-type]
+PRIORITY_HELP = ("Queue priority of the sweeps it fires: high, normal or low, after fair share between owners "
+                 "(a schedule's sweeps are owned by 'schedule:<id>'), before age. Default normal, as a "
+                 "submitted sweep's.")
 
 
 def check_webhook_url(url: str | None, *, field_name: str = "webhook_url") -> str | None:
@@ -96,6 +102,7 @@ class ScheduleIn(RequestModel):
         description="A fire missed while no coordinator ran still runs (once) if at most this many seconds late.",
     )
     regression: RegressionIn = Field(default_factory=RegressionIn, description="When a change is alerted.")
+    priority: Priority = Field("normal", description=PRIORITY_HELP)
 
     @field_validator("cron")
     @classmethod
@@ -140,6 +147,7 @@ class ScheduleUpdate(RequestModel):
     webhook_url: str | None = Field(None, description="New webhook URL ('' removes it).")
     misfire_grace_s: float | None = Field(None, gt=0, le=MAX_GRACE_S, description="New misfire grace window (s).")
     regression: RegressionIn | None = Field(None, description="New alerting policy.")
+    priority: Priority | None = Field(None, description="New queue priority of the sweeps it fires.")
 
     @field_validator("cron")
     @classmethod
@@ -181,6 +189,7 @@ class ScheduleOut(_Out):
     misfire_grace_s: float = Field(description="Misfire grace window in seconds.")
     policy: dict[str, Any] = Field(description="Regression policy (alpha, min_effect, min_repeats, history_nights, "
                                               "min_history_nights).")
+    priority: str = Field("normal", description="Queue priority of the sweeps it fires (high, normal, low).")
     next_fire_at: datetime | None = Field(None, description="Next cron fire (UTC), when enabled.")
     created_at: datetime = Field(description="Creation time (UTC).")
     updated_at: datetime = Field(description="Last change (UTC).")

@@ -45,6 +45,7 @@ def create_schedule(session: Session, *, data: ScheduleIn, owner: str | None) ->
     values: dict[str, Any] = dict(
         name=data.name, owner=owner, cron=data.cron, timezone=data.timezone, enabled=data.enabled,
         webhook_url=data.webhook_url, misfire_grace_s=data.misfire_grace_s, policy=data.regression.model_dump(),
+        priority=data.priority,
     )
     if data.template is not None:
         try:
@@ -89,7 +90,7 @@ def update_schedule(session: Session, *, schedule_id: int, data: ScheduleUpdate,
         del values["regression"]
     if values.get("webhook_url") == "":
         values["webhook_url"] = None
-    for key in ("name", "cron", "timezone", "enabled", "misfire_grace_s"):
+    for key in ("name", "cron", "timezone", "enabled", "misfire_grace_s", "priority"):
         if key in values and values[key] is None:
             raise SpecError(f"{key} cannot be null")
     if values:
