@@ -103,6 +103,12 @@ class RankWorker:
     def snapshot(self, with_stack: bool = False) -> dict[str, Any]:
         return self.progress.snapshot(with_stack=with_stack)
 
+    @ray.method(concurrency_group="control")
+    def threads(self) -> dict[str, int]:
+        from workers._launch import threads_by_name
+
+        return threads_by_name()  # between trials: no gloo thread of a past trial (tests/test_actor_threads.py)
+
 
 RankActor = ray.remote(concurrency_groups={"control": 1})(RankWorker)
 

@@ -12,8 +12,9 @@ read them). Order of work:
 4. a global optimizer-step hook that beats ``Progress`` (the launcher's per-step watchdog reads it);
 5. ``workers.train.train_trial(request, device=...)``;
 6. always: remove the hook, destroy the process group (abort it after a failure on NCCL, see
-   ``_end_process_group``), collect garbage and empty the CUDA cache, lift the cap, so a reused
-   process starts the next trial clean.
+   ``_end_process_group``), empty torch's DTensor caches of this trial's meshes
+   (``release_mesh_caches``), collect garbage and empty the CUDA cache, lift the cap, so a reused
+   process starts the next trial clean: no group of a past trial, nor its gloo threads, survives.
 
 NCCL: the group timeout above is also the NCCL watchdog's; torch's default
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (tear down on error/timeout) is kept, as it only acts after that
@@ -192,6 +193,55 @@ def _end_process_group(dist: Any, *, abort: bool) -> bool:
         return False
 
 
+def release_mesh_caches() -> None:
+    """Empty torch's process-wide DTensor caches, which keep every ``DeviceMesh`` a trial used alive.
+
+    ``destroy_process_group`` forgets a trial's groups, but a group lives as long as a Python or C++
+    reference to it does, and each ``DeviceMesh`` holds its dimensions' groups (``_pg_registry``);
+    a gloo group's worker threads ("pt_gloo_runloop", 2 per group) and its device's event loop
+    ("gloo_tcp_loop") only stop when it is freed. The sharding-propagation caches (C++ fast path and
+    Python, keyed by specs that hold the mesh), the redistribution-plan caches (``_planner_cache`` is
+    keyed by a weak reference to the mesh, but its planners hold the mesh strongly) and the mesh
+    topology cache held them: a reused rank process kept one trial's groups per distinct mesh shape
+    (tens of threads each, hundreds after a test run). Worse, a mesh equals any mesh of the same
+    shape, so a later trial's cache hit could hand back a past trial's mesh and its stale groups.
+    Call after ``destroy_process_group``, in the thread that ran the trial (two caches are per
+    thread), then collect garbage (planners and their cost closures are reference cycles). A cache
+    a torch version lacks is skipped: tests/test_actor_threads.py notices a release that no longer
+    frees the groups."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _collective_utils as collective_utils
+    from torch.distributed.tensor import _redistribute as redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clears = [
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # C++ fast path, per thread
+        getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),  # per thread
+        getattr(getattr(propagator, "_propagate_tensor_meta_cached", None), "cache_clear", None),
+        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(getattr(collective_utils, "MeshTopoInfo", None), "build_from_mesh", None), "cache_clear",
+                None),
+    ]
+    for clear in clears:
+        if clear is not None:
+            with contextlib.suppress(Exception):  # clean-up must not mask the trial's own result
+                clear()
+
+
+def threads_by_name() -> dict[str, int]:
+    """This process's threads, counted by name, native ones included: /proc/self/task lists every
+    thread, while ``threading`` sees only Python's (gloo's "pt_gloo_runloop"/"gloo_tcp_loop" are
+    native). A diagnostic of a reused rank process (``RankWorker.threads``)."""
+    counts: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def run_rank(
     request: TrialRequest,
     *,
@@ -257,6 +307,7 @@ def run_rank(
         if hook is not None:
             hook.remove()
         released = _end_process_group(dist, abort=failed and dev.type == "cuda")
+        release_mesh_caches()
         # Collect now, success or failure: a traceback kept in a reference cycle (e.g. ``oom = ...;
         # raise oom from exc`` leaves the frame and its exception pointing at each other) keeps the
         # mesh and so the gloo/NCCL communicators alive after destroy_process_group (peers then
