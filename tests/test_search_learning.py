@@ -126,6 +126,31 @@ def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     assert any("held-out (leave-one-out) Spearman" in line for line in lines)
 
 
+def test_a_new_sweep_guesses_the_fingerprint_of_the_same_hardware(db):
+    """Until its first measurement, a sweep takes the fingerprint of the newest earlier sweep on the
+    same hardware: a preset and the mapping it expands to are one cluster, a price changes nothing;
+    another node count is another cluster."""
+    from api.engine._learning import hardware
+    from tuner import CLUSTER_PRESETS
+
+    _, sessions = db
+    expanded = {k: v for k, v in dataclasses.asdict(CLUSTER_PRESETS["cpu-local"]).items() if v is not None}
+    with sessions() as s:
+        first = svc.create_sweep(s, spec=SweepSpec.model_validate({**TINY, "backend": "simulate"}), owner="t").id
+        store.set_fingerprint(s, sweep_id=first, fingerprint="f00d")
+        s.commit()
+
+        def guess(cluster):  # noqa: ANN001, ANN202
+            mine = hardware(cluster)
+            return store.latest_fingerprint(s, backend="simulate", before_id=first + 1,
+                                            same_cluster=lambda c: hardware(c) == mine)
+
+        assert guess("cpu-local") == "f00d"
+        assert guess({**expanded, "price_per_device_hour": 2.5}) == "f00d"
+        assert guess({"preset": "cpu-local", "price_per_device_hour": 0.1}) == "f00d"
+        assert guess({"preset": "cpu-local", "nodes": 2}) is None
+
+
 def test_ranking_pred_err_is_computed_under_one_calibration(db):
     """Rows predicted under different calibration versions are never compared as they were stored:
     a layout whose stored prediction is of an older version is re-predicted under the sweep's

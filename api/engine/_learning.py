@@ -13,13 +13,22 @@ from typing import TYPE_CHECKING, Any
 from api import store
 from api.engine import _learned
 from api.engine._surrogate import SurrogateProposer
-from tuner import Layout
+from tuner import ClusterSpec, Layout, cluster_spec
 from tuner._stats import pooled_noise
 
 if TYPE_CHECKING:
     from api.engine._runner import SweepRunner
 
 log = logging.getLogger("meshtune.engine")
+
+
+def hardware(section: Any) -> ClusterSpec | None:
+    """A sweep's cluster section as hardware: resolved (a preset name and the mapping it expands to
+    are one cluster), the price left out (it changes no measurement); None if it no longer parses."""
+    try:
+        return dataclasses.replace(cluster_spec(section), price_per_device_hour=None)
+    except (ValueError, TypeError):
+        return None
 
 
 class Learning:
@@ -39,8 +48,10 @@ class Learning:
         with self.r.sessions() as s:
             sweep = store.get_sweep(s, sweep_id=self.sweep_id)
             self.fingerprint = sweep.fingerprint
+            mine = hardware((sweep.spec or {}).get("cluster"))
             fp = sweep.fingerprint or store.latest_fingerprint(
-                s, backend=self.spec.backend, cluster=(sweep.spec or {}).get("cluster"), before_id=self.sweep_id)
+                s, backend=self.spec.backend, same_cluster=lambda c: mine is not None and hardware(c) == mine,
+                before_id=self.sweep_id)
             self.inherited_fp = fp
             if fp is not None:
                 scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -208,15 +209,16 @@ def sweeps_on_fingerprint(session: Session, *, fingerprint: str, before_id: int,
     ))
 
 
-def latest_fingerprint(session: Session, *, backend: str, cluster: Any, before_id: int) -> str | None:
-    """The fingerprint of the newest earlier sweep on the same backend and cluster spec (a new
-    sweep's provisional fingerprint until its own first measurement says)."""
+def latest_fingerprint(session: Session, *, backend: str, same_cluster: Callable[[Any], bool],
+                       before_id: int) -> str | None:
+    """The fingerprint of the newest earlier sweep on the same backend whose spec's cluster section
+    ``same_cluster`` accepts (a new sweep's provisional fingerprint until its own first measurement says)."""
     rows = session.execute(
         sa.select(Sweep.spec, Sweep.fingerprint).where(Sweep.backend == backend, Sweep.fingerprint.is_not(None),
                                                       Sweep.id < before_id).order_by(Sweep.id.desc()).limit(50)
     ).all()
     for spec, fp in rows:
-        if (spec or {}).get("cluster") == cluster:
+        if same_cluster((spec or {}).get("cluster")):
             return fp
     return None
 
