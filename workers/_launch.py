@@ -210,6 +210,8 @@ def release_mesh_caches() -> None:
     thread), then collect garbage (planners and their cost closures are reference cycles). A cache
     a torch version lacks is skipped: tests/test_actor_threads.py notices a release that no longer
     frees the groups."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was ever made in this process: nothing is cached
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import _collective_utils as collective_utils
