@@ -102,6 +102,17 @@ def test_summary_counts_outcomes_and_device_time():
     assert s["device_time"] == "1 h 01 min" and s["best_tokens_per_s_per_device"] == 5.0
 
 
+def test_summary_counts_a_node_lost_trial_once_its_rerun_exists():
+    lost = {"error": {"kind": "crash", "infra": "node_lost"}}
+    rows = [_trial(0, 1, 1, 5.0), _trial(1, 2, 1, None, status="crash") | lost | {"key": "k9"},
+            _trial(2, 2, 2, None, status="crash") | lost]
+    before = views.summary(rows)
+    assert before["counts"]["crash"] == 2 and before["failed"] == 2  # no re-run yet: the lost rows are the trials
+    rows.append(_trial(3, 2, 1, 7.0) | {"key": "k9"})  # the re-run of trial 1's layout
+    after = views.summary(rows)
+    assert after["counts"]["crash"] == 1 and after["counts"]["completed"] == 2 and after["finished"] == 3
+
+
 # --- pages -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -61,13 +61,28 @@ def layout_label(layout: dict[str, Any]) -> str:
     return fmt.layout_text(layout)
 
 
+def lost_and_rerun(trials: Sequence[dict[str, Any]]) -> set[Any]:
+    """Ids of the rows a node died under whose layout ran again as a later live row of the same phase
+    and repeat: listed, but counted once, as their re-run (the store's counts follow the same rule,
+    ``api.store._sweeps._lost_and_rerun``; the engine re-queues a lost trial once, api/engine/_lost.py)."""
+    last: dict[tuple, int] = {}
+    for t in trials:
+        if t["status"] != "interrupted":
+            slot = (t["key"], t.get("phase"), t.get("repeat"))
+            last[slot] = max(last.get(slot, t["number"]), t["number"])
+    return {t["id"] for t in trials if ((t.get("error") or {}).get("infra") == "node_lost"
+                                        and last[(t["key"], t.get("phase"), t.get("repeat"))] > t["number"])}
+
+
 def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Counts by outcome, best tokens/s per device, device time spent (interrupted attempts are not
     results: they are re-run, so they are counted apart). Simulated trials' device-seconds are what
     the simulate backend says a real run would take: they are summed apart and never shown as real."""
     counts = dict.fromkeys(OUTCOMES, 0)
+    rerun = lost_and_rerun(trials)
     for t in trials:
-        counts[t["status"]] = counts.get(t["status"], 0) + 1
+        if t["id"] not in rerun:
+            counts[t["status"]] = counts.get(t["status"], 0) + 1
     done = completed(trials)
     best = max(done, key=lambda t: t["tokens_per_s_per_device"], default=None)
     real = sum(t.get("device_seconds") or 0.0 for t in trials if not t.get("simulated"))
