@@ -25,7 +25,6 @@ so a replay never widens who may read what.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -96,8 +95,7 @@ class AnswerReplay:
         self.app, self.max_bytes = app, max_bytes
         self._answers: OrderedDict[tuple, _Answer] = OrderedDict()
         self._probes: dict[Hashable, _Probe] = {}
-        self._bytes = 0
-        self._guard = threading.Lock()  # answers are stored from the event loop only; tests read them too
+        self._bytes = 0  # all three are touched on the event loop only: no lock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "GET":
@@ -108,7 +106,8 @@ class AnswerReplay:
                *(b"\n".join(v for k, v in headers if k == name) for name in KEY_HEADERS))
         answer = self._answers.get(key)
         if answer is not None and await self._still(answer):
-            self._answers.move_to_end(key, last=True) if key in self._answers else None
+            if key in self._answers:  # still kept (a concurrent answer may have replaced or dropped it)
+                self._answers.move_to_end(key)
             await self._replay(answer, headers, send)
             return
         await self._answer_and_keep(key, scope, receive, send)
@@ -158,14 +157,13 @@ class AnswerReplay:
         etag = fields.get(b"etag", b"").decode("latin-1") or None
         revalidation = [(k, v) for k, v in start.get("headers", []) if k in REVALIDATION_HEADERS]
         answer = _Answer(probe_key, version, start, body, etag, revalidation)
-        with self._guard:
-            self._probes.setdefault(probe_key, _Probe(probe))
-            old = self._answers.pop(key, None)
-            self._bytes += len(body) - (len(old.body) if old else 0)
-            self._answers[key] = answer
-            while self._bytes > self.max_bytes:
-                _, dropped = self._answers.popitem(last=False)
-                self._bytes -= len(dropped.body)
-            live = {a.probe_key for a in self._answers.values()}
-            for gone in [k for k in self._probes if k not in live]:
-                del self._probes[gone]
+        self._probes.setdefault(probe_key, _Probe(probe))
+        old = self._answers.pop(key, None)
+        self._bytes += len(body) - (len(old.body) if old else 0)
+        self._answers[key] = answer
+        while self._bytes > self.max_bytes:
+            _, dropped = self._answers.popitem(last=False)
+            self._bytes -= len(dropped.body)
+        live = {a.probe_key for a in self._answers.values()}  # drop the probes no kept answer uses
+        for gone in [k for k in self._probes if k not in live]:
+            del self._probes[gone]
