@@ -64,14 +64,19 @@ class _Probe:
         self.probe = probe
         self._next: asyncio.Future[Hashable] | None = None
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def current(self) -> Hashable:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # an app served by a new loop (a test's second client): start afresh
+            self._loop, self._next, self._running = loop, None, False
         if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
+            self._next = loop.create_future()
         waiting = self._next
         if not self._running:
             self._running = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._task = loop.create_task(self._drain())  # held: the loop keeps only weak references to tasks
         return await asyncio.shield(waiting)
 
     async def _drain(self) -> None:
