@@ -13,6 +13,9 @@ not to fit, and no layout predicted to need at least as much as an OOMed one is 
 error (held-out rms log error of the memory model; ``MEMORY_SIGMA`` before any peak was measured,
 at least the shortfall of an OOM) sets the headroom warm start leaves and the surrogate's
 probability that a layout fits.
+
+A prediction's record, the prior weights and re-prediction under a stored calibration
+(``predict_under``): api.engine._prediction.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import tuner
 from api.engine import _calibrate as cal
+from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction
+from api.engine._prediction import predict_under as predict_under  # re-exported: callers import it from here
+from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
 from api.engine._space import LayoutSpace
 from api.spec import SearchSettings, SweepSpec
 from tuner import ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
@@ -39,29 +44,7 @@ MAX_FIT_SAMPLES = 60
 # and communicator buffers on a real cluster add to it (an assumption, replaced by measurement).
 MEMORY_SIGMA = 0.10
 HEADROOM_Z = 1.645  # one-sided 95%: warm start launches what fits with this many memory errors to spare
-PRIOR_TIME_W = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
-PRIOR_MEM_W = np.array([1.0, 1.0, 1.0])
 log = logging.getLogger("meshtune.engine")
-
-
-@dataclass(frozen=True)
-class Prediction:
-    memory_bytes: int
-    step_time_s: float | None
-    tokens_per_s_per_device: float | None
-    useful_fraction: float | None
-    fits: bool
-    prune_cause: str | None
-    calibration_version: int = 0  # the calibration the prediction was made under (0: the prior)
-
-    def columns(self) -> dict[str, Any]:
-        return {
-            "calibration_version": self.calibration_version,
-            "predicted_memory_bytes": self.memory_bytes,
-            "predicted_step_time_s": self.step_time_s,
-            "predicted_tokens_per_s_per_device": self.tokens_per_s_per_device,
-            "useful_fraction": self.useful_fraction,
-        }
 
 
 def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, Any] | None,
@@ -380,31 +363,3 @@ class Problem:
         in_force = {"time": cal.named(self.time_w, cal.TIME_PARTS), "memory": cal.named(self.mem_w, cal.MEMORY_PARTS)}
         self.calibration = {**self.calibration, **sections, "in_force": in_force, "version": self.version + 1}
         return self.calibration
-
-
-def weights_in_force(calibration: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
-    """The time and memory weights a stored calibration predicts with (the prior's when it has none)."""
-    calibration = calibration or {}
-    force = calibration.get("in_force") or {
-        k: calibration[k]["weights"] for k in ("time", "memory") if k in calibration}  # before "in_force"
-    time_w = np.array([force["time"][k] for k in cal.TIME_PARTS]) if "time" in force else PRIOR_TIME_W.copy()
-    mem_w = np.array([force["memory"][k] for k in cal.MEMORY_PARTS]) if "memory" in force else PRIOR_MEM_W.copy()
-    return time_w, mem_w
-
-
-def predict_under(calibration: dict[str, Any] | None, layouts: dict[str, Layout], *, model: ModelSpec,
-                  cluster: ClusterSpec, training: TrainingSpec) -> dict[str, tuple[float | None, int | None]]:
-    """key -> (predicted tokens/s per device, predicted peak bytes per device) of each layout under one stored
-    calibration: what the ranking's "pred err" compares with, so that no two rows' errors mix
-    calibrations (the rows' own stored predictions were made under whichever version was in force
-    when each trial started)."""
-    time_w, mem_w = weights_in_force(calibration)
-    tokens = training.global_batch * model.seq_len
-    out: dict[str, tuple[float | None, int | None]] = {}
-    for key, layout in layouts.items():
-        est = tuner.estimate_time(layout, model=model, cluster=cluster, training=training)
-        mem = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
-        step = float(np.dot(cal.time_parts(est.breakdown), time_w))
-        tps = tokens / step / layout.world_size if step > 0 else None
-        out[key] = (tps, math.ceil(float(np.dot(cal.memory_parts(mem), mem_w))))
-    return out
