@@ -131,3 +131,40 @@ def test_cli_nodes_not_an_integer_is_argparse_exit_2(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--nodes", "4,x"])
     assert exc.value.code == 2 and "invalid int value: 'x'" in capsys.readouterr().err
+
+
+NOKV_SPEC = "model: tiny\ncluster: cpu-local\nworkload: _workloads:NOKV\ntraining: {global_batch: 16}\n"
+
+
+def test_sizes_plan_only_what_the_workload_runs():
+    """The size comparison applies the workload's capabilities as a single plan does (one code path):
+    tests/_workloads.py's NOKV refuses tp that does not divide kv_heads (tiny: 2), which no space limit
+    expresses, so only ``check_supported`` in the enumeration keeps tp=4 out."""
+    from tuner import plan
+    from workers.workload import check_workload
+
+    m, c = model_spec("tiny"), cluster_spec("cpu-local")
+    t = training_spec({"global_batch": 16}, seq_len=m.seq_len)
+    caps = check_workload("_workloads:NOKV", m, t)
+    points = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2], capabilities=caps)
+    bare = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2])
+    for p, b in zip(points, bare, strict=True):
+        single = plan(model=m, cluster=cluster_spec({"preset": "cpu-local", "nodes": p.nodes}), training=t,
+                      capabilities=caps)
+        assert p.feasible == len(single.entries) and p.layout_key == single.best.layout.key
+        assert all(e.layout.tp != 4 for e in single.entries)
+        assert b.feasible > p.feasible  # the built-in model runs tp=4 on tiny: the workload's refusal cut it
+
+
+def test_cli_sizes_of_a_workload_refusing_the_whole_space(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``--nodes 1,2`` and ``--plot`` with a spec whose workload refuses every layout of its space:
+    no size has a best layout, each says why, as ``meshtune plan`` of one size refuses it."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(NOKV_SPEC + "space: {tp: [4]}\n")
+    html = tmp_path / "sizes.html"
+    assert main(["plan", str(spec), "--nodes", "1,2", "--plot", str(html), "--json"]) == 0
+    sizes = json.loads(capsys.readouterr().out)["sizes"]
+    assert [p["layout"] for p in sizes] == [None, None] and html.stat().st_size > 0
+    assert all(p["why"].startswith("no layout fits: not realised by the workload (") for p in sizes), sizes
+    assert main(["plan", str(spec), "--nodes", "1"]) == 2
+    assert "not realised by the workload" in capsys.readouterr().err

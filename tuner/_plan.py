@@ -13,6 +13,7 @@ from tuner._errors import SpecError
 from tuner._layout import AXES, Layout, check_layout
 from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory, mesh_memory
 from tuner._placement import Placement, _place, check_order, place
+from tuner._realise import Capabilities
 from tuner._space import R_TP_NODES, Enumeration, SearchSpace, _schedules, divisors, enumerate_layouts
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec, to_dict
 from tuner._timing import CalibrationFactors, MeshTime, TimeEstimate, estimate_time, mesh_time
@@ -117,12 +118,16 @@ def plan(
     allow_tp_across_nodes: bool = False,
     order: tuple[str, ...] = AXES,
     enumeration: Enumeration | None = None,
+    capabilities: Capabilities | None = None,
 ) -> Plan:
-    """Every valid layout placed and estimated; feasible ones sorted by tokens/s per device."""
+    """Every valid layout placed and estimated; feasible ones sorted by tokens/s per device.
+    ``capabilities``: the workload's (None: the built-in model), as ``enumerate_layouts`` takes them;
+    unused when ``enumeration`` is given (it was enumerated under them)."""
     order = check_order(order)
     f = factors or CalibrationFactors()
     enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                                            allow_tp_across_nodes=allow_tp_across_nodes, order=order)
+                                            allow_tp_across_nodes=allow_tp_across_nodes, order=order,
+                                            capabilities=capabilities)
     result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected), twins=enum.twins)
     rejected = result.rejected
     per_node = cluster.devices_per_node

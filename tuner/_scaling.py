@@ -13,6 +13,7 @@ from typing import Any
 from tuner._errors import SpecError
 from tuner._formulas import cost_per_token, device_hours, time_to_train_s, useful_tokens_per_s
 from tuner._plan import plan
+from tuner._realise import Capabilities
 from tuner._space import SearchSpace
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 from tuner._timing import CalibrationFactors
@@ -111,9 +112,10 @@ class SizePoint:
 def plan_sizes(
     *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, nodes: Sequence[int],
     space: SearchSpace | None = None, factors: CalibrationFactors | None = None,
-    allow_tp_across_nodes: bool = False, scale_batch: bool = False,
+    allow_tp_across_nodes: bool = False, scale_batch: bool = False, capabilities: Capabilities | None = None,
 ) -> list[SizePoint]:
-    """The best layout at each node count in ``nodes`` (the cluster otherwise unchanged).
+    """The best layout at each node count in ``nodes`` (the cluster otherwise unchanged), among what
+    the workload runs (``capabilities``, None: the built-in model; see ``enumerate_layouts``).
 
     With a fixed global batch (the default) bigger clusters split the same batch finer (strong
     scaling), and the data-parallel degree is bounded by it. ``scale_batch`` grows the batch with
@@ -128,7 +130,7 @@ def plan_sizes(
         if scale_batch:
             t = dataclasses.replace(training, global_batch=max(1, training.global_batch * c.devices // base))
         result = plan(model=model, cluster=c, training=t, space=space, factors=factors,
-                      allow_tp_across_nodes=allow_tp_across_nodes)
+                      allow_tp_across_nodes=allow_tp_across_nodes, capabilities=capabilities)
         best = result.best
         if best is None:
             top = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:2]

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
     model, cluster, training, space, caps = _problem(args)
     if (args.nodes is not None and len(args.nodes) > 1) or args.plot:
-        return _run_sizes(args, model, cluster, training, space)
+        return _run_sizes(args, model, cluster, training, space, caps)
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
                              allow_tp_across_nodes=args.allow_tp_across_nodes, capabilities=caps)
     if not enum.valid:  # nothing to rank: the problem (or the space) admits no layout at all
@@ -225,10 +225,12 @@ def _print(result: Plan, top: int) -> None:
         console.print("[bold red]No layout fits in device memory[/]: see the rejected reasons above.")
 
 
-def _run_sizes(args: argparse.Namespace, model: Any, cluster: Any, training: Any, space: SearchSpace) -> int:
+def _run_sizes(args: argparse.Namespace, model: Any, cluster: Any, training: Any, space: SearchSpace,
+               caps: Any) -> int:
     counts = check_node_counts(args.nodes if args.nodes is not None else [cluster.nodes], field="--nodes")
     points = plan_sizes(model=model, cluster=cluster, training=training, nodes=counts, space=space,
-                        allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch)
+                        allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch,
+                        capabilities=caps)
     figure = sizes_figure(points, title=_sizes_title(model, cluster, training))
     if args.plot:
         import plotly.graph_objects as go
