@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from api import _answers, _http, dashboard, errors, store
-from api.dashboard import plan_page, trends
+from api.dashboard import plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.reshard import routes as reshard
 from api.routes import health, metrics, plan, presets
@@ -137,9 +137,9 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     app.state.plan_budget = plan.ClientBudget()  # per app: a test's clients do not share one
     errors.install(app)
     _add_docs(app)
-    # API routers first, then the dashboard's pages (the dashboard owns "/").
-    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, trends,
-                   plan_page):
+    # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).
+    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, sweep_pages,
+                   trends, plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.
     app.add_middleware(_http.AllowedMethods)
