@@ -21,7 +21,7 @@ What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, 
   with m > 1 micro-batches they hold this rank's unsharded gradients in fp32 (4 B/param,
   ``grads_held_unsharded``); ZeRO-2/3 reduce-scatter after every micro-batch's backward and hold
   only the 1/N shard. The same rule holds under pp > 1 (decision 6): the workers' pipeline stage
-  (``workers.train._SyncingStage``) syncs FSDP on each micro-batch's backward for ZeRO-2/3 and on
+  (``workers.rank_model._SyncingStage``) syncs FSDP on each micro-batch's backward for ZeRO-2/3 and on
   the last one for ZeRO-0/1, where torch.distributed.pipelining alone would defer every sync to
   the step's end (holding unsharded fp32 gradients for any ZeRO level, and, for ZeRO-3, every
   gathered weight after its first backward). Why this choice: it is ~20 lines over torch's stage,
@@ -262,7 +262,7 @@ def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: Tr
     expert_data = layout.dp * layout.cp
     zero = layout.zero if data > 1 else 0  # no data axis: nothing to shard or reduce
     dp_kind = "none" if data == 1 else ("replicate" if zero == 0 else "fsdp")
-    # The same rule with and without pipelining (decision 6, workers.train._SyncingStage).
+    # The same rule with and without pipelining (decision 6, workers.rank_model._SyncingStage).
     if dp_kind == "none":
         sync = "none"
     elif zero in (2, 3) or m == 1:

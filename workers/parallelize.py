@@ -14,7 +14,7 @@ order (torchtitan's ``parallelize_llama`` is the model). Realisations worth know
 - ZeRO-0: torch's FSDP-based ``replicate`` (DDP semantics) with the same units: weights and
   optimizer states replicated, gradients all-reduced per unit, overlapped with the backward, once
   per step (on the last micro-batch, DDP's ``no_sync`` before it).
-- With pp > 1 the workers' pipeline stage (``workers.train._SyncingStage``) keeps that rule:
+- With pp > 1 the workers' pipeline stage (``workers.rank_model._SyncingStage``) keeps that rule:
   ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-0/1 sync on the last one, ZeRO-3
   reshards after every backward (torch's stage alone would defer every sync to the step's end).
 - Logits stay vocab-sharded under TP; the loss is ``VocabParallelCrossEntropy`` (loss_parallel).
