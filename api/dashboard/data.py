@@ -3,12 +3,13 @@
 Only services are called here (routes never build queries): ``api.sweeps.service`` for sweeps and
 trials, ``api.reshard.service`` for the sweep's migration (reshard) checks. One page load reads the
 sweep's trials once (``list_trials``), the ranking and the Pareto points; a 2,000-trial sweep is a
-few hundred kB of rows.
+few hundred kB of rows. A running sweep's state is kept and refreshed with what changed
+(api/dashboard/live.py, which reads the trials table itself: the row cache is the dashboard's);
+``state.assemble`` builds the state from the rows either way.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -17,17 +18,17 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import format as fmt
-from api.dashboard import views
+from api.dashboard import live, views
+from api.dashboard.state import LIVE_STATUSES, assemble, microbatches_of
 from api.engine._calibrate import describe
 from api.reshard import service as reshard_service
 from api.routes._cache import sweep_version
 from api.spec import SweepSpec
 from api.sweeps import service
-from tuner import Layout, LayoutError, TrainingSpec, microbatches
-from tuner._stats import TIED, pareto_front, relative_error
+from tuner import TrainingSpec
+from tuner._stats import relative_error
 
 GiB = views.GiB
-LIVE_STATUSES = ("queued", "running")
 layout_from_key = fmt.layout_from_key  # kept here too: the dashboard's tests and pages read keys back
 
 
@@ -62,15 +63,6 @@ def problem(sweep: Any) -> dict[str, Any]:
     return out
 
 
-def _m(layout: dict[str, Any], training: TrainingSpec | None) -> int | None:
-    if training is None:
-        return None
-    try:
-        return microbatches(Layout(**layout), training)
-    except (LayoutError, TypeError):
-        return None
-
-
 def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: int | None = None) -> dict[str, Any]:
     """A stored trial (ORM row) as the flat dict ``views`` documents."""
     peak = t.peak_memory_bytes
@@ -78,7 +70,8 @@ def trial_row(t: Any, *, training: TrainingSpec | None = None, device_memory: in
         "id": t.id, "number": t.number, "attempt": t.attempt, "phase": t.phase, "source": t.source,
         "repeat": t.repeat, "status": t.status, "layout": dict(t.layout), "key": t.layout_key,
         "label": views.layout_label(t.layout), "tokens": t.tokens_per_s_per_device, "step_time": t.step_time_s,
-        "world_size": t.world_size, "microbatches": _m(t.layout, training), "cause": t.cause, "error": t.error,
+        "world_size": t.world_size, "microbatches": microbatches_of(t.layout, training), "cause": t.cause,
+        "error": t.error,
         "tokens_per_s_per_device": t.tokens_per_s_per_device, "tokens_per_s": t.tokens_per_s,
         "useful_tokens_per_s": t.useful_tokens_per_s, "mfu": t.mfu,
         "peak_memory_bytes": peak, "peak_gib": peak / GiB if peak else None,
@@ -177,13 +170,12 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
 # A finished sweep no longer changes: its state is kept (a few MB for 2,000 trials) so that page
 # reloads, table pages and the importance fetch do not read every trial again. Keyed on the
 # sweep's counters too, so a re-opened or re-measured sweep is read afresh. A running sweep's state
-# is shared for LIVE_TTL_S, so that any number of open pages polling it cost one read per period.
+# is shared for LIVE_TTL_S, so that any number of open pages polling it cost one read per period,
+# and that read is incremental (api/dashboard/live.py): its trial rows stay formatted.
 _finished: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
 _finished_lock = threading.Lock()
 _FINISHED_KEEP = 8
 LIVE_TTL_S = 2.0
-_live: dict[int, tuple[float, dict[str, Any]]] = {}
-_versions = itertools.count(1)  # each state read gets its own: the router's rendered pages key on it
 
 
 def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
@@ -194,16 +186,12 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     if sweep.status in LIVE_STATUSES:
         sweep = service.describe_sweep(session, sweep_id=sweep_id)
         now = time.monotonic()
-        with _finished_lock:
-            hit = _live.get(sweep.id)
-            if hit is not None and now - hit[0] < LIVE_TTL_S and hit[1]["sweep"]["status"] == sweep.status:
-                return hit[1]
-        state = _read_state(session, sweep)
-        with _finished_lock:
-            for sid in [k for k, (t, _) in _live.items() if now - t >= LIVE_TTL_S]:
-                del _live[sid]
-            _live[sweep.id] = (now, state)
-        return state
+        entry = live.kept(sweep, lambda: _kept(sweep))
+        with entry.lock:
+            state = entry.state
+            if state is None or now - entry.read_at >= LIVE_TTL_S or state["sweep"]["status"] != sweep.status:
+                state, entry.read_at = entry.refresh(session, sweep, sweep_header(sweep, entry.prob)), now
+            return state
     # sweep_version: the counters every recorded result refreshes, and the calibration (a refit
     # changes the ranking's order and errors)
     key = (sweep.id, sweep.finished_at, *sweep_version(sweep))
@@ -211,7 +199,13 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
         if key in _finished:
             _finished.move_to_end(key)
             return _finished[key]
-    state = _read_state(session, service.describe_sweep(session, sweep_id=sweep_id))
+    sweep = service.describe_sweep(session, sweep_id=sweep_id)
+    entry = live.take(sweep)  # just finished: its kept rows need only what changed since
+    if entry is not None:
+        with entry.lock:
+            state = entry.refresh(session, sweep, sweep_header(sweep, entry.prob))
+    else:
+        state = _read_state(session, sweep)
     with _finished_lock:
         _finished[key] = state
         while len(_finished) > _FINISHED_KEEP:
@@ -219,74 +213,17 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     return state
 
 
+def _kept(sweep: Any) -> live.Kept:
+    prob = problem(sweep)
+    return live.Kept(sweep, prob, lambda t: trial_row(t, training=prob["training"], device_memory=prob["device_memory"]))
+
+
 def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
-    sweep_id = sweep.id
+    """The sweep's state read from scratch: every trial formatted, the ranking read."""
     prob = problem(sweep)
     cap = prob["device_memory"]
-    trials = [trial_row(t, training=prob["training"], device_memory=cap) for t in all_trials(session, sweep_id=sweep_id)]
-    first_id, nodes = {}, {}
-    for t in trials:  # the first measurement of each layout is the one a ranking row links to
-        if t["status"] == "completed":
-            first_id.setdefault(t["key"], t["id"])
-            nodes.setdefault(t["key"], t["nodes"])
-    by_key_mfu: dict[str, list[float]] = {}
-    for t in trials:
-        if t["status"] == "completed" and t["mfu"] is not None:
-            by_key_mfu.setdefault(t["key"], []).append(t["mfu"])
-    ranking = service.ranking(session, sweep_id=sweep_id)
-    rows = []
-    best_known = bool(ranking.rows) and fmt.interval_known(ranking.rows[0])
-    for i, (r, versus) in enumerate(zip(ranking.rows, fmt.versus_rows(ranking.rows), strict=True)):
-        d = dict(vars(r))  # shallow: asdict() deep-copies every layout (0.7 s for 2,000 rows)
-        mfus = sorted(by_key_mfu.get(r.layout_key, []))
-        above = ranking.rows[i - 1] if i else None
-        d.update(
-            id=first_id.get(r.layout_key), tokens=r.median, lo=r.low, hi=r.high, status="completed",
-            versus=versus, versus_text=fmt.versus_text(versus, row_known=fmt.interval_known(r), best_known=best_known),
-            # "≈ the row above": both intervals known and in one tie group (a single run joins any
-            # group, tuner._stats.rank, which says nothing about it being close)
-            tied=bool(above and fmt.interval_known(r) and fmt.interval_known(above)
-                      and above.tie_group == r.tie_group),
-            mfu=mfus[len(mfus) // 2] if mfus else None, microbatches=_m(r.layout, prob["training"]),
-            peak_gib=r.peak_memory_bytes / GiB if r.peak_memory_bytes else None,
-            capacity_gib=cap / GiB if cap else None,
-            memory_fraction=min(r.peak_memory_bytes / cap, 1.0) if r.peak_memory_bytes and cap else None,
-            memory_error=r.memory_prediction_error, time_error=r.prediction_error,
-            # time and cost to train training.train_tokens at its measured tokens/s (api.sweeps.budget)
-            budget_cells=fmt.budget_cells(r.budget, simulated=bool(r.budget and r.budget.get("simulated"))),
-        )
-        rows.append(d)
-    # The Pareto points are the ranking's layouts (medians), on the front by the same function that
-    # service.pareto uses; this saves reading every measurement a second time.
-    measured = [r for r in ranking.rows if r.peak_memory_bytes is not None]
-    front = set(pareto_front([(r.layout_key, r.tokens_per_s_per_device, r.peak_memory_bytes) for r in measured]))
-    points = [
-        {"layout_key": r.layout_key, "layout": r.layout, "tokens_per_s_per_device": r.tokens_per_s_per_device,
-         "peak_memory_bytes": r.peak_memory_bytes, "on_front": r.layout_key in front,
-         "trial_id": first_id.get(r.layout_key), "nodes": nodes.get(r.layout_key)}
-        for r in measured
-    ]
-    bundle = views.chart_bundle(trials, points=points, device_memory=cap)
-    tied = sum(r["versus"] == TIED for r in rows)  # the best is not tied with itself
-    if ranking.rows:  # the headline is the ranking's winner (median over its measurements)
-        top = ranking.rows[0]
-        bundle["summary"].update(best_tokens_per_s_per_device=views.sig(top.median),
-                                 best_label=views.layout_label(top.layout), best_trial_id=rows[0]["id"])
-    bundle["status"] = sweep.status
-    bundle["live"] = sweep.status in LIVE_STATUSES
-    header = sweep_header(sweep, prob)
-    header["tied_sentence"] = fmt.tied_sentence(tied, best_known=best_known or not rows)
-    header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
-    results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
-    header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)
-    spend = ranking.budget or {}  # the token budget, the price and what the search spent
-    header["priced"] = spend.get("train_tokens") is not None or spend.get("price_per_device_hour") is not None
-    header["train_tokens"] = fmt.tokens_text(spend.get("train_tokens"))
-    header["search_spent"] = fmt.search_spent(sweep.device_seconds or 0.0, simulated=sweep.backend == "simulate",
-                                              price_per_device_hour=spend.get("price_per_device_hour"))
-    bundle["summary"]["search_spent"] = header["search_spent"]  # refreshed on a live page (data-fact)
-    return {"sweep": header, "trials": trials, "ranking": rows, "bundle": bundle, "problem": prob,
-            "version": next(_versions)}
+    trials = [trial_row(t, training=prob["training"], device_memory=cap) for t in all_trials(session, sweep_id=sweep.id)]
+    return assemble(sweep, prob, trials, service.ranking(session, sweep_id=sweep.id), header=sweep_header(sweep, prob))
 
 
 # --- migration (reshard) checks, issue 8 ------------------------------------------------------------
