@@ -75,8 +75,9 @@ def _tables_ctx(request: Request, state: dict[str, Any], *, checks: list[dict[st
 Page = Annotated[int, Query(ge=1, le=1_000_000)]
 
 # Rendered sweep pages and tables fragments: a pure function of the sweep's state (data.sweep_state's
-# "version", unchanged while the sweep's counters and calibration are, or for LIVE_TTL_S on a running
-# sweep), its migration checks, the query and what the viewer may do (a
+# "version", unchanged while the sweep's counters and calibration are; on a running sweep while its
+# incremental refresh, at most every LIVE_TTL_S, finds nothing new), its migration checks, the query
+# and what the viewer may do (a
 # read-only token sees no actions). A repeat load is then a dict lookup (a 10,000-trial page costs
 # ~55 ms of CPU to render), and its ETag (a digest of the bytes) answers If-None-Match with a 304.
 _rendered = VersionedCache(max_entries=64)
