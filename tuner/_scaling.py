@@ -36,7 +36,12 @@ class Budget:
     cost_per_token: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Shallow (every field is a scalar): dataclasses.asdict deep-copies, ~25x slower, and the
+        # ranking attaches one budget per ranked layout (4,000 on a 10,000-trial sweep).
+        return {name: getattr(self, name) for name in _BUDGET_FIELDS}
+
+
+_BUDGET_FIELDS = tuple(f.name for f in dataclasses.fields(Budget))
 
 
 def training_budget(tokens_per_s: float, *, devices: int, train_tokens: float | None,
