@@ -22,6 +22,19 @@ Spearman rank correlation (Spearman 1904) of those held-out predictions with the
 compared with the prior's (which saw none of them). A fit that ranks worse is refused: the sweep
 keeps the prior (or the calibration inherited from earlier sweeps on the cluster, whichever ranks
 better). The figures are stored with the calibration and shown by ``meshtune show`` and the dashboard.
+Where no fold's fit orders the samples otherwise than the prior (the fit only rescales it: on a
+CPU run with compute and the per-step constant free, every fold's fit is a monotone map of the
+prior's prediction), comparing held-out predictions across folds ranks the folds' weights, not the
+layouts: leaving out a run the prior gets wrong moves the others' fit away from it (a real CPU sweep
+of 10 layouts, examples/tiny-cpu.yaml: -0.56 against the prior's -0.23, though each fold ordered all
+ten exactly as the prior; over 231 judgements in benchmarks/bench_search.py sweeps the held-out
+predictions ranked 0.20 below the placements on average). There the figure is where each held-out
+sample's fold places it among the others, i.e. the prior's ranks, and a rescale the held-out
+predictions refused is kept when its held-out step times are 2x closer (RESCALE_GAIN; that CPU
+sweep: 4.3x closer). Not on a smaller gain, nor with placements for every fit (7857e33): both
+kept fits of a few samples that steered the surrogate for the rest of the sweep and the sweep that
+learned from it (bench_search.py --truth none, after learning: a 0.10 gain, 9 instead of 7.5 median
+launched trials over 10 seeds; placements, 25.5 instead of 8 over 4 seeds; neither changed a cold sweep).
 
 Memory: the same form over the memory model's parts (model states, activations, overhead), fitted to
 measured peaks, judged by held-out rms log error; an OOM is a lower bound (the layout needs more than
@@ -46,6 +59,7 @@ LOG_WEIGHT_SIGMA = 1.0  # prior sd of log(w / prior w): e times faster or slower
 LOG_WEIGHT_BOUND = 100.0  # no fitted weight moves further than this factor from its prior
 CONST_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measurement
 MIN_JUDGED = 4  # below this a held-out rank correlation means nothing: the prior stays
+RESCALE_GAIN = math.log(2.0)  # rms log error a fit that only rescales must gain: held-out steps 2x closer
 
 
 def time_parts(breakdown: dict[str, float]) -> list[float]:
@@ -173,20 +187,43 @@ def judge_time(parts: np.ndarray, measured: np.ndarray, priors: dict[str, np.nda
     if n < MIN_JUDGED or not free:
         return {**out, "accepted": False, "weights": named(base, TIME_PARTS), "loo_spearman": None,
                 "loo_rms_log_error": None, "reason": f"{n} measurements: too few to judge a fit (need {MIN_JUDGED})"}
-    loo = np.empty(n)
+    loo, place, rescale_only = np.empty(n), np.empty(n), True
+    base_pred = parts @ base
     for i in range(n):
         keep = np.arange(n) != i
-        w = fit_weights(parts[keep], measured[keep], base, free)
-        loo[i] = parts[i] @ w
-    loo_sp, loo_err = spearman(loo, measured), _rms_log(loo, measured)
-    # Equal rank correlation keeps the fit when it also predicts held-out step times better (it fixed
-    # the scale); a worse rank correlation is always refused.
-    accepted = _nz(loo_sp) > _nz(scores[base_name]) or (_nz(loo_sp) == _nz(scores[base_name]) and loo_err <= errs[base_name])
+        pred = parts @ fit_weights(parts[keep], measured[keep], base, free)
+        loo[i] = pred[i]
+        # where the fold's fit places the held-out sample among the others
+        place[i] = float((pred[keep] < pred[i]).sum()) + 0.5 * float((pred[keep] == pred[i]).sum())
+        rescale_only = rescale_only and _same_order(pred, base_pred)
+    # A fit that only rescales ranks as the prior: its placements are the prior's ranks (module docstring).
+    loo_sp, loo_err = spearman(place if rescale_only else loo, measured), _rms_log(loo, measured)
+    prior_sp = scores[base_name]
+    # Equal rank correlation of the held-out predictions keeps the fit when it also predicts held-out
+    # step times better (it fixed the scale); a worse rank correlation is refused. A rescale the
+    # held-out predictions misjudge is kept only where it fixes a gross scale error (RESCALE_GAIN).
+    raw_sp = spearman(loo, measured)
+    accepted = _nz(raw_sp) > _nz(prior_sp) or (_nz(raw_sp) == _nz(prior_sp) and loo_err <= errs[base_name])
+    rescaled = rescale_only and not accepted and loo_err <= errs[base_name] - RESCALE_GAIN
+    accepted = accepted or rescaled
     weights = fit_weights(parts, measured, base, free) if accepted else base
-    reason = "ranks held-out layouts at least as well as the prior" if accepted else (
-        f"refused: held-out Spearman {loo_sp:+.2f} < prior {scores[base_name]:+.2f}")
+    if rescaled:
+        reason = (f"ranks as the prior (every fold's fit orders the layouts as it does) and predicts held-out step "
+                  f"times {math.exp(errs[base_name] - loo_err):.1f}x closer")
+    elif accepted:
+        reason = "ranks held-out layouts at least as well as the prior"
+    elif rescale_only:
+        reason = (f"refused: ranks as the prior; held-out rms log error {loo_err:.2f} against its "
+                  f"{errs[base_name]:.2f} (a rescale must gain more than {RESCALE_GAIN:.2f})")
+    else:
+        reason = f"refused: held-out Spearman {loo_sp:+.2f} < prior {prior_sp:+.2f}"
     return {**out, "accepted": bool(accepted), "weights": named(weights, TIME_PARTS), "loo_spearman": _f(loo_sp),
-            "loo_rms_log_error": _f(loo_err), "reason": reason}
+            "loo_rms_log_error": _f(loo_err), "rescale_only": bool(rescale_only), "reason": reason}
+
+
+def _same_order(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` orders the samples exactly as ``b`` does, ties included."""
+    return bool(np.array_equal(np.sign(a[:, None] - a[None, :]), np.sign(b[:, None] - b[None, :])))
 
 
 def judge_memory(parts: np.ndarray, measured: np.ndarray, lower_parts: np.ndarray, lower_bytes: np.ndarray,
