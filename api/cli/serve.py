@@ -7,10 +7,10 @@ already at head is left alone), so a fresh SQLite file or PostgreSQL database ju
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import logging
 
+from api._gc import serve_quietly
 from api.settings import Settings
 from tuner import SpecError
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("meshtune.serve").info("serving on %s:%s (%s event loop, %s HTTP parser)",
                                              args.host, args.port, loop, http)
     mirror = _optuna_mirror(args.optuna_storage, url)
-    _quiet_collector()
+    serve_quietly()  # full garbage collections kept off the request path (api/_gc.py)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     access_log=not args.no_access_log, loop=loop, http=http)
@@ -91,14 +91,3 @@ def _optuna_mirror(storage: str | None, url: str):  # -> OptunaMirror | None
     logging.getLogger("meshtune.serve").info("mirroring every sweep into the Optuna storage %s", store.safe_url(storage))
     return mirror
 
-
-def _quiet_collector() -> None:
-    """Keep the cyclic collector's full passes short: each walks every tracked object, and the ~130,000
-    the coordinator has imported once started (alive for the whole process) plus a 10,000-trial sweep's
-    cached page state made each pass stall every request for 90-170 ms (measured with gc.callbacks at 50
-    clients, benchmarks/bench_api_latency.py). What is alive now is frozen (gc.freeze: later passes skip
-    it; reference counting still frees it) and the young generation is collected less often (its
-    objects mostly die by reference count first)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 10)

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import format as fmt
+from api._gc import settle
 from api.dashboard import live, views
 from api.dashboard.state import LIVE_STATUSES, assemble, microbatches_of
 from api.engine._calibrate import describe
@@ -190,7 +191,10 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
         with entry.lock:
             state = entry.state
             if state is None or now - entry.read_at >= LIVE_TTL_S or state["sweep"]["status"] != sweep.status:
+                first = state is None
                 state, entry.read_at = entry.refresh(session, sweep, sweep_header(sweep, entry.prob)), now
+                if first:
+                    settle()  # every trial row now kept: out of later full collections (api/_gc.py)
             return state
     # sweep_version: the counters every recorded result refreshes, and the calibration (a refit
     # changes the ranking's order and errors)
@@ -210,6 +214,7 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
         _finished[key] = state
         while len(_finished) > _FINISHED_KEEP:
             _finished.popitem(last=False)
+    settle()  # kept until evicted: out of later full collections (api/_gc.py)
     return state
 
 
