@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -116,11 +117,12 @@ def test_callers_share_a_probe_that_started_after_they_arrived():
     asyncio.run(run())
 
 
-def test_coordinator_ranking_and_page_are_replayed_but_never_stale(tmp_path):
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_coordinator_ranking_and_page_are_replayed_but_never_stale(tmp_path, db, request):
     from api.main import create_app
     from api.settings import Settings
 
-    url = f"sqlite:///{tmp_path / 'a.db'}"
+    url = f"sqlite:///{tmp_path / 'a.db'}" if db == "sqlite" else request.getfixturevalue("fresh_pg_url")
     engine, sessions = store.open_store(url)
     sid = seed_sweep(sessions, n_trials=12, name="replay")
     settings = Settings(database_url=url, api_tokens="alice:ta,viewer:tv", api_roles="viewer:read-only",
