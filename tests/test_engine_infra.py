@@ -172,3 +172,27 @@ def test_remeasure_plan_ranks_layouts_by_their_median_search_measurement():
     loop.rows = {i: r for i, r in enumerate([row(0, lucky, 900.0), row(1, lucky, 100.0), row(2, lucky, 110.0),
                                              row(3, steady, 500.0), row(4, steady, 480.0)])}
     assert [(lay.key, rep) for lay, rep in loop._remeasure_plan()] == [(steady, 1)]
+
+
+def test_remeasure_plan_spends_no_more_than_the_announced_re_measurements():
+    """remeasure_top_k=2, repeats=2 announces 2 re-measurements ("8 searched + 2 re-measurements of
+    the top 2"): once two are recorded, a third layout that has since become a contender is not
+    re-measured (the sweep would otherwise run more trials than it said it would)."""
+    space = SimpleNamespace(layouts=[tuner.Layout(dp=4), tuner.Layout(tp=4), tuner.Layout(pp=4)], index={})
+    space.index = {lay.key: i for i, lay in enumerate(space.layouts)}
+    a, b, c = (lay.key for lay in space.layouts)
+
+    def row(number, key, tok, phase="search", repeat=0):
+        return SimpleNamespace(number=number, layout_key=key, tokens_per_s_per_device=tok, phase=phase,
+                               status="completed", repeat=repeat)
+
+    loop = _loop.SweepLoop.__new__(_loop.SweepLoop)
+    loop.search = SimpleNamespace(remeasure_top_k=2, repeats=2)
+    loop.problem = SimpleNamespace(listed=False, space=space)
+    loop.rows = {i: r for i, r in enumerate([row(0, a, 1000.0), row(1, b, 990.0), row(2, c, 980.0)])}
+    first = [(lay.key, rep) for lay, rep in loop._remeasure_plan()]
+    assert first == [(a, 1), (b, 1)]
+    # b's re-measurement came out slow: c is now among the top 2 and overlaps the best, but the
+    # announced re-measurements are spent.
+    loop.rows |= {3: row(3, a, 1010.0, "remeasure", 1), 4: row(4, b, 700.0, "remeasure", 1)}
+    assert loop._remeasure_plan() == []

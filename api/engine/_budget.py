@@ -62,7 +62,8 @@ class Budget:
         best is separated from the runner-up (intervals apart, and the best measured at least twice),
         else measure once more the best and every contender among the top ``remeasure_top_k`` whose
         interval overlaps the best's and that has fewer than ``repeats`` measurements. The budget:
-        ``repeats`` per layout, ``max_device_seconds``. A deterministic function of the recorded
+        ``repeats`` per layout, ``remeasure_top_k x (repeats - 1)`` re-measurements in all (what the
+        sweep announces), ``max_device_seconds``. A deterministic function of the recorded
         measurements, so a resume continues the same plan; repeat numbers count earlier re-measurement
         attempts, so none is repeated. ``search.layouts``: every listed layout to ``repeats``."""
         k, repeats = self.search.remeasure_top_k, self.search.repeats
@@ -96,4 +97,7 @@ class Budget:
             if free:
                 layout = self.problem.space.layouts[self.problem.space.index[r.key]]
                 plan += [(layout, rep) for rep in (free if self.problem.listed else free[:1])]
-        return plan
+        # No more than the sweep announced (k x (repeats - 1): "N searched + M re-measurements of the
+        # top k"): a layout that becomes a contender once those are spent stays measured as it is.
+        spent = sum(len(reps) for reps in done.values())
+        return plan[:max(0, k * (repeats - 1) - spent)]
