@@ -83,12 +83,13 @@ def test_ledger_fair_share_then_priority_then_age_and_owner_limits() -> None:
         Claimant(7, "x", "urgent", T0)
 
 
-def test_a_queued_sweep_is_claimed_only_when_it_would_be_served_first() -> None:
+def test_a_queued_sweep_is_claimed_only_when_it_would_be_served_first(tmp_path: Path) -> None:
     """A coordinator claims a queued sweep only if it would get devices before every sweep already
     waiting in it; otherwise the sweep stays queued (and shows its queue position)."""
     from types import SimpleNamespace
 
-    runner = SweepRunner(Settings(database_url="sqlite://"), sessions=object())
+    _, sessions = store.open_store(f"sqlite:///{tmp_path / 'q.db'}")  # its grants are device leases there
+    runner = SweepRunner(Settings(database_url="sqlite://"), sessions=sessions)
     ledger = runner.ledger_for("scripted", 8)
     alice = Claimant(1, "alice", "normal", T0)
     assert ledger.try_acquire(alice, 8) is not None  # alice holds the cluster

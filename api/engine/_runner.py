@@ -87,7 +87,8 @@ class SweepRunner:
             ledger = self._ledgers.get(backend_name)
             if ledger is None:
                 ledger = DeviceLedger(capacity, max_trials=self.settings.max_concurrent_trials,
-                                      limits=self._owner_limits)
+                                      limits=self._owner_limits, sessions=self.sessions, pool=backend_name,
+                                      holder=self.runner_id)
                 self._ledgers[backend_name] = ledger
             else:
                 ledger.set_capacity(capacity)  # a cluster that grew or shrank

@@ -20,8 +20,17 @@ node held. A trial that fitted the cluster once but no longer fits the nodes tha
 (``DeviceLedger.shrank``) is let through and refused by the backend; the loop records that as the
 trial's result (``infra="cluster_shrank"``), not as the sweep's end.
 
-Grants are in-process: after a coordinator restart nothing is held, and each resumed sweep's
-re-runs take their devices anew (the restart rule itself is api/engine/__init__.py's).
+What is held is counted across coordinators: with a store (``sessions``), every grant is a lease row
+(api/store/_leases.py), taken in one serialised transaction that inserts it only if it fits the
+capacity and the owner's limit beside the live leases of every coordinator on the database (two
+``meshtune serve`` replicas, or a ``meshtune sweep`` beside one); a release deletes it. The order
+above is each coordinator's, among its own waiters; the free devices and an owner's held devices
+are read from all leases (re-read at most every ``SYNC_S`` while a waiter asks). Every loop calls
+the ledger on each pass (``withdraw`` when not waiting, ``try_acquire``/``wait_change`` when
+waiting), which beats this coordinator's leases at most every ``LEASE_BEAT_S``; a lease not beaten
+for ``store.LEASE_TTL_S`` (a crashed coordinator's) no longer counts, nor one of a process of this
+host that is gone. After a coordinator restart its resumed sweeps' re-runs take their devices anew
+(the restart rule itself is api/engine/__init__.py's). Without a store the ledger is in-process.
 """
 
 from __future__ import annotations
@@ -35,9 +44,12 @@ from datetime import datetime
 from typing import Any
 
 from api import store
+from api.store._leases import Holdings, beat_leases, drop_lease, holdings, take_lease
 
 log = logging.getLogger("meshtune.engine")
 CAPACITY_TTL_S = 2.0  # how long a backend's capacity is reused before a claim re-reads it
+SYNC_S = 1.0  # how long the other coordinators' holdings are reused before a waiter re-reads them
+LEASE_BEAT_S = 5.0  # how often a coordinator beats its leases (well inside store.LEASE_TTL_S)
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class Grant:
     devices: int  # counted against the ledger (0 for a trial larger than the ledger)
     since: float = field(default_factory=time.monotonic)
     released: bool = False
+    lease_id: int | None = None  # its row in the store's device_leases (None: in-process, or 0 devices)
 
 
 @dataclass(frozen=True)
@@ -70,7 +83,8 @@ class OwnerLimits:
 
 class DeviceLedger:
     def __init__(self, capacity: int, *, max_trials: int = 0,
-                 limits: Callable[[str | None], OwnerLimits] | None = None) -> None:
+                 limits: Callable[[str | None], OwnerLimits] | None = None, sessions: Any = None,
+                 pool: str = "", holder: str = "", ttl_s: float = store.LEASE_TTL_S, sync_s: float = SYNC_S) -> None:
         self.capacity = max(1, int(capacity))
         self.peak = self.capacity  # the most it has had: below it, the cluster lost devices
         self.read_at = time.monotonic()
@@ -79,6 +93,12 @@ class DeviceLedger:
         self._grants: list[Grant] = []
         self._waiting: dict[int, tuple[Claimant, int]] = {}
         self._cond = threading.Condition()
+        # The store's leases (None: in-process only); ``pool`` is whose devices (the backend's name),
+        # ``holder`` this coordinator (its runner id).
+        self.sessions, self.pool, self.holder, self.ttl_s, self.sync_s = sessions, pool, holder, ttl_s, sync_s
+        self._others = Holdings()  # the other coordinators' live leases, as last read
+        self._others_at = -sync_s
+        self._beat_at = time.monotonic()
 
     def set_capacity(self, capacity: int) -> None:
         """The backend's devices now (a cluster that grew or lost a node)."""
@@ -92,11 +112,65 @@ class DeviceLedger:
         """Whether the cluster has fewer devices now than it once had (a node was lost)."""
         return self.capacity < self.peak
 
+    # --- the store's leases -----------------------------------------------------------------------
+
+    def _mine(self) -> set[int]:
+        return {g.lease_id for g in self._grants if g.lease_id is not None}
+
+    def _sync(self, *, force: bool = False) -> None:
+        """Re-read what the other coordinators hold (at most every ``sync_s`` unless ``force``). A store
+        that cannot answer keeps the last figures (grants then wait: ``take_lease`` fails too)."""
+        if self.sessions is None or (not force and time.monotonic() - self._others_at < self.sync_s):
+            return
+        self._others_at = time.monotonic()
+        try:
+            with self.sessions() as s:
+                self._others = holdings(s, pool=self.pool, mine=self._mine(), ttl_s=self.ttl_s)
+        except Exception as exc:
+            log.warning("could not read the devices other coordinators hold (%s)", exc)
+
+    def beat(self, *, force: bool = False) -> None:
+        """This coordinator still holds its leases (at most every LEASE_BEAT_S unless ``force``)."""
+        if self.sessions is None:
+            return
+        with self._cond:
+            if not force and time.monotonic() - self._beat_at < LEASE_BEAT_S:
+                return
+            self._beat_at = time.monotonic()
+            mine = self._mine()
+            try:
+                with store.session_scope(self.sessions) as s:
+                    kept = beat_leases(s, lease_ids=mine)
+            except Exception as exc:  # retried on the next pass; the TTL leaves several beats of slack
+                log.warning("could not beat the device leases of %s (%s)", self.holder, exc)
+                return
+            if kept < len(mine):
+                log.warning("%d device leases of %s expired while held (not beaten for %.0f s): other "
+                            "coordinators may use those devices", len(mine) - kept, self.holder, self.ttl_s)
+
+    def _take_lease(self, claimant: Claimant, n: int) -> tuple[bool, int | None]:
+        """(granted, the lease's id): the store's check-and-insert over every coordinator's leases."""
+        if self.sessions is None or n == 0:
+            return True, None
+        try:
+            with store.session_scope(self.sessions) as s:
+                lease_id, self._others = take_lease(
+                    s, pool=self.pool, sweep_id=claimant.sweep_id, owner=claimant.owner, devices=n,
+                    holder=self.holder, capacity=self.capacity, owner_max=self.limits(claimant.owner).max_devices,
+                    mine=self._mine(), ttl_s=self.ttl_s)
+        except Exception as exc:  # the store is away: wait, as for devices that are not free
+            log.warning("sweep %s: could not take a device lease (%s)", claimant.sweep_id, exc)
+            return False, None
+        self._others_at = time.monotonic()
+        return lease_id is not None, lease_id
+
     # --- reads -----------------------------------------------------------------------------------
 
     def in_use(self, owner: str | None = None, *, any_owner: bool = True) -> int:
         with self._cond:
-            return sum(g.devices for g in self._grants if any_owner or g.claimant.owner == owner)
+            self._sync()
+            mine = sum(g.devices for g in self._grants if any_owner or g.claimant.owner == owner)
+            return mine + (self._others.total if any_owner else self._others.by_owner.get(owner, 0))
 
     def held_by(self, owner: str | None) -> int:
         return self.in_use(owner, any_owner=False)
@@ -112,6 +186,7 @@ class DeviceLedger:
     def head_key(self) -> tuple | None:
         """``store.queue_key`` of the waiter served next, or None when nobody (allowed) waits."""
         with self._cond:
+            self._sync()
             order = self._order()
             if not order:
                 return None
@@ -122,7 +197,7 @@ class DeviceLedger:
     # --- requests ------------------------------------------------------------------------------
 
     def _held(self, owner: str | None) -> int:
-        return sum(g.devices for g in self._grants if g.claimant.owner == owner)
+        return sum(g.devices for g in self._grants if g.claimant.owner == owner) + self._others.by_owner.get(owner, 0)
 
     def _allowed(self, claimant: Claimant, n: int) -> bool:
         """Whether the owner's limits let this request start now (else it waits, out of the order)."""
@@ -140,28 +215,34 @@ class DeviceLedger:
     def try_acquire(self, claimant: Claimant, n: int) -> Grant | None:
         """``n`` devices for one trial of ``claimant``'s sweep now, or None (it is then queued and
         asks again; ``withdraw`` when it no longer wants them)."""
+        self.beat()
         with self._cond:
             if n > self.capacity:  # can never fit: let the backend refuse it with its numbers
                 self._waiting.pop(claimant.sweep_id, None)
-                return self._grant(claimant, 0)
+                return self._grant(claimant, 0, None)
             self._waiting[claimant.sweep_id] = (claimant, n)
+            self._sync()
             order = self._order()
             if not order or order[0][0].sweep_id != claimant.sweep_id:
                 return None
-            if n > self.capacity - sum(g.devices for g in self._grants):
+            if n > self.capacity - sum(g.devices for g in self._grants) - self._others.total:
                 return None
             if self.max_trials and len(self._grants) >= self.max_trials:
                 return None
+            granted, lease_id = self._take_lease(claimant, n)
+            if not granted:  # another coordinator took them first: ask again later
+                return None
             del self._waiting[claimant.sweep_id]
-            return self._grant(claimant, n)
+            return self._grant(claimant, n, lease_id)
 
-    def _grant(self, claimant: Claimant, n: int) -> Grant:
-        grant = Grant(claimant, n)
+    def _grant(self, claimant: Claimant, n: int, lease_id: int | None) -> Grant:
+        grant = Grant(claimant, n, lease_id=lease_id)
         self._grants.append(grant)
         self._cond.notify_all()
         return grant
 
     def withdraw(self, sweep_id: int) -> None:
+        self.beat()
         with self._cond:
             if self._waiting.pop(sweep_id, None) is not None:
                 self._cond.notify_all()
@@ -170,13 +251,22 @@ class DeviceLedger:
         if grant is None:
             return
         with self._cond:
-            if not grant.released:
-                grant.released = True
-                self._grants.remove(grant)
-                self._cond.notify_all()
+            if grant.released:
+                return
+            grant.released = True
+            if grant.lease_id is not None:  # deleted first: a waiter woken below must not meet it
+                try:
+                    with store.session_scope(self.sessions) as s:
+                        drop_lease(s, lease_id=grant.lease_id)
+                except Exception as exc:  # no longer beaten: it stops counting after the TTL
+                    log.warning("could not give back device lease %s (%s)", grant.lease_id, exc)
+            self._grants.remove(grant)
+            self._cond.notify_all()
 
     def wait_change(self, timeout: float) -> None:
-        """Block until a grant is released or a waiter leaves (or ``timeout``)."""
+        """Block until a grant is released or a waiter leaves (or ``timeout``); another coordinator's
+        release is seen by the next ``try_acquire`` (its holdings re-read every SYNC_S)."""
+        self.beat()
         with self._cond:
             self._cond.wait(timeout)
 
