@@ -39,8 +39,9 @@ sweeps, one ``SweepLoop`` thread each (a queued sweep is claimed only when it wo
 before every sweep already waiting for devices, so the others stay queued with their position); every trial takes its devices from the runner's
 ``DeviceLedger`` for its backend (fair share between owners, then priority, then age; per-owner
 limits wait at launch) before its row is written and gives them back after its result is recorded,
-so the stored [started_at, finished_at) intervals never hold more devices than the cluster has
-(api/engine/_share.py). Restart re-runs take their devices like any trial (their ``started_at`` is
+so the stored [started_at, finished_at) intervals never hold more devices than the cluster has,
+whichever coordinator on the database ran them (the grants are lease rows: api/engine/_share.py,
+api/store/_leases.py). Restart re-runs take their devices like any trial (their ``started_at`` is
 when they got them). A cancelled sweep asks a backend that can (``backend.cancel(trial_id)``: Ray
 kills the trial's gang and removes its placement groups) to stop its trials in flight; their results
 are not recorded and their rows become "interrupted" (cause ``sweep cancelled``); a backend without
