@@ -48,6 +48,14 @@ class Versioned:
         return Response(f"body-{self.version}".encode(), headers={"ETag": f'"v{self.version}"', "Vary": "Accept"})
 
 
+def _replay_of(app) -> AnswerReplay:  # noqa: ANN001
+    """The AnswerReplay in a built app's middleware stack (its answers say which routes remembered)."""
+    layer = app.middleware_stack
+    while not isinstance(layer, AnswerReplay):
+        layer = layer.app
+    return layer
+
+
 def _client(res: Versioned) -> httpx.AsyncClient:
     app = AnswerReplay(Starlette(routes=[Route("/r", res.route)]))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
@@ -141,6 +149,8 @@ def test_coordinator_ranking_and_page_are_replayed_but_never_stale(tmp_path, db,
             assert client.get(top, headers=alice | {"If-None-Match": etag}).status_code == 304
             page = client.get(f"/sweeps/{sid}", headers=alice)
             assert page.status_code == 200 and client.get(f"/sweeps/{sid}", headers=alice).content == page.content
+            kept = {key[1] for key in _replay_of(app)._answers}  # what the coordinator's replay holds
+            assert {f"/api/sweeps/{sid}/ranking", f"/sweeps/{sid}"} <= kept
             anonymous = client.get(f"/sweeps/{sid}")  # the sign-in page, not alice's kept page
             assert anonymous.content != page.content and "login" in anonymous.text.lower()
 

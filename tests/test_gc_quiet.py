@@ -40,3 +40,19 @@ def test_serve_freezes_startup_and_built_states_only(tmp_path: Path) -> None:
     code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), url=f"sqlite:///{tmp_path / 'g.db'}")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+def test_meshtune_serve_sets_the_collector_before_serving(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """``meshtune serve`` calls serve_quietly() before uvicorn starts (both replaced here: the real ones
+    would freeze this test process and serve forever)."""
+    import uvicorn
+
+    from api.cli import main
+    from api.cli import serve as serve_cli
+
+    calls: list[str] = []
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", f"sqlite:///{tmp_path / 's.db'}")
+    monkeypatch.setattr(serve_cli, "serve_quietly", lambda: calls.append("collector"))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append("uvicorn"))
+    assert main(["serve", "--no-engine", "--port", "0"]) == 0
+    assert calls == ["collector", "uvicorn"]
