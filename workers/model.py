@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner import ModelSpec
-
-ROPE_THETA = 500_000.0  # Llama 3 (Dubey et al. 2024, Table 3)
+from tuner._export_model import BUILTIN_INIT_STD, BUILTIN_NORM_EPS, BUILTIN_QK_NORM_EPS
+from tuner._export_model import BUILTIN_ROPE_THETA as ROPE_THETA
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +75,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
         # Qwen3's RMSNorm of each query and key head (one head_dim weight shared by the heads).
-        self.q_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
-        self.k_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=BUILTIN_QK_NORM_EPS) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=BUILTIN_QK_NORM_EPS) if spec.qk_norm else None
         self.attn_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_sdpa
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,14 +160,14 @@ class Block(nn.Module):
         super().__init__()
         # A MoE model's ``dense_layers`` (Qwen-MoE's mlp_only_layers) get a dense MLP of ``ffn``.
         moe = spec.is_moe and index not in spec.dense_layers
-        self.attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.attention_norm = nn.RMSNorm(spec.hidden, eps=BUILTIN_NORM_EPS)
         self.attention = Attention(spec)
-        self.ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(spec.hidden, eps=BUILTIN_NORM_EPS)
         self.feed_forward: nn.Module = MoE(spec) if moe else FeedForward(spec.hidden, spec.ffn, spec.mlp)
         # Gemma 2/3's sandwich norms: each sub-layer's output is normalised before the residual add.
         sandwich = spec.norms_per_layer == 4
-        self.post_attention_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
-        self.post_ffn_norm = nn.RMSNorm(spec.hidden, eps=1e-5) if sandwich else None
+        self.post_attention_norm = nn.RMSNorm(spec.hidden, eps=BUILTIN_NORM_EPS) if sandwich else None
+        self.post_ffn_norm = nn.RMSNorm(spec.hidden, eps=BUILTIN_NORM_EPS) if sandwich else None
         # Qwen2-MoE's shared expert: a dense MLP of every token beside the routed experts, outside
         # the MoE module so that data parallelism treats it as dense (workers/_data_parallel.py).
         shared = moe and spec.shared_expert_ffn > 0
@@ -193,7 +193,7 @@ class Transformer(nn.Module):
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(spec.hidden, eps=BUILTIN_NORM_EPS)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -204,7 +204,7 @@ class Transformer(nn.Module):
         # CPU and CUDA draw different numbers, identical on every rank of one device type.
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
-        std = 0.02
+        std = BUILTIN_INIT_STD
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith(".bias"):  # q/k/v biases
