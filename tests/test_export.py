@@ -24,6 +24,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,6 +46,8 @@ from tuner import (
     microbatches,
     model_from_hf_config,
 )
+from tuner._export_model import trained_model
+from tuner._export_titan import titan_model_args
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # megatron-core warns about Transformer Engine features (CUDA graphs, fused attention) on CPU.
@@ -108,14 +111,66 @@ def _titan():
     return torchtitan.config, torchtitan.distributed.parallel_dims
 
 
+def titan_train_spec(name):
+    """torchtitan's train spec ``name`` (its model class and flavours). torchtitan.models.moe imports
+    Triton kernels for grouped GEMM index generation, which a model built on the meta device never
+    calls: a stand-in module takes their place on a CPU torch without triton."""
+    _titan()
+    if importlib.util.find_spec("triton") is None:
+        kernels = types.ModuleType("torchtitan.models.moe.kernels")
+
+        def generate_permute_indices(*args, **kwargs):
+            raise RuntimeError("Triton kernels are not available on this machine")
+
+        kernels.generate_permute_indices = generate_permute_indices
+        sys.modules.setdefault("torchtitan.models.moe.kernels", kernels)
+    from torchtitan.protocols.train_spec import get_train_spec
+    return get_train_spec(name)
+
+
+def titan_model_of(job, config_dir):
+    """(model class, model arguments) a parsed JobConfig trains: its [model] name and flavour, after
+    importing [experimental] custom_import from ``config_dir`` as torchtitan's Trainer does."""
+    if job.experimental.custom_import:
+        titan_train_spec("llama3")  # torchtitan's modules first, then the flavour module that registers
+        sys.path.insert(0, str(config_dir))
+        try:
+            sys.modules.pop(job.experimental.custom_import, None)
+            from torchtitan.protocols import train_spec as registry
+            registry._extra_train_specs.pop(job.model.name, None)  # registered again below, once per test
+            importlib.import_module(job.experimental.custom_import)
+        finally:
+            sys.path.remove(str(config_dir))
+    spec = titan_train_spec(job.model.name)
+    assert job.model.flavor in spec.model_args, (job.model.name, job.model.flavor)
+    return spec.model_cls, spec.model_args[job.model.flavor]
+
+
+def titan_refusal(model):
+    """Why no torchtitan 0.2 model builds ``model`` (None when one does): the export's own rule,
+    checked per architecture against torchtitan in tests/test_export_models.py."""
+    try:
+        titan_model_args(SimpleNamespace(model=model, trained=trained_model(model)))
+    except SpecError as exc:
+        return str(exc)
+    return None
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_torchtitan_job_config_is_read_by_torchtitan(case, tmp_path):
     config, parallel_dims = _titan()
     _, model, _, training, lay = case
+    if titan_refusal(model):
+        with pytest.raises(SpecError, match=r"^format=torchtitan: no torchtitan 0\.2 model builds"):
+            _export(case, "torchtitan")
+        return
     out = _export(case, "torchtitan")
     path = tmp_path / out.filename
     path.write_text(out.text)
+    for name, text in out.files.items():  # the flavour module, importable as custom_import names it
+        (tmp_path / name).write_text(text)
     job = config.ConfigManager().parse_args(["--job.config_file", str(path)])
+    titan_model_of(job, tmp_path)  # the flavour it names exists (tests/test_export_models.py checks its arguments)
     p, t = job.parallelism, job.training
     assert tomllib.loads(out.text)["parallelism"] == out.settings["parallelism"]
     assert (p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree,
@@ -156,6 +211,7 @@ def test_torchtitan_refuses_a_field_it_does_not_have(tmp_path):
     config, _ = _titan()
     path = tmp_path / "bad.toml"
     path.write_text(_export(CASES[0], "torchtitan").text + "not_a_field = 1\n")
+    assert "[model]" in path.read_text()
     with pytest.raises(ValueError, match="not_a_field"):
         config.ConfigManager().parse_args(["--job.config_file", str(path)])
 
@@ -166,8 +222,19 @@ def test_torchtitan_refuses_a_field_it_does_not_have(tmp_path):
 MEGATRON_LM_ONLY = {
     "micro_batch_size", "global_batch_size", "seq_length", "max_position_embeddings", "group_query_attention",
     "swiglu", "untie_embeddings_and_output_weights", "num_experts", "disable_bias_linear",
-    "position_embedding_type", "no_gradient_accumulation_fusion", "ckpt_format",
+    "position_embedding_type", "no_gradient_accumulation_fusion", "ckpt_format", "padded_vocab_size",
+    "rotary_base", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon", "apply_layernorm_1p",
+    "rotary_seq_len_interpolation_factor",
 }
+
+
+def _number(v):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 def _flags(argv):
@@ -176,8 +243,7 @@ def _flags(argv):
         assert argv[i].startswith("--"), argv[i]
         key = argv[i][2:].replace("-", "_")
         if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            v = argv[i + 1]
-            out[key] = int(v) if v.isdigit() else v
+            out[key] = _number(argv[i + 1])
             i += 2
         else:
             out[key] = True
@@ -212,8 +278,8 @@ def test_megatron_args_build_megatron_core_configs(case):
     _, model, _, training, lay = case
     out = _export(case, "megatron")
     args = _flags(out.settings)
-    body = "".join(line for line in out.text.splitlines(keepends=True) if not line.startswith("#"))
-    assert shlex.split(body.replace("\\\n", " ")) == out.settings  # the text is the argv, shell-quoted
+    assert shlex.split(out.text) == out.settings  # the text is the argv, shell-quoted, and nothing else
+    assert "#" not in out.text and "\\" not in out.text
     core = _field_names(TransformerConfig) | _field_names(DDPConfig) | _field_names(OptimizerConfig)
     assert set(args) - core <= MEGATRON_LM_ONLY, set(args) - core - MEGATRON_LM_ONLY
     # Megatron-LM's validate_args: at most one way to give the virtual stages.
@@ -224,6 +290,8 @@ def test_megatron_args_build_megatron_core_configs(case):
         values |= {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
     if args.get("disable_bias_linear"):
         values["add_bias_linear"] = False
+    values["layernorm_epsilon"] = args["norm_epsilon"]
+    values["layernorm_zero_centered_gamma"] = bool(args.get("apply_layernorm_1p"))
     if "num_experts" in args:
         values["num_moe_experts"] = args["num_experts"]
     if args.get("no_gradient_accumulation_fusion"):
@@ -322,8 +390,13 @@ def test_deepspeed_refuses_the_wrong_data_parallel_size(monkeypatch):
 # Megatron-Bridge 0.3 ConfigContainer fields outside megatron-core (megatron/bridge/training/config.py:
 # TrainingConfig.micro/global_batch_size, GPTDatasetConfig.seq_length, CheckpointConfig.ckpt_format,
 # GPTModelProvider.seq_length, ConfigContainer.mixed_precision).
+# GPTModelProvider's own fields (megatron/bridge/models/gpt_provider.py: vocab_size, should_pad_vocab,
+# share_embeddings_and_output_weights, rotary_base, position_embedding_type, seq_len_interpolation_factor)
+# and Llama31ModelProvider's scale_factor (models/llama/llama_provider.py).
 BRIDGE_ONLY = {"train.micro_batch_size", "train.global_batch_size", "dataset.seq_length", "model.seq_length",
-               "checkpoint.ckpt_format", "mixed_precision"}
+               "checkpoint.ckpt_format", "mixed_precision", "model.vocab_size", "model.should_pad_vocab",
+               "model.share_embeddings_and_output_weights", "model.rotary_base", "model.position_embedding_type",
+               "model.seq_len_interpolation_factor", "model.scale_factor"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -331,12 +404,15 @@ def test_nemo_overrides_build_the_configs_bridge_subclasses(case):
     torch, TransformerConfig, DDPConfig, OptimizerConfig = _megatron_core()
     _, model, _, training, lay = case
     out = _export(case, "nemo")
-    assert [line for line in out.text.splitlines() if line and not line.startswith("#")] == out.settings
+    assert shlex.split(out.text) == out.settings and "#" not in out.text  # run_recipe.py's argv, nothing else
+    assert out.settings[0] == "--recipe" and out.settings[1].endswith("_pretrain_config")
     groups = {"model": {}, "ddp": {}, "optimizer": {}}
-    for line in out.settings:
+    for line in out.settings[2:]:
         key, value = line.split("=", 1)
-        value = {"true": True, "false": False}.get(value, value.strip('"'))
-        value = int(value) if isinstance(value, str) and value.isdigit() else value
+        value = {"true": True, "false": False, "null": None}.get(value, value.strip('"'))
+        if isinstance(value, str) and value.startswith("["):
+            value = ast.literal_eval(value)
+        value = _number(value) if isinstance(value, str) else value
         group, _, name = key.partition(".")
         if key in BRIDGE_ONLY:
             continue
@@ -344,12 +420,15 @@ def test_nemo_overrides_build_the_configs_bridge_subclasses(case):
         groups[group][name] = value
     assert set(groups["model"]) <= _field_names(TransformerConfig)
     # A recipe supplies the model's shape; these overrides then set the layout on it.
-    shape = {"num_layers": model.layers, "hidden_size": model.hidden, "num_attention_heads": model.heads,
-             "num_query_groups": model.kv_heads, "ffn_hidden_size": model.ffn, "add_bias_linear": False}
+    cfg = _transformer_config(TransformerConfig, torch, groups["model"], bf16=True)
+    # The overrides set the whole model, whatever the recipe's provider held.
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size,
+            cfg.kv_channels, cfg.add_bias_linear, cfg.add_qkv_bias, cfg.qk_layernorm) == (
+        model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.head_dim, False, model.qkv_bias,
+        model.qk_norm)
     if model.is_moe:
-        shape |= {"num_moe_experts": model.experts, "moe_router_topk": model.top_k,
-                  "moe_ffn_hidden_size": model.expert_ffn}
-    cfg = _transformer_config(TransformerConfig, torch, shape | groups["model"], bf16=True)
+        assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (
+            model.experts, model.top_k, model.expert_ffn)
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
             cfg.expert_model_parallel_size, cfg.sequence_parallel) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.sp)
     if lay.vpp > 1:
@@ -357,6 +436,7 @@ def test_nemo_overrides_build_the_configs_bridge_subclasses(case):
     ddp = DDPConfig(**groups["ddp"])
     assert ddp.use_distributed_optimizer == (lay.zero >= 1)
     OptimizerConfig(**groups["optimizer"])
+    assert f"model.vocab_size={model.vocab}" in out.settings
     assert f"train.global_batch_size={training.global_batch}" in out.settings
     assert f"train.micro_batch_size={lay.mbs}" in out.settings
 
@@ -367,7 +447,9 @@ def test_nemo_overrides_build_the_configs_bridge_subclasses(case):
 def test_every_output_states_that_dp_excludes_ep(fmt):
     out = _export(CASES[1], fmt)
     assert any("excludes ep=2" in c and "dp*ep=4" in c for c in out.caveats)
-    assert "excludes ep=2" in out.text  # in the file itself, not only beside it
+    assert any("excludes ep=2" in line for line in out.notes)  # stderr / --caveats of the CLI
+    if fmt not in ("megatron", "nemo"):  # argument lists hold only the arguments
+        assert "excludes ep=2" in out.text  # in the file itself, not only beside it
 
 
 def test_what_has_no_equivalent_is_said_not_dropped():
@@ -428,7 +510,13 @@ def client(stored):
         yield c
 
 
-def _expected(stored, rank, fmt):
+def service_header(notes):
+    """The lines the service puts before tuner.export_layout's own notes (sweep, rank, how sure)."""
+    notes = list(notes)
+    return tuple(notes[:next(i for i, line in enumerate(notes) if line.startswith("meshtune layout "))])
+
+
+def _expected(stored, rank, fmt, header=()):
     """What tuner.export_layout writes for the ranked row (the service adds only the header)."""
     from _dashboard_seed import SPEC
 
@@ -436,7 +524,8 @@ def _expected(stored, rank, fmt):
 
     model, cluster, training = SweepSpec.model_validate(SPEC).to_problem()
     row = stored["rows"][rank - 1]
-    return export_layout(Layout(**row.layout), model=model, cluster=cluster, training=training, format=fmt)
+    return export_layout(Layout(**row.layout), model=model, cluster=cluster, training=training, format=fmt,
+                         header=header)
 
 
 @pytest.mark.parametrize("fmt", EXPORT_FORMATS)
@@ -445,23 +534,21 @@ def test_api_exports_a_ranked_layout_by_rank_or_key(client, stored, fmt):
     assert len(rows) >= 2
     r = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt})
     assert r.status_code == 200, r.text
-    want = _expected(stored, 1, fmt)
+    notes = json.loads(r.headers["x-meshtune-notes"])
+    header = service_header(notes)
+    assert header[0].startswith(f"sweep {sid} (export sweep), rank 1 of {len(rows)}") and "simulated" in header[0]
+    # Exactly what tuner.export_layout writes with the service's header; the notes are its own.
+    want = _expected(stored, 1, fmt, header)
+    assert r.text == want.text and notes == list(want.notes)
     assert r.headers["content-type"].startswith(want.media_type)
     assert f"rank-1-{want.filename}" in r.headers["content-disposition"]
-    if fmt == "deepspeed":  # the header travels in the JSON's meshtune.about
-        got = json.loads(r.text)
-        assert got.pop("meshtune")["caveats"] == list(want.caveats)
-        assert got == {k: v for k, v in want.settings.items() if k != "meshtune"}
-    else:  # the service's header line, then exactly what tuner.export_layout writes
-        assert r.text.endswith(want.text) and r.text.count("\n") == want.text.count("\n") + 1
-    assert f"sweep {sid} (export sweep), rank 1 of {len(rows)}" in r.text and "simulated" in r.text
     by_key = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "layout": rows[1].layout_key})
     by_rank = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "rank": 2})
     assert by_key.status_code == by_rank.status_code == 200 and by_key.text == by_rank.text != r.text
 
 
 @pytest.mark.parametrize(("query", "status", "line"), [
-    ({"format": "yaml"}, 422, "format='yaml' is not an export format (one of torchtitan, megatron, deepspeed, nemo)"),
+    ({"format": "yaml"}, 422, "format='yaml' is not an export format (one of torchtitan, torchtitan-launch, megatron, megatron-launch, deepspeed, nemo)"),
     ({"format": "nemo", "rank": 99}, 404, "rank=99 is not in sweep {sid}'s ranking"),
     ({"format": "nemo", "layout": "tp9"}, 404, "layout='tp9' is not a measured layout of sweep {sid}"),
     ({"format": "nemo", "rank": 1, "layout": "tp9"}, 422, "rank=1 and layout='tp9': give one of them, not both"),
@@ -483,8 +570,10 @@ def test_cli_export_prints_writes_and_refuses_with_exit_2(stored, client, monkey
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
     sid = stored["sid"]
     assert main(["export", str(sid), "--format", "megatron"]) == 0
-    printed = capsys.readouterr().out
-    assert printed == client.get(f"/api/sweeps/{sid}/export", params={"format": "megatron"}).text
+    printed = capsys.readouterr()
+    answer = client.get(f"/api/sweeps/{sid}/export", params={"format": "megatron"})
+    assert printed.out == answer.text  # only the arguments on stdout
+    assert printed.err.splitlines() == json.loads(answer.headers["x-meshtune-notes"])  # notes on stderr
     out = tmp_path / "ds.json"
     assert main(["export", str(sid), "--layout", stored["rows"][1].layout_key, "--format", "deepspeed",
                  "--out", str(out)]) == 0

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from api.format import layout_text
 from api.spec import SweepSpec, layout_from_mapping
 from api.sweeps import service as sweeps_service
+from api.sweeps.ranking import RankingRow
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
+from tuner._stats import Interval
 
 CHARSET = "; charset=utf-8"
 
@@ -46,10 +49,11 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     if not rows:
         raise ConflictError(f"sweep {sweep_id} has no completed trial to export (status {sweep.status})")
     if layout is not None:
-        row = next((r for r in rows if r.layout_key == layout), None)
+        wanted = " ".join(layout.split())  # the short form as `meshtune show` prints it, or a key
+        row = next((r for r in rows if wanted in (r.layout_key, layout_text(r.layout, dash=r.layout_key))), None)
         if row is None:
             raise NotFoundError(f"layout={layout!r} is not a measured layout of sweep {sweep_id} "
-                                f"(meshtune show {sweep_id} --json lists the {len(rows)} ranked layout keys)")
+                                f"(meshtune show {sweep_id} lists the {len(rows)} ranked layouts, by key with --json)")
     else:
         want = rank or 1
         if want > len(rows):
@@ -58,9 +62,33 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
     measured = (f"rank {row.rank} of {len(rows)}: {row.tokens_per_s_per_device:.6g} tokens/s per device, "
                 f"median of {row.n} run(s)" + (" (simulated, not measured)" if row.simulated else ""))
-    header = [f"sweep {sweep_id} ({sweep.name}), {measured}"]
+    header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *how_sure(row, rows, sweep_id=sweep_id)]
     if getattr(sweep, "diagnostic", False):
         header.append("diagnostic sweep: trial options injected failures or sleeps")
     out = export_layout(layout_from_mapping(dict(row.layout)), model=model, cluster=cluster, training=training,
                         format=format, header=tuple(header))
     return SweepExport(sweep_id, row.rank, row.layout_key, out)
+
+
+def _interval(row: RankingRow) -> Interval:
+    return Interval(row.n, row.median, row.low, row.high)
+
+
+def how_sure(row: RankingRow, rows: list[RankingRow], *, sweep_id: int) -> list[str]:
+    """The header lines that say how far the ranking separates ``row`` from the others: the layouts
+    its 95% interval overlaps (tied: measurement cannot order them), or that it was measured once."""
+    out = []
+    mine = _interval(row)
+    if row.n == 1:
+        out.append("measured once: this rank rests on a single run" + (
+            "" if mine.known else " and has no interval to compare it by") +
+            " (re-measure it, e.g. a sweep with trial.repeats >= 2, before trusting the order)")
+    if mine.known:
+        tied = [r for r in rows if r is not row and _interval(r).known and _interval(r).overlaps(mine)]
+        if tied:
+            names = ", ".join(f"#{r.rank} {layout_text(r.layout, dash=r.layout_key)}" for r in tied)
+            out.append(f"tied with {len(tied)} other layout{'s' if len(tied) > 1 else ''} (95% intervals overlap, "
+                       f"so measurement cannot order them): {names}")
+    out.append(f"another ranked layout: meshtune export {sweep_id} --rank N, or --layout KEY|SHORT "
+               f"(meshtune show {sweep_id} lists them)")
+    return out
