@@ -224,7 +224,7 @@ MEGATRON_LM_ONLY = {
     "swiglu", "untie_embeddings_and_output_weights", "num_experts", "disable_bias_linear",
     "position_embedding_type", "no_gradient_accumulation_fusion", "ckpt_format", "padded_vocab_size",
     "rotary_base", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon", "apply_layernorm_1p",
-    "rotary_seq_len_interpolation_factor",
+    "rotary_seq_len_interpolation_factor", "quick_geglu",
 }
 
 
@@ -272,6 +272,33 @@ def _transformer_config(TransformerConfig, torch, values, *, bf16):
     return TransformerConfig(**kw)
 
 
+def megatron_core_values(args, torch):
+    """megatron-core config values of parsed Megatron-LM flags, as Megatron-LM's
+    core_transformer_config_from_args copies them (same-named fields, and these renames)."""
+    values = dict(args)
+    if args.get("swiglu"):  # Megatron-LM: --swiglu sets these two
+        values |= {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+    if args.get("quick_geglu"):  # Megatron-LM: --quick-geglu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        values |= {"gated_linear_unit": True, "activation_func": quick_gelu}
+    if args.get("disable_bias_linear"):
+        values["add_bias_linear"] = False
+    values["layernorm_epsilon"] = args["norm_epsilon"]  # --norm-epsilon's dest
+    values["layernorm_zero_centered_gamma"] = bool(args.get("apply_layernorm_1p"))  # --apply-layernorm-1p's dest
+    if "num_experts" in args:
+        values["num_moe_experts"] = args["num_experts"]
+    if args.get("no_gradient_accumulation_fusion"):
+        values["gradient_accumulation_fusion"] = False
+    if "moe_layer_freq" in args:  # Megatron-LM's moe_freq_type evaluates the list expression
+        values["moe_layer_freq"] = ast.literal_eval(args["moe_layer_freq"])
+    if "window_size" in args:  # tuple_type
+        values["window_size"] = tuple(int(x) for x in str(args["window_size"]).split(","))
+    for key in ("moe_aux_loss_coeff",):  # nargs='+' floats
+        if key in args:
+            values[key] = float(args[key])
+    return values
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_megatron_args_build_megatron_core_configs(case):
     torch, TransformerConfig, DDPConfig, OptimizerConfig = _megatron_core()
@@ -285,19 +312,7 @@ def test_megatron_args_build_megatron_core_configs(case):
     # Megatron-LM's validate_args: at most one way to give the virtual stages.
     assert sum(k in args for k in ("pipeline_model_parallel_layout", "num_virtual_stages_per_pipeline_rank",
                                    "num_layers_per_virtual_pipeline_stage")) <= 1
-    values = dict(args)
-    if args.pop("swiglu", False):  # Megatron-LM: --swiglu sets these two
-        values |= {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
-    if args.get("disable_bias_linear"):
-        values["add_bias_linear"] = False
-    values["layernorm_epsilon"] = args["norm_epsilon"]
-    values["layernorm_zero_centered_gamma"] = bool(args.get("apply_layernorm_1p"))
-    if "num_experts" in args:
-        values["num_moe_experts"] = args["num_experts"]
-    if args.get("no_gradient_accumulation_fusion"):
-        values["gradient_accumulation_fusion"] = False
-    if "moe_layer_freq" in args:  # Megatron-LM's moe_freq_type evaluates the list expression
-        values["moe_layer_freq"] = ast.literal_eval(args["moe_layer_freq"])
+    values = megatron_core_values(args, torch)
     cfg = _transformer_config(TransformerConfig, torch, values, bf16=training.precision == "bf16")
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size,
             cfg.expert_model_parallel_size) == (lay.tp, lay.pp, lay.cp, lay.ep)

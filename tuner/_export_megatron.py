@@ -142,9 +142,10 @@ def _model_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
                            "q/k layernorms use --norm-epsilon")
     if model.mlp == "swiglu":
         out.append(("swiglu", True))
-    elif model.mlp == "geglu":
-        caveats.append("mlp=geglu (gelu_pytorch_tanh) has no Megatron-LM flag: set TransformerConfig "
-                       "gated_linear_unit=True with activation_func=gelu (tanh) in your model provider")
+    elif model.mlp == "geglu":  # the gated MLP's shape; its activation is the sigmoid approximation
+        out.append(("quick-geglu", True))
+        caveats.append("mlp=geglu: Megatron-LM's --quick-geglu gates with quick_gelu (x * sigmoid(1.702 x)), not "
+                       "gelu_pytorch_tanh (exact in a model provider: gated_linear_unit=True, activation_func=gelu)")
     if tm.sliding_window is not None:
         out.append(("window-size", f"{tm.sliding_window - 1},0"))  # HF: key j seen from i iff i - j < window
         caveats.append(f"sliding_window={tm.sliding_window}: Megatron's --window-size needs Transformer "
@@ -223,7 +224,7 @@ _BRIDGE_KEYS = {
 }
 # Megatron-LM-only flags with no provider field (the provider derives or fixes them).
 _BRIDGE_SKIP = {"group-query-attention", "max-position-embeddings", "use-rope-scaling", "no-gradient-accumulation-fusion",
-                "ckpt-format"}
+                "ckpt-format", "quick-geglu"}
 # store_true flags a recipe's provider may have set the other way: always given explicitly.
 _BRIDGE_BOOLS = {"qk-layernorm": "model.qk_layernorm", "add-qkv-bias": "model.add_qkv_bias",
                  "apply-layernorm-1p": "model.layernorm_zero_centered_gamma",

@@ -151,6 +151,8 @@ def _from_hf(model: ModelSpec) -> TrainedModel:
 
 def _builtin_architecture(m: ModelSpec) -> tuple[str, str]:
     """(transformers model_type that builds the built-in model of ``m``, or "" and why not)."""
+    if m.mlp == "gelu":
+        return "", "mlp=gelu: no transformers decoder has RoPE and RMSNorm with a plain GELU MLP"
     if m.mlp != "swiglu" or m.norms_per_layer != 2:
         return "", (f"mlp={m.mlp}, norms_per_layer={m.norms_per_layer}: Gemma also scales embeddings and "
                     "norms by (1 + w), which the built-in model does not")
