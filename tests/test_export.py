@@ -642,3 +642,158 @@ def test_exports_follow_the_read_rule(stored):
         assert c.get(f"/sweeps/{sid}/export", params={"format": "nemo", "layout": key}).status_code == 401
         c.cookies.set(COOKIE, "tok-export")
         assert c.get(f"/sweeps/{sid}/export", params={"format": "nemo", "layout": key}).text == ok.text
+
+
+# --- pasteable: the README's shell line, the launch scripts ------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _meshtune_on_path(tmp_path):
+    """A ``meshtune`` command running this tree's CLI, first on PATH (as the installed entry point)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "meshtune"
+    exe.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m api.cli \"$@\"\n")
+    exe.chmod(0o755)
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _bash(script, env, cwd):
+    import subprocess
+
+    done = subprocess.run(["bash", "-c", script], env=env, cwd=cwd, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    return done
+
+
+def test_the_readme_line_gives_pretrain_gpt_the_exported_argv(stored, tmp_path):
+    """The README's own shell line, run by bash, yields exactly the exported arguments (quoting of
+    the pipeline layout's | included), with the header and caveats on stderr, none on stdout."""
+    line = next(x.strip() for x in README.read_text().splitlines() if x.strip().startswith('eval "LAYOUT_ARGS=('))
+    assert stored["sid"] == 1 and "meshtune export 1 " in line
+    env = _meshtune_on_path(tmp_path) | {"MESHTUNE_DATABASE_URL": stored["url"]}
+    done = _bash(line + '\nprintf "%s\\0" "${LAYOUT_ARGS[@]}"', env, tmp_path)
+    got = done.stdout.decode().split("\0")[:-1]
+    want = _expected(stored, 1, "megatron")
+    assert got == want.settings
+    assert any("|" in w for w in got)  # a word that needed quoting went through
+    assert "caveat: meshtune's dp=" in done.stderr.decode()
+
+
+def _stub_torchrun(tmp_path):
+    """A ``torchrun`` on PATH that records its argv (NUL-separated) and environment."""
+    import os
+
+    bin_dir = tmp_path / "stub"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$ARGV_OUT"\nenv > "$ENV_OUT"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGV_OUT": str(tmp_path / "argv"),
+            "ENV_OUT": str(tmp_path / "env")}
+
+
+def test_megatron_launch_runs_torchrun_on_the_layouts_world(tmp_path):
+    _, model, cluster, training, lay = CASES[0]  # 4 nodes x 8, tp=2: Megatron-LM asks CUDA_DEVICE_MAX_CONNECTIONS=1
+    out = _export(CASES[0], "megatron-launch")
+    argv = _export(CASES[0], "megatron").settings
+    script = tmp_path / "train.sh"
+    script.write_text(out.text)
+    env = _stub_torchrun(tmp_path) | {"NODE_RANK": "3", "MASTER_ADDR": "10.0.0.7", "MEGATRON_LM": "/opt/Megatron-LM"}
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    _bash(f"bash {shlex.quote(str(script))} --log-interval 1", env, tmp_path)
+    got = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert got == ["--nnodes", "4", "--nproc-per-node", "8", "--node-rank", "3", "--master-addr", "10.0.0.7",
+                   "--master-port", "29500", "/opt/Megatron-LM/pretrain_gpt.py", *argv, "--train-iters", "100",
+                   "--lr", f"{training.lr:g}", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                   str(model.vocab - 1), "--log-interval", "1"]
+    assert cluster.nodes * cluster.devices_per_node == lay.world_size
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in (tmp_path / "env").read_text().splitlines()
+    assert out.text.startswith("#!/usr/bin/env bash\n# meshtune layout ") and "# caveat: " in out.text
+
+
+def test_torchtitan_launch_writes_the_job_config_and_flavour_and_runs_torchtitan(tmp_path):
+    config, _ = _titan()
+    case = ("mistral", _hf("mistral-7b"), H100x32, GB64, Layout(tp=4, dp=8, zero=1))  # a registered flavour
+    out, toml = _export(case, "torchtitan-launch"), _export(case, "torchtitan")
+    script, where = tmp_path / "titan.sh", tmp_path / "configs"
+    where.mkdir()
+    script.write_text(out.text)
+    env = _stub_torchrun(tmp_path) | {"CONFIG_DIR": str(where)}
+    _bash(f"bash {shlex.quote(str(script))} --training.steps 10", env, tmp_path)
+    job_file = where / toml.filename
+    assert job_file.read_text() == toml.text and (where / "meshtune_flavor.py").read_text() == toml.files["meshtune_flavor.py"]
+    got = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert got[-6:] == ["-m", "torchtitan.train", "--job.config_file", str(job_file), "--training.steps", "10"]
+    pythonpath = next(x for x in (tmp_path / "env").read_text().splitlines() if x.startswith("PYTHONPATH="))
+    assert pythonpath.removeprefix("PYTHONPATH=").split(":")[0] == str(where)
+    job = config.ConfigManager().parse_args(["--job.config_file", str(job_file)])
+    _, args = titan_model_of(job, where)
+    assert (args.dim, args.n_layers, args.rope_theta) == (4096, 32, 10_000.0)
+
+
+# --- which layout, and how sure ------------------------------------------------------------------------
+
+def _row(rank, n, median, low, high, layout):
+    return SimpleNamespace(rank=rank, n=n, median=median, low=low, high=high, layout=layout.__dict__ | {},
+                           layout_key=layout.key)
+
+
+def test_the_header_names_the_tied_layouts_or_a_single_run():
+    from api.export.service import how_sure
+
+    a, b, c = Layout(dp=8), Layout(tp=2, dp=4), Layout(pp=2, dp=4)
+    rows = [_row(1, 3, 100, 95, 105, a), _row(2, 3, 98, 94, 103, b), _row(3, 1, 60, 55, 65, c)]
+    lines = how_sure(rows[0], rows, sweep_id=7)
+    assert lines[0] == "tied with 1 other layout (95% intervals overlap, so measurement cannot order them): #2 tp2 dp4"
+    assert lines[-1].startswith("another ranked layout: meshtune export 7 --rank N, or --layout KEY|SHORT")
+    once = how_sure(rows[2], rows, sweep_id=7)
+    assert once[0].startswith("measured once: this rank rests on a single run (re-measure it")
+    alone = [_row(1, 1, 100, None, None, a)]
+    assert "has no interval" in how_sure(alone[0], alone, sweep_id=7)[0]
+
+
+def test_cli_layout_by_short_form_caveats_file_and_companion_module(stored, monkeypatch, capsys, tmp_path):
+    from api.cli import main
+    from api.format import layout_text
+
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
+    sid, row = stored["sid"], stored["rows"][1]
+    assert main(["export", str(sid), "--rank", "2", "--format", "megatron"]) == 0
+    by_rank = capsys.readouterr()
+    caveats = tmp_path / "caveats.txt"
+    assert main(["export", str(sid), "--layout", layout_text(row.layout), "--format", "megatron",
+                 "--caveats", str(caveats)]) == 0
+    by_short = capsys.readouterr()
+    assert by_short.out == by_rank.out and by_short.err == "" and caveats.read_text() == by_rank.err
+    assert f"rank 2 of {len(stored['rows'])}" in caveats.read_text()
+    job = tmp_path / "job.toml"
+    assert main(["export", str(sid), "--format", "torchtitan", "--out", str(job)]) == 0
+    err = capsys.readouterr().err
+    assert (tmp_path / "meshtune_flavor.py").is_file() and f"wrote {job} and {tmp_path / 'meshtune_flavor.py'}" in err
+    assert main(["export", str(sid), "--layout", "dp99 z9", "--format", "nemo"]) == 2
+    assert "layout='dp99 z9' is not a measured layout" in capsys.readouterr().err
+
+
+# --- re-run at size --------------------------------------------------------------------------------
+
+def test_run_trial_takes_nodes_and_devices_per_node_for_any_preset(capsys):
+    from api.cli import main
+
+    argv = ["run-trial", "--model", "llama3-8b", "--cluster", "h100-sxm", "--layout", "tp=8,dp=2",
+            "--global-batch", "64", "--backend", "simulate", "--json"]
+    assert main(argv) == 2  # 16 ranks on the preset's one node
+    assert "does not equal the device count 8" in capsys.readouterr().err
+    assert main([*argv, "--nodes", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["status"] == "completed" and result["simulated"]
+    assert main([*argv[:-1], "--nodes", "4", "--devices-per-node", "4", "--layout", "tp=4,dp=4"]) == 0
+    assert "(4 x 4)" in capsys.readouterr().out
+    for option, value in (("--nodes", "2.5"), ("--nodes", "0"), ("--devices-per-node", "-8")):
+        assert main([*argv, option, value]) == 2
+        err = capsys.readouterr().err
+        assert err == f"meshtune run-trial: error: {option} must be a positive integer, got '{value}'\n", err

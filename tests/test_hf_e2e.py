@@ -86,15 +86,12 @@ def test_plan_sweep_show_and_export_a_qwen3_moe_config(home, capsys, ray_local, 
         layout = Layout(**row["layout"])
         for fmt in EXPORT_FORMATS:
             assert main(["export", str(sid), "--rank", str(row["rank"]), "--format", fmt]) == 0
-            printed = capsys.readouterr().out
-            want = export_layout(layout, model=model, cluster=cluster, training=training, format=fmt)
-            if fmt == "deepspeed":  # the header travels in the JSON's meshtune.about
-                got = json.loads(printed)
-                assert got.pop("meshtune")["caveats"] == list(want.caveats)
-                assert got == {k: v for k, v in want.settings.items() if k != "meshtune"}
-            else:
-                assert printed.rstrip("\n").endswith(want.text.rstrip("\n"))
-                assert f"sweep {sid} (hf-e2e), rank {row['rank']} of 2" in printed
+            printed = capsys.readouterr()
+            header = tx.service_header(printed.err.splitlines())  # header and caveats on stderr
+            assert header[0].startswith(f"sweep {sid} (hf-e2e), rank {row['rank']} of 2")
+            want = export_layout(layout, model=model, cluster=cluster, training=training, format=fmt,
+                                 header=header)
+            assert printed.out == want.text and printed.err.splitlines()[:len(want.notes)] == list(want.notes)
         case = (row["layout_key"], model, cluster, training, layout)
         titan_dir = home / f"titan-{row['rank']}"
         titan_dir.mkdir()

@@ -29,6 +29,7 @@ so every framework's data-parallel size is meshtune's dp*ep; each output says so
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,4 +254,5 @@ def export_layout(
     argv = ["--recipe", recipe, *overrides]
     notes = tuple(intro + ["Megatron-Bridge (NeMo) scripts/training/run_recipe.py arguments: the recipe and its "
                            "Hydra/OmegaConf overrides"] + [f"caveat: {c}" for c in caveats])
-    return Export(format, shell_lines(argv), argv, caveats, MEDIA_TYPES[format], name, notes)
+    text = shell_lines(argv[:2]) + "".join(f"{shlex.quote(o)}\n" for o in overrides)  # one override a line
+    return Export(format, text, argv, caveats, MEDIA_TYPES[format], name, notes)

@@ -76,6 +76,24 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def cluster_arg(args: argparse.Namespace) -> Any:
+    """``--cluster`` with ``--nodes``/``--devices-per-node`` over the preset's (one line naming the
+    option and the value for anything but a positive integer)."""
+    sizes = {}
+    for option, field in (("nodes", "nodes"), ("devices_per_node", "devices_per_node")):
+        raw = getattr(args, option, None)
+        if raw is None:
+            continue
+        try:
+            value = int(str(raw), 10)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise SpecError(f"--{option.replace('_', '-')} must be a positive integer, got {raw!r}")
+        sizes[field] = value
+    return {"preset": args.cluster, **sizes} if sizes else args.cluster
+
+
 def build_request(args: argparse.Namespace) -> TrialRequest:
     if args.warmup < 0:
         raise SpecError(f"--warmup must be a non-negative integer, got {args.warmup}")
@@ -84,7 +102,7 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     if not args.step_timeout > 0:
         raise SpecError(f"--step-timeout must be a positive number, got {args.step_timeout}")
     model = model_spec(model_arg(args.model))  # a preset, or hf:PATH (tuner._hf.model_arg)
-    cluster = cluster_spec(args.cluster)
+    cluster = cluster_spec(cluster_arg(args))
     training = training_spec({"global_batch": args.global_batch, "seed": args.seed}, seq_len=model.seq_len)
     given = parse_layout(args.layout)
     options = parse_options(args.option)

@@ -2,6 +2,7 @@
 
     meshtune run-trial --model tiny --cluster cpu-local --layout tp=2,dp=2 --global-batch 8 --json
 
+``--nodes`` and ``--devices-per-node`` size any cluster preset (the layout's world is their product).
 ``--layout`` is ``key=value`` pairs of ``tuner.Layout`` (tp, pp, dp, cp, ep, zero, mbs, ac, sp,
 schedule, vpp); a bad key or value, a layout that does not fit the cluster, or an unknown backend
 exits 2 with one line naming the field and value, before any process starts. So does a backend
@@ -34,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", metavar="PRESET|hf:PATH",
                    help="model preset, or hf:PATH of a Hugging Face config.json (default tiny)")
     p.add_argument("--cluster", default="cpu-local", metavar="PRESET", help="cluster preset (default cpu-local)")
+    p.add_argument("--nodes", metavar="N", help="nodes of the cluster (default: the preset's), e.g. to re-run a "
+                   "sweep's 16-GPU winner: --cluster h100-sxm --nodes 2")
+    p.add_argument("--devices-per-node", metavar="N", help="devices per node (default: the preset's)")
     p.add_argument("--layout", required=True, metavar="K=V,...", help="e.g. tp=2,dp=2,pp=1,zero=0,ac=none")
     p.add_argument("--global-batch", type=int, default=8, metavar="N", help="sequences per step (default 8)")
     p.add_argument("--backend", default=None, metavar="NAME", help="ray, simulate or module:attr (default: settings)")
@@ -81,7 +85,8 @@ def print_summary(request: TrialRequest, result: TrialResult) -> None:
     label = " [yellow](SIMULATED: analytical model, not a measurement)[/]" if result.simulated else ""
     colour = "green" if result.ok else "red"
     console.print(
-        f"[bold]{request.model.name}[/] on [bold]{request.cluster.name}[/], layout [bold]{request.layout.key}[/]"
+        f"[bold]{request.model.name}[/] on [bold]{request.cluster.name}[/] ({request.cluster.nodes} x "
+        f"{request.cluster.devices_per_node}), layout [bold]{request.layout.key}[/]"
         f" via {result.backend}: [{colour}]{result.status}[/]{label}"
     )
     table = Table(show_header=False, box=None, pad_edge=False)
