@@ -11,12 +11,16 @@
 * ``storable_params``: an app-wide dependency refusing query and path values the stores cannot hold
   (``api.spec.text_problem``) with a 422 naming the parameter; bodies get the same check from
   ``api.spec.RequestModel``.
+* ``client_address``: who a request is from, for per-client budgets: the peer, or behind a proxy
+  named in ``MESHTUNE_TRUSTED_PROXIES`` the address that proxy (and any trusted one before it)
+  says in ``X-Forwarded-For``.
 * ``AllowedMethods``: OPTIONS answers 204 and a 405 lists in ``Allow`` every method the path has
   (RFC 9110 sections 9.3.7 and 15.5.6), not only those of the first route Starlette matched.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -33,6 +37,26 @@ from api.spec import text_problem
 
 MAX_BODY_BYTES = 1 << 20  # a sweep spec listing 1,000 layouts is ~0.2 MB
 MAX_JSON_DEPTH = 32  # the deepest real spec (search.layouts[i].tp) is 4 levels
+
+
+def client_address(request: Request) -> str:
+    """The client's address: the peer's, unless the peer is a trusted proxy; then ``X-Forwarded-For``
+    read from the right (each proxy appends the address it was reached from), skipping the trusted
+    proxies, up to the first address that is not one (what a client writes to its left is never
+    believed). A header that is not a list of addresses is ignored: the peer is the client."""
+    peer = request.client.host if request.client else "unknown"
+    settings = request.app.state.settings
+    if not settings.trusted_proxies or not settings.trusts_proxy(peer):
+        return peer
+    hops = [h.strip() for value in request.headers.getlist("x-forwarded-for") for h in value.split(",")]
+    try:
+        hops = [str(ipaddress.ip_address(h)) for h in hops if h]
+    except ValueError:
+        return peer
+    for hop in reversed(hops):
+        if not settings.trusts_proxy(hop):
+            return hop
+    return hops[0] if hops else peer
 
 
 class BodyTooLarge(HTTPException):
