@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from api import format as fmt
 from api.spec import SweepSpec, layout_from_mapping
 from api.sweeps import service as sweeps_service
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
@@ -59,6 +60,11 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     measured = (f"rank {row.rank} of {len(rows)}: {row.tokens_per_s_per_device:.6g} tokens/s per device, "
                 f"median of {row.n} run(s)" + (" (simulated, not measured)" if row.simulated else ""))
     header = [f"sweep {sweep_id} ({sweep.name}), {measured}"]
+    tied = fmt.tied_rows(rows, row)
+    if tied:  # the winner is not unique: say so before it is trained as if it were
+        names = ", ".join(fmt.layout_text(r.layout, dash=r.layout_key) for r in tied[:5])
+        header.append(f"tied with {len(tied)} other layout{'s' * (len(tied) > 1)} (95% intervals overlap): "
+                      f"{names}{f' and {len(tied) - 5} more' if len(tied) > 5 else ''}")
     if getattr(sweep, "diagnostic", False):
         header.append("diagnostic sweep: trial options injected failures or sleeps")
     out = export_layout(layout_from_mapping(dict(row.layout)), model=model, cluster=cluster, training=training,
