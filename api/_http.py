@@ -7,7 +7,10 @@
   headers *before* FastAPI reads and parses the body (FastAPI parses the body first and runs the
   dependencies after, so a refused caller would otherwise still cost a full parse), then decodes
   the JSON body itself: not UTF-8 (RFC 8259 section 8.1 requires it) or nested deeper than
-  ``MAX_JSON_DEPTH`` is a 422 naming ``body``, instead of FastAPI's undocumented 400.
+  ``MAX_JSON_DEPTH`` is a 422 naming ``body``, instead of FastAPI's undocumented 400. A body model
+  is validated in a worker thread, never on the event loop: FastAPI validates bodies on the loop,
+  and a sweep spec's validation may import a workload (``workload: hf`` imports transformers, seconds)
+  and build it on the meta device, which stalled every other request for as long.
 * ``storable_params``: an app-wide dependency refusing query and path values the stores cannot hold
   (``api.spec.text_problem``) with a 422 naming the parameter; bodies get the same check from
   ``api.spec.RequestModel``.
@@ -26,8 +29,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -168,12 +173,32 @@ def _guard_of(dependant: Any) -> Callable[..., Any] | None:
     return found
 
 
+def _body_model(route: APIRoute) -> type[BaseModel] | None:
+    """The pydantic model of a route's one, not embedded, body parameter (None otherwise)."""
+    params = route.dependant.body_params
+    if len(params) != 1 or getattr(params[0].field_info, "embed", False):
+        return None
+    model = params[0].field_info.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _validated(model: type[BaseModel], data: Any) -> Any:
+    """``data`` as ``model`` (run in a worker thread); ``data`` itself when it is invalid: FastAPI then
+    reports its errors beside the path's and query's, as without this (what was costly, a workload's
+    import, stays done)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return data
+
+
 class GuardedRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         guard = _guard_of(self.dependant)
 
         has_body = self.body_field is not None
+        model = _body_model(self) if has_body else None
 
         async def guarded(request: Request) -> Response:
             request = _ParsedRequest(request.scope, request.receive)
@@ -182,6 +207,8 @@ class GuardedRoute(APIRoute):
             # Parsed here, outside FastAPI's body reader, which would turn these 422s into a bare 400.
             if has_body and _is_json(request) and (raw := await request.body()):
                 request.parsed = parse_json_body(raw)
+                if model is not None:  # FastAPI takes the model instance as it is (no second validation)
+                    request.parsed = await run_in_threadpool(_validated, model, request.parsed)
             return await handler(request)
 
         return guarded
