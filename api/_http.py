@@ -7,23 +7,32 @@
   headers *before* FastAPI reads and parses the body (FastAPI parses the body first and runs the
   dependencies after, so a refused caller would otherwise still cost a full parse), then decodes
   the JSON body itself: not UTF-8 (RFC 8259 section 8.1 requires it) or nested deeper than
-  ``MAX_JSON_DEPTH`` is a 422 naming ``body``, instead of FastAPI's undocumented 400.
+  ``MAX_JSON_DEPTH`` is a 422 naming ``body``, instead of FastAPI's undocumented 400. A body model
+  is validated in a worker thread, never on the event loop: FastAPI validates bodies on the loop,
+  and a sweep spec's validation may import a workload (``workload: hf`` imports transformers, seconds)
+  and build it on the meta device, which stalled every other request for as long.
 * ``storable_params``: an app-wide dependency refusing query and path values the stores cannot hold
   (``api.spec.text_problem``) with a 422 naming the parameter; bodies get the same check from
   ``api.spec.RequestModel``.
+* ``client_address``: who a request is from, for per-client budgets: the peer, or behind a proxy
+  named in ``MESHTUNE_TRUSTED_PROXIES`` the address that proxy (and any trusted one before it)
+  says in ``X-Forwarded-For``.
 * ``AllowedMethods``: OPTIONS answers 204 and a 405 lists in ``Allow`` every method the path has
   (RFC 9110 sections 9.3.7 and 15.5.6), not only those of the first route Starlette matched.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +42,26 @@ from api.spec import text_problem
 
 MAX_BODY_BYTES = 1 << 20  # a sweep spec listing 1,000 layouts is ~0.2 MB
 MAX_JSON_DEPTH = 32  # the deepest real spec (search.layouts[i].tp) is 4 levels
+
+
+def client_address(request: Request) -> str:
+    """The client's address: the peer's, unless the peer is a trusted proxy; then ``X-Forwarded-For``
+    read from the right (each proxy appends the address it was reached from), skipping the trusted
+    proxies, up to the first address that is not one (what a client writes to its left is never
+    believed). A header that is not a list of addresses is ignored: the peer is the client."""
+    peer = request.client.host if request.client else "unknown"
+    settings = request.app.state.settings
+    if not settings.trusted_proxies or not settings.trusts_proxy(peer):
+        return peer
+    hops = [h.strip() for value in request.headers.getlist("x-forwarded-for") for h in value.split(",")]
+    try:
+        hops = [str(ipaddress.ip_address(h)) for h in hops if h]
+    except ValueError:
+        return peer
+    for hop in reversed(hops):
+        if not settings.trusts_proxy(hop):
+            return hop
+    return hops[0] if hops else peer
 
 
 class BodyTooLarge(HTTPException):
@@ -144,12 +173,32 @@ def _guard_of(dependant: Any) -> Callable[..., Any] | None:
     return found
 
 
+def _body_model(route: APIRoute) -> type[BaseModel] | None:
+    """The pydantic model of a route's one, not embedded, body parameter (None otherwise)."""
+    params = route.dependant.body_params
+    if len(params) != 1 or getattr(params[0].field_info, "embed", False):
+        return None
+    model = params[0].field_info.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _validated(model: type[BaseModel], data: Any) -> Any:
+    """``data`` as ``model`` (run in a worker thread); ``data`` itself when it is invalid: FastAPI then
+    reports its errors beside the path's and query's, as without this (what was costly, a workload's
+    import, stays done)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return data
+
+
 class GuardedRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         guard = _guard_of(self.dependant)
 
         has_body = self.body_field is not None
+        model = _body_model(self) if has_body else None
 
         async def guarded(request: Request) -> Response:
             request = _ParsedRequest(request.scope, request.receive)
@@ -158,6 +207,8 @@ class GuardedRoute(APIRoute):
             # Parsed here, outside FastAPI's body reader, which would turn these 422s into a bare 400.
             if has_body and _is_json(request) and (raw := await request.body()):
                 request.parsed = parse_json_body(raw)
+                if model is not None:  # FastAPI takes the model instance as it is (no second validation)
+                    request.parsed = await run_in_threadpool(_validated, model, request.parsed)
             return await handler(request)
 
         return guarded

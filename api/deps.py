@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.auth import Principal, authenticate, require_writer
+from api.paging import MAX_ID, MAX_OFFSET, MAX_PAGE, MAX_RANKING_PAGE
 from api.settings import Settings
 
 bearer = HTTPBearer(
@@ -71,8 +72,13 @@ WriterDep = Annotated[Principal, Depends(writer)]
 
 # Every stored row's id is an INTEGER column: 32-bit signed on PostgreSQL (an id above 2^31 - 1 is a
 # database error there, and above 2^63 - 1 an OverflowError in SQLite's driver). One bound for every
-# id a route takes, so an out-of-range id is a 422 naming the parameter, never a 500.
-MAX_ID = 2**31 - 1
+# id a route takes, so an out-of-range id is a 422 naming the parameter, never a 500; the pages' bounds
+# are api.paging's, documented on each parameter.
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Page size, 1..{MAX_PAGE}.")]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET, description=f"Items to skip, 0..{MAX_OFFSET} (past the last "
+                                                               "item the page is empty).")]
+RankingLimit = Annotated[int | None, Query(ge=1, le=MAX_RANKING_PAGE, description=(
+    f"Only this many rows, 1..{MAX_RANKING_PAGE:,} (default: all)."))]
 
 
 def path_id(description: str) -> Any:

@@ -1,6 +1,9 @@
 """Exception handlers: every user error becomes 401/403/404/409/422 with a message naming the field
 and the value; nothing a client sends produces a 500 (a 500 is left for genuine bugs).
 
+Every answer these handlers give (HTTPException's too) passes through ``api.redact.redact``: no
+error answer carries a URL's secret or a configured token, whatever the route or validator echoed.
+
 A ``SpecError`` raised by the tuner inside ``SweepSpec``'s model validator reaches FastAPI as a
 pydantic error located at the body root; its message starts with the dotted field path
 ("model.heads=3 does not divide ..."), which is recovered here so the client sees the field.
@@ -15,11 +18,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.utils import is_body_allowed_for_status_code
 from sqlalchemy import exc as sa_exc
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import ForbiddenError
-from api.schedules._urls import mask_url
+from api.redact import redact
 from api.store import StoreUnavailableError, safe_url
 from tuner import BackendError, ConflictError, MeshtuneError, NotFoundError, SpecError
 
@@ -40,15 +45,9 @@ def _lookup(data: Any, path: list[str | int]) -> Any:
     return data
 
 
-_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def _clip(value: Any, limit: int = 200) -> Any:
-    """Echo a rejected value back, but not a megabyte of it, and no URL's secret: a URL (a webhook's
-    path and query carry its secret, its user-info a password) is shown as ``scheme://host/…``,
-    the same mask the validators' messages use."""
-    if isinstance(value, str) and _URL.match(value):
-        return mask_url(value.strip())
+    """Echo a rejected value back, but not a megabyte of it (its secrets are masked with the whole
+    answer, ``answer``)."""
     if isinstance(value, str):  # a lone surrogate cannot be encoded into the response: shown escaped
         value = value.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(value, float) and not math.isfinite(value):  # nor can Infinity or NaN (RFC 8259 section 6)
@@ -119,17 +118,29 @@ def detail_line(item: dict[str, Any]) -> str:
     return f"{item['field']}: {item['message']}"
 
 
+def answer(status_code: int, content: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error answer: every one is built here, its text masked (api.redact)."""
+    return JSONResponse(status_code=status_code, content=redact(jsonable_encoder(content)), headers=headers)
+
+
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = field_errors(exc, exc.body)
     detail = detail_line(errors[0]) if errors else "invalid request"
-    return JSONResponse(status_code=422, content=jsonable_encoder({"detail": detail, "errors": errors}))
+    return answer(422, {"detail": detail, "errors": errors})
 
 
 def _plain(status_code: int):
     async def handler(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(status_code=status_code, content={"detail": str(exc)})
+        return answer(status_code, {"detail": str(exc)})
 
     return handler
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own answer to an HTTPException (401, 403, 429, ...), masked like the others."""
+    if not is_body_allowed_for_status_code(exc.status_code):
+        return Response(status_code=exc.status_code, headers=getattr(exc, "headers", None))  # type: ignore[return-value]
+    return answer(exc.status_code, {"detail": exc.detail}, headers=getattr(exc, "headers", None))
 
 
 async def value_error(request: Request, exc: ValueError) -> JSONResponse:
@@ -137,7 +148,7 @@ async def value_error(request: Request, exc: ValueError) -> JSONResponse:
     message = str(exc)
     match = _FIELD_PREFIX.match(message)
     item = {"field": match.group(1) if match else "request", "message": message, "type": "spec", "loc": []}
-    return JSONResponse(status_code=422, content={"detail": message, "errors": [item]})
+    return answer(422, {"detail": message, "errors": [item]})
 
 
 async def database_unavailable(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:
@@ -147,12 +158,13 @@ async def database_unavailable(request: Request, exc: sa_exc.DBAPIError) -> JSON
     if url.password:
         reason = reason.replace(str(url.password), "***")
     detail = f"the database at {safe_url(url)} is unavailable: {reason}"
-    return JSONResponse(status_code=503, content={"detail": detail}, headers={"Retry-After": "5"})
+    return answer(503, {"detail": detail}, headers={"Retry-After": "5"})
 
 
 def install(app: FastAPI) -> None:
     """Register the handlers; the most specific class wins (Starlette walks the MRO)."""
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(NotFoundError, _plain(404))
     app.add_exception_handler(ConflictError, _plain(409))
     app.add_exception_handler(ForbiddenError, _plain(403))  # a role's limit (api/auth.py)

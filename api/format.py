@@ -246,6 +246,13 @@ def versus_rows(rows: Sequence[Any]) -> list[str]:
     return [versus_best(_interval(r), best, is_best=i == 0) for i, r in enumerate(rows)]
 
 
+def tied_rows(rows: Sequence[Any], row: Any) -> list[Any]:
+    """The other ranking rows whose 95% interval overlaps ``row``'s: measurement cannot separate them
+    from it (none when ``row`` was measured once: it has no interval to compare)."""
+    mine = _interval(row)
+    return [r for r in rows if r is not row and mine.known and _interval(r).known and _interval(r).overlaps(mine)]
+
+
 def interval_known(row: Any) -> bool:
     return row.low is not None and row.high is not None
 

@@ -18,7 +18,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagge
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from api import _answers, _http, dashboard, errors, store
+from api import _answers, _http, dashboard, errors, redact, store
 from api.dashboard import plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.reshard import routes as reshard
@@ -109,6 +109,7 @@ def _stop_background(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> FastAPI:
     """The coordinator app. ``run_engine=False`` serves the API only (tests, read replicas)."""
     settings = settings or get_settings()
+    redact.add_secrets(*settings.api_tokens.values(), *settings.secret_values())  # never in an error answer or log
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

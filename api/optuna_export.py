@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
@@ -124,7 +125,11 @@ def export_sweep(session: Session, *, sweep_id: int, storage: str) -> Export:
 
     sweep = service.get_sweep(session, sweep_id=sweep_id)  # NotFoundError for an unknown id
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    rdb = optuna.storages.RDBStorage(storage)
+    try:
+        rdb = optuna.storages.RDBStorage(storage)
+    except (sa_exc.SQLAlchemyError, ImportError, ValueError) as exc:  # unreachable, unknown kind, no driver
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise store.StoreUnavailableError(f"the Optuna storage {store.safe_url(storage)} cannot be used: {reason}") from None
     try:
         name = study_name(sweep)
         study = optuna.create_study(storage=rdb, study_name=name, direction="maximize", load_if_exists=True)

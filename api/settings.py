@@ -9,16 +9,26 @@ Production: ``MESHTUNE_DATABASE_URL=postgresql+psycopg://...`` and ``RAY_ADDRESS
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tuner import SpecError
+
 ROLES = ("admin", "member", "read-only")
+# Settings whose value is never shown in an error line (a token list); a URL's secret is masked anyway.
+SECRET_SETTINGS = frozenset({"api_tokens"})
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class SettingsError(SpecError):
+    """A MESHTUNE_* variable with a value that cannot work: one line naming it (exit 2)."""
 
 
 def default_home() -> Path:
@@ -31,13 +41,15 @@ def default_home() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MESHTUNE_", extra="ignore")
+    # An empty variable means unset (the XDG Base Directory rule for its own variables): MESHTUNE_HOME=""
+    # is the default home, not the current directory.
+    model_config = SettingsConfigDict(env_prefix="MESHTUNE_", extra="ignore", env_ignore_empty=True)
 
     home: Path = Field(default_factory=default_home,
                        description="Directory for the embedded SQLite file (default: the per-user data dir).")
     database_url: str | None = Field(default=None, description="SQLAlchemy URL; default sqlite:///<home>/meshtune.db")
     ray_address: str | None = Field(
-        default_factory=lambda: os.environ.get("RAY_ADDRESS"),
+        default_factory=lambda: os.environ.get("RAY_ADDRESS") or None,
         description="Ray cluster to join (read from RAY_ADDRESS); unset starts a local Ray.",
     )
     # Named bearer tokens, "alice:secret1,bob:secret2" (or a JSON object). Empty disables auth.
@@ -60,6 +72,16 @@ class Settings(BaseSettings):
     owner_device_hours_per_day: Annotated[dict[str, float], NoDecode] = Field(
         default_factory=dict, description="owner -> device-hours its trials may hold in any 24 h")
     max_concurrent_sweeps: int = Field(default=8, ge=1, description="Sweeps one coordinator runs at once.")
+    # Proxies whose X-Forwarded-For is believed ("10.0.0.5,192.168.0.0/16"): IP literals or CIDRs.
+    # Empty: the peer's own address is the client's, whatever the header says (api/_http.client_address).
+    trusted_proxies: Annotated[tuple[IPNetwork, ...], NoDecode] = Field(
+        default=(), description="addresses whose X-Forwarded-For names the client")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:  # one line naming the variable, never a traceback nor a token
+            raise SettingsError(settings_error_line(exc)) from None
 
     @field_validator("api_tokens", mode="before")
     @classmethod
@@ -68,9 +90,9 @@ class Settings(BaseSettings):
             return json.loads(value)
         if isinstance(value, str):
             pairs = [p.split(":", 1) for p in value.split(",") if p.strip()]
-            bad = [p[0] for p in pairs if len(p) != 2 or not p[1]]
-            if bad:
-                raise ValueError(f"MESHTUNE_API_TOKENS entry {bad[0]!r} is not name:token")
+            bad = [i for i, p in enumerate(pairs, 1) if len(p) != 2 or not p[0].strip() or not p[1].strip()]
+            if bad:  # its text is not shown: an entry without its name may be the token itself
+                raise ValueError(f"entry {bad[0]} of {len(pairs)} is not name:token")
             return {name.strip(): token.strip() for name, token in pairs}
         return value
 
@@ -104,6 +126,40 @@ class Settings(BaseSettings):
                 raise ValueError(f"owner limit of {name!r} must be positive, got {limit!r}")
         return value
 
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _parse_proxies(cls, value: object) -> object:
+        items = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+        out = []
+        for item in items or ():
+            try:
+                out.append(ipaddress.ip_network(item, strict=False) if isinstance(item, str) else item)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or CIDR network (e.g. 10.0.0.5 or 10.0.0.0/8)") from None
+        return tuple(out)
+
+    def trusts_proxy(self, address: str) -> bool:
+        """Whether ``address`` (a peer) is one of ``trusted_proxies``."""
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.trusted_proxies if net.version == ip.version)
+
+    def secret_values(self) -> list[str]:
+        """What no error answer or log line may show: the tokens and the database URL's password."""
+        out = list(self.api_tokens.values())
+        if self.database_url:
+            from sqlalchemy.engine import make_url
+
+            try:
+                password = make_url(self.database_url).password
+            except Exception:  # not a URL at all: refused by resolved_database_url, masked as text
+                password = None
+            if password:
+                out.append(str(password))
+        return out
+
     def role_of(self, name: str) -> str:
         """A token's role: as configured, else member (tokens configured before roles existed)."""
         return self.api_roles.get(name, "member")
@@ -129,6 +185,20 @@ class Settings(BaseSettings):
             return self.database_url
         self.home.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(self.home / 'meshtune.db').resolve()}"
+
+
+def settings_error_line(exc: ValidationError) -> str:
+    """``MESHTUNE_X=value: why`` for the first error (``MESHTUNE_API_TOKENS: why``, no value, for a secret)."""
+    from api.redact import redact_text
+
+    err = exc.errors()[0]
+    field = str(err["loc"][0]) if err.get("loc") else ""
+    name = f"MESHTUNE_{field.upper()}" if field else "MESHTUNE_*"
+    why = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    value = err.get("input")
+    if field in SECRET_SETTINGS or not isinstance(value, (str, int, float)):
+        return redact_text(f"{name}: {why}")
+    return redact_text(f"{name}={value!r}: {why}")
 
 
 @lru_cache

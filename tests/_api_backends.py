@@ -1,4 +1,5 @@
-"""A slow simulate backend for the coordinator restart test (loaded as ``_api_backends:SlowSimulate``).
+"""A slow simulate backend for the coordinator restart test (loaded as ``_api_backends:SlowSimulate``),
+and a noisy one (``_api_backends:NoisySimulate``) for what a sweep says of a host too noisy to rank on.
 
 Real trials on 2 CPU cores take long enough to make a kill-and-restart test slow, so the restart test
 runs the simulate backend (every result labelled ``simulated=True``) with ``trial.options.delay_s``
@@ -21,3 +22,13 @@ class SlowSimulate(SimulateBackend):
     def run(self, request):  # noqa: ANN001, ANN201 - the Backend protocol
         time.sleep(float(request.options.get("delay_s", 0.0)))
         return super().run(request)
+
+
+class NoisySimulate(SimulateBackend):
+    """The simulate backend on a busy host: repeats of one layout spread by 30% (the README's quick
+    start measured 29% on a loaded machine), more than a ranking can be trusted with."""
+
+    name = "simulate"
+
+    def __init__(self, **kwargs) -> None:  # noqa: ANN003 - SimulateBackend's
+        super().__init__(**{**kwargs, "noise": 0.3})

@@ -14,3 +14,20 @@ NOKV = Workload(name="nokv", build=builtin_parts,
                 capabilities=Capabilities(workload="nokv", cp=False, ep=False, replicated_kv=False))
 NOTP = Workload(name="notp", build=builtin_parts,
                 capabilities=Capabilities(workload="notp", tp=False, cp=False, ep=False, ac=("none", "full")))
+
+
+def _built_where(model, training):  # noqa: ANN001, ANN202 - the Workload build signature
+    """builtin_parts, recording whether it ran on a thread that runs an event loop (a server's)."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+        BUILT_ON_LOOP.append(True)
+    except RuntimeError:
+        BUILT_ON_LOOP.append(False)
+    return builtin_parts(model, training)
+
+
+BUILT_ON_LOOP: list[bool] = []
+# Built (on the meta device) when a spec naming it is validated, as the hf workload is.
+WHERE = Workload(name="where", build=_built_where, capabilities=Capabilities(workload="where", cp=False, ep=False))

@@ -218,6 +218,62 @@ def test_anonymous_plans_are_charged_to_a_budget_that_refills(db_url: str) -> No
     assert "429" in c.app.openapi()["paths"]["/api/plan"]["get"]["responses"]
 
 
+def test_the_budget_behind_a_proxy_follows_x_forwarded_for_only_from_a_trusted_proxy(db_url: str) -> None:
+    """Behind a proxy every anonymous client shared the proxy's budget; X-Forwarded-For is believed only
+    from an address of MESHTUNE_TRUSTED_PROXIES (read from the right: what a client writes to its left
+    is not), so neither can a client that reaches the API directly pick the address it is charged to."""
+    from api.routes import plan as plan_route
+    from api.routes.plan import ClientBudget
+    from tuner import cluster_spec, model_spec
+    from tuner._plan import candidate_layouts
+
+    cost = candidate_layouts(model=model_spec("tiny"), cluster=cluster_spec({"preset": "h100-sxm", "nodes": 2}))
+    settings = Settings(home="/nonexistent", database_url=db_url, trusted_proxies="10.0.0.0/8, 192.0.2.7",
+                        ray_address=None)
+    assert [str(n) for n in settings.trusted_proxies] == ["10.0.0.0/8", "192.0.2.7/32"]
+    batch = iter(range(1, 10_000))
+
+    def plan(c: TestClient, forwarded: str | None) -> int:  # a new batch each time: never a cached answer
+        headers = {"X-Forwarded-For": forwarded} if forwarded else {}
+        return c.get("/api/plan", params={"model": "tiny", "cluster": "h100-sxm", "nodes": 2,
+                                          "global_batch": 16 * next(batch)}, headers=headers).status_code
+
+    plan_route._CACHE.clear()
+    app = create_app(settings, run_engine=False)
+    for peer, trusted in (("10.1.2.3", True), ("198.51.100.9", False)):
+        app.state.plan_budget = ClientBudget(capacity=cost, rate=1e-9)  # one plan per client
+        with TestClient(app, client=(peer, 5000)) as c:
+            assert plan(c, "203.0.113.1") == 200
+            # another client behind the same proxy has a budget of its own only if the proxy is trusted
+            assert plan(c, "203.0.113.2") == (200 if trusted else 429)
+            assert plan(c, "203.0.113.1") == 429  # the first one's is spent either way
+            # a client naming someone else to the left of what the trusted proxies appended is still itself
+            assert plan(c, "203.0.113.99, 203.0.113.1, 10.9.9.9") == 429
+            # a header that is not addresses is not believed: the peer is charged (spent already if untrusted)
+            assert plan(c, "not an address") == (200 if trusted else 429)
+            assert plan(c, "not an address") == 429
+    with pytest.raises(ValueError, match="MESHTUNE_TRUSTED_PROXIES='10.0.0.0/33'"):
+        Settings(trusted_proxies="10.0.0.0/33")
+
+
+def test_a_workload_is_checked_off_the_event_loop(client: TestClient) -> None:
+    """A spec's validation imports and builds its workload (``workload: hf`` imports transformers:
+    seconds). FastAPI validates bodies on the event loop, so every other request of the process
+    waited (measured under load: /api/presets stalled 16.1 s while an hf sweep was validated, 0.58 s
+    at most after); bodies are now validated in a worker thread, the sweep's and a schedule's
+    template alike."""
+    import _workloads
+
+    _workloads.BUILT_ON_LOOP.clear()
+    for i, (path, body) in enumerate((("/api/sweeps", {}), ("/api/schedules", {"template": True}))):
+        spec = {**SIMULATED, "name": f"where-{i}", "workload": "_workloads:WHERE",  # a model of its own: not cached
+                "model": {"preset": "tiny", "name": f"where-{i}"}}
+        data = {"name": "n", "cron": "0 2 * * *", "template": spec} if body else spec
+        r = client.post(path, json=data, headers=ALICE)
+        assert r.status_code == 201, r.text
+    assert _workloads.BUILT_ON_LOOP == [False, False]
+
+
 def test_options_and_405_list_every_method_of_the_path(client: TestClient) -> None:
     """GET and POST /api/sweeps are two routes (so are GET, PATCH and DELETE of a schedule): the
     Allow header lists the methods of all of them, and exactly the methods that are not a 405."""

@@ -2,7 +2,10 @@
 OpenAPI document (valid ones and invalid ones, with and without a bearer token), sends them in
 process (ASGI transport, no server) and checks every answer: never a 5xx, a documented status code
 and content type, and a body that matches the documented schema. Once on SQLite and once on
-PostgreSQL (whose text types refuse NUL and whose ids are 32-bit: issue 11 items 5 and 6).
+PostgreSQL (whose text types refuse NUL and whose ids are 32-bit: issue 11 items 5 and 6). Every
+paged operation is also called with its ``limit`` and ``offset`` at each bound the document states and
+one past it (``_paging_at_bounds``): in bounds 200, beyond 422 naming the parameter, on both stores
+(an offset of 2^31 - 1 beside a limit was a 500 on PostgreSQL).
 
 The sweep engine does not run (``run_engine=False``): generated sweeps stay queued, and reshard
 checks go to a stub runner, so a generated request can never start real work. Generation is
@@ -83,6 +86,46 @@ def _stored_text(schema, *, sweep_id: int) -> list:
     ]
 
 
+def _bounds(document: dict, path: str, method: str) -> dict[str, tuple[int, int]]:
+    """The documented (minimum, maximum) of an operation's ``limit`` and ``offset`` query parameters."""
+    out = {}
+    for param in document["paths"][path][method.lower()].get("parameters", []):
+        if param["in"] == "query" and param["name"] in ("limit", "offset"):
+            schema = param["schema"]
+            schema = next((s for s in schema.get("anyOf", [schema]) if s.get("type") == "integer"), schema)
+            out[param["name"]] = (schema["minimum"], schema["maximum"])
+    return out
+
+
+def _paging_at_bounds(schema, document: dict, *, pinned: dict[str, int], headers: dict[str, str]) -> int:
+    """Each paged operation with limit and offset at their bounds and one past them; returns the calls."""
+    calls = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        bounds = _bounds(document, operation.path, operation.method)
+        if not bounds:
+            continue
+        path_parameters = {p.name: pinned[p.name] for p in operation.path_parameters}
+        for name, (low, high) in bounds.items():
+            other = {k: v[0] for k, v in bounds.items() if k != name}  # the other parameter at its minimum
+            for value, ok in ((low, True), (high, True), (low - 1, False), (high + 1, False)):
+                case = operation.Case(query={**other, name: value}, path_parameters=path_parameters)
+                response = case.call(headers=headers)
+                where = f"{operation.method} {operation.path}?{name}={value}"
+                assert response.status_code == (200 if ok else 422), (where, response.status_code, response.text[:300])
+                if not ok:
+                    assert response.json()["errors"][0]["field"] == name, where
+                case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
+                                                         response_schema_conformance], headers=headers)
+                calls += 1
+        if {"limit", "offset"} <= bounds.keys():  # both at their maximum: the sum overflowed INTEGER
+            case = operation.Case(query={"limit": bounds["limit"][1], "offset": bounds["offset"][1]},
+                                  path_parameters=path_parameters)
+            assert case.call(headers=headers).status_code == 200, operation.path
+            calls += 1
+    return calls
+
+
 def _run(url: str, home: Path) -> int:
     store.upgrade(url)
     engine, sessions = store.open_store(url)
@@ -95,8 +138,12 @@ def _run(url: str, home: Path) -> int:
         schedule = {"name": "nightly", "cron": "0 2 * * *", "remeasure": {"sweep_id": sid, "top_k": 1, "repeats": 2}}
         assert client.post("/api/schedules", json=schedule, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 201
         schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+        schedule_id = client.get("/api/schedules").json()["items"][0]["id"]
+        paged = _paging_at_bounds(schema, app.openapi(), pinned={"sweep_id": sid, "schedule_id": schedule_id},
+                                  headers={"Authorization": f"Bearer {TOKEN}"})
+        assert paged >= 6 * 4 * 2, paged  # sweeps, trials, ranking, schedules, fires, alerts: limit and offset
         cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE),
-                          *_anchored(schema, sweep_id=sid, schedule_id=client.get("/api/schedules").json()["items"][0]["id"]),
+                          *_anchored(schema, sweep_id=sid, schedule_id=schedule_id),
                           *_stored_text(schema, sweep_id=sid))
         seen: list[tuple[str, str, int]] = []
 

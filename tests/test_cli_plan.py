@@ -77,7 +77,7 @@ def test_bad_spec_file_field_via_subprocess(tmp_path: Path) -> None:
     # argparse's own errors (not an int) also exit 2 without a traceback.
     proc = subprocess.run([sys.executable, "-m", "api.cli", "plan", "--nodes", "two"], capture_output=True,
                           text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 2 and "invalid int value: 'two'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "'two' is not a whole number of nodes" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_no_valid_layout_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,6 +46,27 @@ def test_default_home_is_the_per_user_data_directory(tmp_path, monkeypatch):
     assert Settings().home == tmp_path / "mine"
 
 
+def test_an_empty_variable_means_unset(tmp_path, monkeypatch, capsys):
+    """MESHTUNE_HOME="" is the default home, not the current directory (the XDG rule: an empty
+    variable is unset), and so for every path-like setting: the database URL, RAY_ADDRESS, and the
+    Hugging Face cache's XDG_CACHE_HOME."""
+    from tuner._hf import hub_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    for name in ("MESHTUNE_HOME", "MESHTUNE_DATABASE_URL", "RAY_ADDRESS", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE"):
+        monkeypatch.setenv(name, "")
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "user" / ".local" / "share" / "meshtune"
+    settings = Settings()
+    assert settings.home == default and settings.ray_address is None
+    assert settings.resolved_database_url == f"sqlite:///{default / 'meshtune.db'}"
+    assert hub_cache_dir() == tmp_path / "user" / ".cache" / "huggingface" / "hub"
+    assert main(["sweeps"]) == 0
+    assert f"store: sqlite:///{default / 'meshtune.db'} (created)" in capsys.readouterr().err.splitlines()
+    assert not (tmp_path / "meshtune.db").exists()
+
+
 def test_the_suite_never_uses_the_real_user_data_directory():
     """tests/conftest.py points MESHTUNE_HOME at a temporary directory for the whole run (subprocesses
     inherit it) and drops a configured MESHTUNE_DATABASE_URL."""

@@ -27,7 +27,7 @@ SLOW_START = "cannot start a local Ray after 3 attempts: Exception: The current 
 
 @pytest.fixture
 def db(tmp_path, monkeypatch):
-    monkeypatch.setattr(_loop, "RETRY_DELAYS_S", (0.0, 0.0, 0.0), raising=False)  # back-off without waiting
+    monkeypatch.setattr(_loop, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))  # back-off without waiting (read in _loop)
     url = f"sqlite:///{tmp_path / 'i.db'}"
     engine, sessions = store.open_store(url)
     yield Settings(database_url=url, home=tmp_path), sessions

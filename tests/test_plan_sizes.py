@@ -130,7 +130,7 @@ def test_cli_budget_errors_are_one_line_exit_2(argv, message, capsys: pytest.Cap
 def test_cli_nodes_not_an_integer_is_argparse_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--nodes", "4,x"])
-    assert exc.value.code == 2 and "invalid int value: 'x'" in capsys.readouterr().err
+    assert exc.value.code == 2 and "'x' is not a whole number of nodes" in capsys.readouterr().err
 
 
 NOKV_SPEC = "model: tiny\ncluster: cpu-local\nworkload: _workloads:NOKV\ntraining: {global_batch: 16}\n"

@@ -43,10 +43,12 @@ from tuner._layout import (
     twin_note,
 )
 from tuner._memory import (
+    MEMORY_HEADROOM,
     OVERHEAD_BYTES,
     MemoryEstimate,
     estimate_memory,
     layer_activation_bytes,
+    usable_memory,
 )
 from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, partition_stages
 from tuner._placement import AxisPlacement, Placement, place
@@ -68,6 +70,7 @@ __all__ = [
     "CLUSTER_PRESETS",
     "EMBEDDING_COST",
     "EXPORT_FORMATS",
+    "MEMORY_HEADROOM",
     "MODEL_PRESETS",
     "OVERHEAD_BYTES",
     "PRECISIONS",
@@ -133,6 +136,7 @@ __all__ = [
     "to_dict",
     "training_spec",
     "twin_note",
+    "usable_memory",
     "useful_fraction",
     "zero_model_state_bytes",
 ]

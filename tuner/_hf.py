@@ -48,10 +48,14 @@ SPEC_KEYS_BESIDE = ("name", "seq_len")  # what a spec may set next to hf_config 
 
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache as huggingface_hub resolves it: HF_HUB_CACHE, else HF_HOME/hub,
-    else ~/.cache/huggingface/hub."""
+    else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub. An empty variable is unset,
+    and an empty or relative XDG_CACHE_HOME is ignored (the XDG Base Directory rule), so the cache is
+    never looked for under the current directory."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = xdg if xdg and os.path.isabs(xdg) else "~/.cache"
+    home = os.environ.get("HF_HOME") or os.path.join(cache, "huggingface")
     return Path(home).expanduser() / "hub"
 
 

@@ -26,8 +26,8 @@ from tuner._partition import partition_stages
 from tuner._realise import Realisation, realise
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
 
-__all__ = ["OVERHEAD_BYTES", "MeshMemory", "MemoryEstimate", "estimate_memory", "layer_activation_bytes",
-           "logits_bytes", "mesh_memory", "rank_params", "state_bytes"]
+__all__ = ["MEMORY_HEADROOM", "OVERHEAD_BYTES", "MeshMemory", "MemoryEstimate", "estimate_memory",
+           "layer_activation_bytes", "logits_bytes", "mesh_memory", "rank_params", "state_bytes", "usable_memory"]
 
 MiB = 2**20
 
@@ -36,6 +36,21 @@ MiB = 2**20
 # Python interpreter plus torch libraries, which the CPU peak (VmHWM) includes (~360 MB measured per
 # idle Ray rank actor with torch imported, on torch 2.13.0+cpu / Ray 2.60).
 OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
+
+# The one headroom rule of the plan and of sweeps. A layout *fits* when its predicted peak is at most
+# the device's memory (the plan keeps it, a sweep does not prune it); it is *tight* when it fits but
+# leaves less than MEMORY_HEADROOM of the device free: a measured peak moves by about 1% between runs
+# of one layout (allocator rounding and fragmentation; api.engine._surrogate.MEMORY_NOISE), so such a
+# layout may run out of memory even where the model is exact. The plan ranks tight layouts after every
+# layout with room and says so; a sweep's warm start takes them last (api/engine/_model.py). Tight is
+# not infeasible: Llama 3 405B's published 8K layout (tuner/_references.py) is predicted at 99.6%.
+MEMORY_HEADROOM = 0.01
+
+
+def usable_memory(device_memory: int) -> int:
+    """Bytes of a device a layout's predicted peak may fill and still leave ``MEMORY_HEADROOM`` free."""
+    return int(device_memory * (1.0 - MEMORY_HEADROOM))
+
 
 # The workers' attention without CP (workers/model.py ``causal_sdpa``) repeats K and V to the query
 # heads before SDPA, which saves them so (measured by the harness). Not yet a Realisation field.
@@ -74,6 +89,11 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.total <= self.device_memory
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but leaves less than ``MEMORY_HEADROOM`` of the device free."""
+        return self.fits and self.total > usable_memory(self.device_memory)
+
     def to_dict(self) -> dict[str, int | bool]:
         return {
             "params": self.params,
@@ -85,6 +105,7 @@ class MemoryEstimate:
             "total": self.total,
             "stage": self.stage,
             "fits": self.fits,
+            "tight": self.tight,
         }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from tuner._errors import SpecError
 from tuner._layout import AXES, Layout, check_layout
-from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory, mesh_memory
+from tuner._memory import MemoryEstimate, MeshMemory, estimate_memory, mesh_memory, usable_memory
 from tuner._placement import Placement, _place, check_order, place
 from tuner._realise import Capabilities
 from tuner._space import R_TP_NODES, Enumeration, SearchSpace, _schedules, divisors, enumerate_layouts
@@ -133,6 +133,7 @@ def plan(
     per_node = cluster.devices_per_node
     meshes: dict[tuple[int, ...], tuple[Placement, MeshMemory, MeshTime] | None] = {}
     feasible: list[PlannedLayout] = []
+    tight: list[PlannedLayout] = []  # fit, but leave less than the headroom free: ranked after the others
     infeasible = result.infeasible
     new = object.__new__
     valid, ms = enum.valid, enum.microbatches
@@ -156,6 +157,7 @@ def plan(
         inflight = mm.inflight(schedule, m)
         acts: dict[tuple[str, bool], list[float]] = {}  # per (ac, sp), shared by the zero stages
         budget = mm.device_memory - mm.overhead
+        roomy = usable_memory(mm.device_memory) - mm.overhead  # MemoryEstimate.tight beyond it
         for i in range(start, stop):
             layout = valid[i]
             zero, ac, sp = layout.zero, layout.ac, layout.sp
@@ -166,15 +168,17 @@ def plan(
             entry = new(PlannedLayout)
             entry.layout, entry.microbatches, entry.placement = layout, m, placement
             entry._mem, entry._time = (mm, mem), (mt, mt.estimate(zero, mbs, ac, sp, m), ac)
-            # Compare exactly what MemoryEstimate.fits will (whole bytes per part).
-            fits = mm.whole_bytes(mem) <= budget
-            (feasible if fits else infeasible).append(entry)
+            # Compare exactly what MemoryEstimate.fits and .tight will (whole bytes per part).
+            whole = mm.whole_bytes(mem)
+            (feasible if whole <= roomy else tight if whole <= budget else infeasible).append(entry)
     if infeasible:
         rejected[R_MEMORY] = rejected.get(R_MEMORY, 0) + len(infeasible)
-    # Best first: shortest step (= most tokens/s per device: same batch and devices), then least
-    # memory; the sort is stable, so ties keep the enumeration order.
+    # Best first: every layout with room before the tight ones (tuner._memory.MEMORY_HEADROOM), then
+    # the shortest step (= most tokens/s per device: same batch and devices), then least memory; the
+    # sort is stable, so ties keep the enumeration order.
     feasible.sort(key=lambda e: (e._time[1][0], e._mem[1][4]))
-    result.entries = feasible
+    tight.sort(key=lambda e: (e._time[1][0], e._mem[1][4]))
+    result.entries = feasible + tight
     return result
 
 

@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from tuner._errors import SpecError, UnknownPresetError, require_positive_int
+from tuner._errors import SpecError, UnknownPresetError, require_positive_int, require_positive_number
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -94,8 +94,10 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
 _T = TypeVar("_T")
 
 
-def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T]) -> _T:
-    """A spec from a preset name, or a mapping with an optional ``preset`` key plus overrides."""
+def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T], *,
+           also_known: tuple[str, ...] = ()) -> _T:
+    """A spec from a preset name, or a mapping with an optional ``preset`` key plus overrides;
+    ``also_known``: the section's other fields, converted before (listed in an unknown field's error)."""
     if isinstance(value, cls):
         return value
     if isinstance(value, str):
@@ -109,6 +111,7 @@ def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T]) -
         if preset not in presets:
             raise UnknownPresetError(
                 f"{section}.preset={preset!r} is not a known preset (known: {', '.join(sorted(presets))})"
+                + (HF_HINT if section == "model" and _looks_like_path(preset) else "")
             )
         base = dataclasses.asdict(presets[preset])  # type: ignore[call-overload]
         if base.get("head_dim") and base["head_dim"] * base["heads"] == base["hidden"]:
@@ -116,7 +119,8 @@ def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T]) -
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise SpecError(f"{section}.{unknown[0]} is not a known field (known: {', '.join(sorted(fields))})")
+        known = ", ".join(sorted(fields | set(also_known)))
+        raise SpecError(f"{section}.{unknown[0]} is not a known field (known: {known})")
     base.update(data)
     if "name" in fields and "name" not in base:
         base["name"] = "custom"
@@ -174,14 +178,50 @@ def cluster_spec(value: Any) -> ClusterSpec:
     return _build(ClusterSpec, "cluster", value, CLUSTER_PRESETS)
 
 
+HF_HINT = "; a Hugging Face config.json is given as hf:PATH (--model) or model: {hf_config: PATH} (a spec)"
+TOKEN_BATCH_FIELDS = ("global_batch_tokens", "critical_batch_tokens")
+# The suffixes api.format.tokens_text prints ("15T", "2.1B", "4.19M"): what the tool prints, it reads.
+TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def _looks_like_path(name: object) -> bool:
+    """A name that is a file path or a Hugging Face ORG/NAME, not a preset name."""
+    return isinstance(name, str) and ("/" in name or "\\" in name or name.endswith(".json"))
+
+
+def parse_token_count(field: str, text: str) -> float:
+    """The number in ``15e12``, ``1T``, ``2.1B``, ``1,000T``, ``4M`` (SpecError naming ``field`` if none)."""
+    clean = text.strip().replace(",", "").replace("_", "")
+    scale = TOKEN_SUFFIXES.get(clean[-1:].upper(), 1.0) if clean else 1.0
+    try:
+        return float(clean[:-1] if scale != 1.0 else clean) * scale
+    except ValueError:
+        raise SpecError(f"{field}={text!r} is not a token count (a number such as 15e12, or 15T, 2.1B, 4M, "
+                        "1K)") from None
+
+
+def token_count(field: str, value: object) -> float:
+    """A positive, finite token count, given as a number or as the text ``parse_token_count`` reads."""
+    if isinstance(value, str):
+        value = parse_token_count(field, value)
+    require_positive_number(field, value)
+    assert isinstance(value, (int, float))
+    if value == float("inf") or value != value:
+        raise SpecError(f"{field} must be a finite number, got {value!r}")
+    return value
+
+
 def training_spec(value: Any, *, seq_len: int | None = None) -> TrainingSpec:
-    """A TrainingSpec from a mapping; ``global_batch_tokens`` is converted with the model's seq_len."""
+    """A TrainingSpec from a mapping; ``global_batch_tokens`` is converted with the model's seq_len,
+    ``train_tokens`` may be written as the tool prints it (``1T``)."""
     if isinstance(value, TrainingSpec):
         return value
     if not isinstance(value, Mapping):
         raise SpecError(f"training must be a mapping, got {value!r}")
     data = dict(value)
-    for key in ("global_batch_tokens", "critical_batch_tokens"):
+    if isinstance(data.get("train_tokens"), str):
+        data["train_tokens"] = token_count("training.train_tokens", data["train_tokens"])
+    for key in TOKEN_BATCH_FIELDS:
         if key in data:
             tokens = data.pop(key)
             require_positive_int(f"training.{key}", tokens)
@@ -189,4 +229,4 @@ def training_spec(value: Any, *, seq_len: int | None = None) -> TrainingSpec:
             if tokens % seq_len:
                 raise SpecError(f"training.{key}={tokens} is not a multiple of model.seq_len={seq_len}")
             data[key.removesuffix("_tokens")] = tokens // seq_len
-    return _build(TrainingSpec, "training", data, {})
+    return _build(TrainingSpec, "training", data, {}, also_known=TOKEN_BATCH_FIELDS)

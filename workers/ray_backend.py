@@ -77,11 +77,10 @@ from workers._gangs import (
     strategy_for,
 )
 from workers._ray_start import check_reachable, start_ray
-from workers._watchdog import ERROR_GRACE_S, node_lost_error, stalled_verdict, watch_gang
+from workers._watchdog import node_lost_error, stalled_verdict, watch_gang
 from workers.aggregate import aggregate
 
-# ERROR_GRACE_S and node_lost_error live in workers/_watchdog.py with the watchdog; importable here as before.
-__all__ = ["ERROR_GRACE_S", "GangRun", "RayBackend", "local_rank_and_device", "node_lost_error"]
+__all__ = ["GangRun", "RayBackend", "local_rank_and_device"]
 
 
 @dataclass

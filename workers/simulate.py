@@ -18,6 +18,13 @@ How a result is made:
   on the real cluster, (warm-up + measured steps) x step time x devices, so budgets in
   device-seconds mean the same thing under both backends.
 
+Diagnostic options (``trial.options``) are honoured as the real rank program honours them, so a
+failure-handling rehearsal (alerts, the sampler told an OOM, a watchdog) runs without hardware, its
+results labelled simulated and its sweep diagnostic: ``fail`` (crash, hang, oom, nan) on
+``fail_rank`` (default 0) before step ``fail_step`` (default 1, counted from the first warm-up step;
+never when that rank or step does not exist), ``memory_cap_bytes`` (the device's memory for the
+trial), ``sleep_per_step_s`` (added to every step) and ``min_step_s`` (a floor on every timed step).
+
 The noise is seeded from (backend seed, request seed, layout, trial id): the same request gives the
 same answer, two trials of one layout in a sweep (different trial ids) give different draws.
 """
@@ -32,6 +39,7 @@ import time
 import tuner
 from tuner import check_layout
 from workers._contract import TrialError, TrialRequest, TrialResult
+from workers.failures import timeout_error
 
 MEMORY_MEASURE = "simulate.estimate_memory"
 
@@ -65,9 +73,11 @@ class SimulateBackend:
         check_layout(layout, model=model, cluster=cluster, training=training)
         env = {"backend": "simulate", "source": "tuner analytical model", "noise_sigma": self.noise}
 
+        options = request.options
         memory = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
         peak = int(memory.total)
-        if peak > cluster.device_memory:
+        capacity = min(cluster.device_memory, int(options.get("memory_cap_bytes") or cluster.device_memory))
+        if peak > capacity:
             return TrialResult(
                 status="oom",
                 backend=self.name,
@@ -78,8 +88,9 @@ class SimulateBackend:
                 error=TrialError(
                     kind="oom",
                     message=(
-                        f"predicted peak memory {peak} bytes exceeds device_memory={cluster.device_memory}"
-                        f" bytes of cluster {cluster.name!r} (simulated)"
+                        f"predicted peak memory {peak} bytes exceeds device_memory={capacity}"
+                        f" bytes of cluster {cluster.name!r}"
+                        + (" (options.memory_cap_bytes)" if capacity < cluster.device_memory else "") + " (simulated)"
                     ),
                     bytes_requested=peak,
                 ),
@@ -92,6 +103,12 @@ class SimulateBackend:
         rng = self._rng(request)
         # lognormvariate(0, s) has median 1: the noisy median stays centred on the model's figure.
         steps = [est.step_time_s * rng.lognormvariate(0.0, self.noise) for _ in range(request.measure_steps)]
+        sleep, floor = float(options.get("sleep_per_step_s", 0.0)), float(options.get("min_step_s", 0.0))
+        steps = [max(t + sleep, floor) for t in steps]
+        warmup = [est.step_time_s + sleep] * request.warmup_steps  # not measured: the model's time, no noise
+        failed = _injected_failure(request, warmup + steps, peak=peak, env=env, t0=t0, backend=self.name)
+        if failed is not None:
+            return failed
         step = statistics.median(steps)
         tokens = training.global_batch * model.seq_len
         mfu = None
@@ -112,3 +129,35 @@ class SimulateBackend:
             wall_s=time.perf_counter() - t0,
             device_seconds=(request.warmup_steps + request.measure_steps) * step * layout.world_size,
         )
+
+
+def _injected_failure(request: TrialRequest, steps: list[float], *, peak: int, env: dict, t0: float,
+                      backend: str) -> TrialResult | None:
+    """The result of ``options.fail`` as the rank program would produce it (workers/train.py
+    ``_inject_before_step``), or None when no failure is asked or its rank/step does not exist."""
+    options = request.options
+    fail = options.get("fail")
+    rank, step = int(options.get("fail_rank", 0)), int(options.get("fail_step", 1))
+    if fail is None or rank >= request.layout.world_size or step >= len(steps):
+        return None
+    done = sum(steps[:step])  # the steps that ran before it failed
+    world = request.layout.world_size
+    if fail == "crash":
+        error = TrialError(kind="crash", message=f"injected crash on rank {rank} at step {step} (simulated)",
+                           rank=rank, exception_type="builtins.RuntimeError")
+    elif fail == "hang":
+        error = timeout_error(rank=rank, seconds=request.step_timeout_s, what=f"step {step}", steps_done=step)
+        done += request.step_timeout_s
+    elif fail == "oom":
+        nbytes = 2**50  # the rank program's 1 PiB allocation
+        error = TrialError(kind="oom", message=f"injected out-of-memory on rank {rank} at step {step}: tried to "
+                           f"allocate {nbytes} bytes (simulated)", rank=rank, bytes_requested=nbytes)
+    elif fail == "nan":
+        error = TrialError(kind="nan", message=f"non-finite loss at step {step}: inf (injected, simulated)", rank=rank)
+    else:
+        raise ValueError(f"options.fail must be one of crash, hang, oom, nan; got {fail!r}")
+    return TrialResult(
+        status=error.kind, backend=backend, simulated=True, peak_memory_bytes=peak if fail != "oom" else None,
+        memory_measure=MEMORY_MEASURE, env=env, error=error, wall_s=time.perf_counter() - t0,
+        device_seconds=done * world,
+    )

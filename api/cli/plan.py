@@ -20,6 +20,7 @@ from rich.table import Table
 
 from api import format as fmt
 from tuner import (
+    MEMORY_HEADROOM,
     PRECISIONS,
     LayoutError,
     Plan,
@@ -34,6 +35,7 @@ from tuner import (
     to_dict,
     training_spec,
 )
+from tuner._presets import parse_token_count
 from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
 
 DEFAULT_MODEL = "tiny"
@@ -60,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with a list of sizes, grow the global batch with the devices from the first size's")
     p.add_argument("--price-per-device-hour", type=float, metavar="PRICE",
                    help="price of one device-hour (cluster.price_per_device_hour), for costs")
-    p.add_argument("--train-tokens", type=float, metavar="N",
-                   help="token budget of the training run (training.train_tokens), e.g. 15e12")
+    p.add_argument("--train-tokens", type=_train_tokens, metavar="N",
+                   help="token budget of the training run (training.train_tokens), e.g. 15e12 or 15T")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, metavar="N", help="sequences per optimiser step")
     batch.add_argument("--global-batch-tokens", type=int, metavar="N", help="tokens per optimiser step")
@@ -81,8 +83,16 @@ def _node_list(text: str) -> list[int]:
         try:
             out.append(int(part))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {part.strip()!r}") from None
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a whole number of nodes") from None
     return out
+
+
+def _train_tokens(text: str) -> float:
+    """``15e12`` or ``15T`` (the form the tool prints budgets in)."""
+    try:
+        return parse_token_count("--train-tokens", text)  # its value is checked with the spec's other fields
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--train-tokens=")) from None
 
 
 def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace, Any]:
@@ -205,7 +215,7 @@ def _print(result: Plan, top: int) -> None:
             str(lay.mbs), str(e.microbatches), lay.ac, "y" if lay.sp else "n", sched, e.placement.summary,
             "/".join(f"{x / size:.1f}" for x in (mem.params, mem.grads, mem.optimizer, mem.buffers,
                                                     mem.activations)),
-            f"{mem.total / size:.1f}", f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
+            f"{mem.total / size:.1f}" + (" tight" if mem.tight else ""), f"{tm.step_time_s:.3g}", f"{tm.tokens_per_s_per_device:,.0f}", f"{tm.mfu:.1%}",
             *(budget_columns(e, c, t) if priced else ()),
         )
     if shown:
@@ -213,6 +223,11 @@ def _print(result: Plan, top: int) -> None:
         console.print(f"p/g/o/buf/act: params, grads, optimizer, buffers (FSDP's gathered weights, gradients held "
                       f"between micro-batches), activations; totals add a framework allowance of "
                       f"{shown[0].memory.overhead / size:.1f} {unit} per device")
+        tight = sum(e.memory.tight for e in result.entries)
+        if tight:
+            console.print(f"tight: {tight:,} layout{'s' * (tight > 1)} fit but leave under "
+                          f"{MEMORY_HEADROOM:.0%} of the device free (a measured peak moves by about that between "
+                          "runs): ranked after every layout with room, and a sweep launches them last too")
     considered = len(result.entries) + sum(result.rejected.values())
     if result.rejected:
         rej = Table(box=box.SIMPLE_HEAD, title=f"Rejected: {sum(result.rejected.values()):,} of {considered:,} layouts")

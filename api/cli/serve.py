@@ -1,15 +1,21 @@
 """``meshtune serve``: run the coordinator (API, sweep engine loop, dashboard, scheduler) with uvicorn.
 
 Start-up migrates the configured database to the newest schema first (idempotent: a database
-already at head is left alone), so a fresh SQLite file or PostgreSQL database just works.
+already at head is left alone), so a fresh SQLite file or PostgreSQL database just works. Every log
+handler (the root's, uvicorn's error and access logs) masks URLs' secrets and the configured tokens
+(api.redact). uvicorn's own X-Forwarded-For handling is off: the app decides which proxies to believe
+(``MESHTUNE_TRUSTED_PROXIES``, api._http.client_address), so a local client cannot pass for another.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import logging
+from typing import Any
 
+from api import redact
 from api._gc import serve_quietly
 from api.settings import Settings
 from tuner import SpecError
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--port={args.port} is not a TCP port (0-65535)")
     settings = Settings()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact.add_secrets(*settings.secret_values())
+    redact.install_log_filter(logging.getLogger())
     # Alembic >= 1.16 logs every built-in plugin it sets up at INFO (alembic/runtime/plugins.py), seven
     # lines on each start that say nothing about this database; its migration lines still show.
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
@@ -67,12 +75,23 @@ def run(args: argparse.Namespace) -> int:
     mirror = _optuna_mirror(args.optuna_storage, url)
     serve_quietly()  # full garbage collections kept off the request path (api/_gc.py)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.no_access_log, loop=loop, http=http)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config(),
+                    access_log=not args.no_access_log, loop=loop, http=http, proxy_headers=False)
     finally:
         if mirror is not None:
             mirror.stop()
     return 0
+
+
+def log_config() -> dict[str, Any]:
+    """uvicorn's logging configuration with ``api.redact.RedactFilter`` on each of its handlers."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact"] = {"()": "api.redact.RedactFilter"}
+    for handler in config["handlers"].values():
+        handler["filters"] = [*handler.get("filters", []), "redact"]
+    return config
 
 
 def _optuna_mirror(storage: str | None, url: str):  # -> OptunaMirror | None

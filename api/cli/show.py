@@ -222,6 +222,23 @@ def calibration_lines(calibration: dict | None) -> list[str]:
     return describe(calibration)
 
 
+def print_report(console: Any, sweep: Any, ranking: Any, front: list[Any], *, top: int = 20) -> None:
+    """What ``meshtune show`` and the end of ``meshtune sweep`` print alike: the sweep line, the
+    ranking, the Pareto front, then the calibration, memory-model and host-noise lines (a noise too
+    high to trust the ranking is said here, not only by ``show``)."""
+    from api import format as fmt
+
+    print_sweep(console, sweep)
+    print_ranking(console, ranking, top=top)
+    on_front = [p for p in front if p.on_front]
+    if on_front:
+        console.print("Pareto front (tokens/s per device vs peak memory): " + ", ".join(
+            f"{fmt.layout_text(p.layout)} ({num_cell(p.tokens_per_s_per_device)}, {bytes_cell(p.peak_memory_bytes)})"
+            for p in on_front))
+    for line in calibration_lines(sweep.calibration):
+        console.print(line)
+
+
 def show_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -242,15 +259,7 @@ def show_cmd(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
-    print_sweep(console, sweep)
-    print_ranking(console, ranking)
-    on_front = [p for p in front if p.on_front]
-    if on_front:
-        console.print("Pareto front (tokens/s per device vs peak memory): " + ", ".join(
-            f"{fmt.layout_text(p.layout)} ({num_cell(p.tokens_per_s_per_device)}, {bytes_cell(p.peak_memory_bytes)})"
-            for p in on_front))
-    for line in calibration_lines(sweep.calibration):
-        console.print(line)
+    print_report(console, sweep, ranking, front)
     if args.trials:
         table = Table(title="trials")
         for col in ("#", "att", "phase", "layout", "status", "tok/s/dev", "pred", "peak mem", "pred mem", "cause"):

@@ -184,9 +184,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         if args.json:
             json.dump({"sweep": show.jsonable(final), "ranking": show.jsonable(ranking)}, sys.stdout, indent=2)
             sys.stdout.write("\n")
-        else:
-            show.print_sweep(console, final)
-            show.print_ranking(console, ranking, top=args.top)
+        else:  # the same lines as `meshtune show` (the host-noise warning included)
+            show.print_report(console, final, ranking, svc.pareto(s, sweep_id=final.id), top=args.top)
     if final.status not in store.FINISHED_SWEEP_STATUSES:
         console.print(f"[yellow]stopped: {_resume_hint(final.id)}[/yellow]")
         return 130

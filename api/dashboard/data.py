@@ -22,6 +22,7 @@ from api._gc import settle
 from api.dashboard import live, views
 from api.dashboard.state import LIVE_STATUSES, assemble, microbatches_of
 from api.engine._calibrate import describe
+from api.paging import MAX_PAGE
 from api.reshard import service as reshard_service
 from api.routes._cache import sweep_version
 from api.spec import SweepSpec
@@ -147,7 +148,7 @@ def all_trials(session: Session, *, sweep_id: int) -> list[Any]:
     """Every trial of the sweep, read a service page (1,000 rows) at a time."""
     rows: list[Any] = []
     while True:
-        page = service.list_trials(session, sweep_id=sweep_id, limit=service.MAX_PAGE, offset=len(rows))
+        page = service.list_trials(session, sweep_id=sweep_id, limit=MAX_PAGE, offset=len(rows))
         rows.extend(page.items)
         if not page.items or len(rows) >= page.total:
             return rows

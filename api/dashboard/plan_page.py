@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from api import format as fmt
+from api._http import client_address
 from api.dashboard.router import _can_read, _login, templates
 from api.deps import SettingsDep
 from api.routes.plan import MAX_CANDIDATES, MAX_DEVICES
@@ -98,7 +99,7 @@ def plan_page(request: Request, settings: SettingsDep) -> HTMLResponse:
               for k, v in given.items()}
     result, error, status = None, None, 200
     if asked:
-        client = request.client.host if request.client else "unknown"
+        client = client_address(request)
 
         def charge(cost: int) -> None:
             wait = request.app.state.plan_budget.charge(client, cost)

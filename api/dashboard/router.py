@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import NoMatchFound
 
 from api import format as fmt
+from api import redact
 from api.auth import ANONYMOUS, match_token
 from api.dashboard import data, form, views
 from api.dashboard.importance import param_importance
@@ -192,6 +193,10 @@ def _sweeps_page(
     if state is None:
         state = form.FormState()
         state.values["backend"] = settings.backend
+    elif state.errors:  # an error answer shows no secret, in its messages nor in the fields it refills (the
+        # form has no field that takes a URL or a token but the token's, which is never refilled)
+        state.errors = [redact.redact_text(e) for e in state.errors]
+        state.values = redact.redact(state.values)
     ctx = {
         **_list_ctx(request, session, status=status, page=page, refresh_ms=refresh_ms),
         "form": state, "model_presets": sorted(MODEL_PRESETS), "cluster_presets": sorted(CLUSTER_PRESETS),

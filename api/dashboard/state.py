@@ -116,7 +116,7 @@ def assemble(sweep: Any, prob: dict[str, Any], trials: list[dict[str, Any]], ran
     header["tied_sentence"] = fmt.tied_sentence(tied, best_known=best_known or not rows)
     header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)
     results = [t for t in trials if t["status"] not in ("pruned", "running", "interrupted")]
-    header["all_simulated"] = bool(results) and all(t["simulated"] for t in results)
+    header["all_simulated"] = sweep.simulated or (bool(results) and all(t["simulated"] for t in results))
     spend = ranking.budget or {}  # the token budget, the price and what the search spent
     header["priced"] = spend.get("train_tokens") is not None or spend.get("price_per_device_hour") is not None
     header["train_tokens"] = fmt.tokens_text(spend.get("train_tokens"))

@@ -63,10 +63,33 @@ def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, An
 
 def check_runnable(spec: SweepSpec) -> None:
     """What a sweep needs before it is stored (SpecError naming the field and value otherwise): at
-    least one valid layout in its space, and a backend that resolves. "ray" and "simulate" resolve by
-    name (nothing is started); a ``module:attr`` backend is imported and its attribute looked up."""
-    Problem.from_spec(spec)
+    least one valid layout in its space, one of them predicted to fit in device memory (what
+    ``meshtune plan`` says of the same problem), and a backend that resolves. "ray" and "simulate"
+    resolve by name (nothing is started); a ``module:attr`` backend is imported and its attribute
+    looked up."""
+    check_fits(Problem.from_spec(spec))
     check_backend(spec.backend)
+
+
+def check_fits(problem: Problem) -> None:
+    """SpecError naming ``cluster`` when the memory model says that no layout of the problem fits (a
+    sweep would prune every layout and measure nothing): the plan's own verdict and reasons."""
+    if problem.listed:
+        fits = any(tuner.estimate_memory(lay, model=problem.model, cluster=problem.cluster,
+                                         training=problem.training).fits for lay in problem.space.layouts)
+        rejected = {} if fits else {tuner.R_MEMORY: len(problem.space)}
+    else:
+        planned = tuner.plan(model=problem.model, cluster=problem.cluster, training=problem.training,
+                             enumeration=problem.enumeration)
+        fits, rejected = bool(planned.entries), planned.rejected
+    if fits:
+        return
+    c = problem.cluster
+    reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0])))
+    raise SpecError(
+        f"cluster: No layout fits in device memory: {problem.model.name} on {c.nodes} x {c.devices_per_node} "
+        f"{c.name} ({c.device_memory / 2**30:,.1f} GiB each) — rejected: "
+        f"{reasons}; give more nodes, a device with more memory, or a smaller batch (`meshtune plan` shows the same)")
 
 
 def check_backend(name: str) -> None:
@@ -106,7 +129,10 @@ class Problem:
                                                   capabilities=capabilities)
             if not enumeration.valid:
                 raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields, enumeration.refusal))
+            self.enumeration: tuner.Enumeration | None = enumeration
             layouts = enumeration.valid
+        else:
+            self.enumeration = None
         self.space = LayoutSpace(layouts, cluster.devices)
         self.tokens = training.global_batch * model.seq_len
         self.time_w, self.mem_w = PRIOR_TIME_W.copy(), PRIOR_MEM_W.copy()
@@ -243,7 +269,9 @@ class Problem:
             prior = self.prior_log_tokens()
             margin, sigma = self.memory_margin()
             ok = np.flatnonzero(np.isfinite(prior) & (margin >= HEADROOM_Z * sigma))
-            if not len(ok):  # nothing fits with headroom: the ones that fit at all
+            if not len(ok):  # nothing fits with that headroom: the plan's rule, room before tight ones
+                ok = np.flatnonzero(np.isfinite(prior) & (margin >= -math.log1p(-tuner.MEMORY_HEADROOM)))
+            if not len(ok):  # the ones that fit at all
                 ok = np.flatnonzero(np.isfinite(prior) & (margin >= 0))
             keys = [self.space.layouts[i].key for i in ok]
             order = sorted(range(len(ok)), key=lambda j: (-prior[ok[j]], keys[j]))

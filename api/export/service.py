@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.format import layout_text
+from api.format import interval_known, layout_text, tied_rows
 from api.spec import SweepSpec, layout_from_mapping
 from api.sweeps import service as sweeps_service
 from api.sweeps.ranking import RankingRow
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
-from tuner._stats import Interval
 
 CHARSET = "; charset=utf-8"
 
@@ -70,25 +69,19 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     return SweepExport(sweep_id, row.rank, row.layout_key, out)
 
 
-def _interval(row: RankingRow) -> Interval:
-    return Interval(row.n, row.median, row.low, row.high)
-
-
 def how_sure(row: RankingRow, rows: list[RankingRow], *, sweep_id: int) -> list[str]:
     """The header lines that say how far the ranking separates ``row`` from the others: the layouts
     its 95% interval overlaps (tied: measurement cannot order them), or that it was measured once."""
     out = []
-    mine = _interval(row)
     if row.n == 1:
         out.append("measured once: this rank rests on a single run" + (
-            "" if mine.known else " and has no interval to compare it by") +
+            "" if interval_known(row) else " and has no interval to compare it by") +
             " (re-measure it, e.g. a sweep with trial.repeats >= 2, before trusting the order)")
-    if mine.known:
-        tied = [r for r in rows if r is not row and _interval(r).known and _interval(r).overlaps(mine)]
-        if tied:
-            names = ", ".join(f"#{r.rank} {layout_text(r.layout, dash=r.layout_key)}" for r in tied)
-            out.append(f"tied with {len(tied)} other layout{'s' if len(tied) > 1 else ''} (95% intervals overlap, "
-                       f"so measurement cannot order them): {names}")
+    tied = tied_rows(rows, row)
+    if tied:
+        names = ", ".join(f"#{r.rank} {layout_text(r.layout, dash=r.layout_key)}" for r in tied)
+        out.append(f"tied with {len(tied)} other layout{'s' if len(tied) > 1 else ''} (95% intervals overlap, "
+                   f"so measurement cannot order them): {names}")
     out.append(f"another ranked layout: meshtune export {sweep_id} --rank N, or --layout KEY|SHORT "
                f"(meshtune show {sweep_id} lists them)")
     return out

@@ -8,7 +8,8 @@ from the divisors of the device count (tuner._plan.candidate_layouts) and a coun
 ``MAX_CANDIDATES`` is a 422 saying so. A new answer (a cache miss: any changed parameter, e.g. the
 batch) for an anonymous caller is also charged to that client's budget of candidate layouts, which
 refills at ``ClientBudget.rate`` per second; an empty budget is a 429 with Retry-After. Clients are
-told apart by their address: behind a proxy, they share the proxy's.
+told apart by their address (api._http.client_address): behind a proxy named in
+``MESHTUNE_TRUSTED_PROXIES`` the one it forwards for, behind any other proxy the proxy's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
-from api._http import GuardedRoute
+from api._http import GuardedRoute, client_address
 from api.deps import ReaderDep
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
 from api.spec import PlanRequest
@@ -208,7 +209,7 @@ def _charge(request: Request, caller: Any, cost: int) -> None:
     """Charge an anonymous caller's planning budget (429 with Retry-After when it is spent)."""
     if caller.authenticated:
         return
-    client = request.client.host if request.client else "unknown"
+    client = client_address(request)
     wait = request.app.state.plan_budget.charge(client, cost)
     if wait:
         raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(

@@ -1,5 +1,5 @@
-"""Which webhook targets a coordinator may POST to (server-side request forgery guard), and how a
-webhook URL is shown to readers (masked: chat webhook URLs carry their secret in the path/query).
+"""Which webhook targets a coordinator may POST to (server-side request forgery guard). How a webhook
+URL is shown to readers is api.redact's rule (chat webhook URLs carry their secret in the path/query).
 
 Always refused: link-local addresses (169.254.0.0/16, fe80::/10 — cloud metadata services live
 there), known metadata hosts and addresses, unspecified and multicast addresses. Refused unless
@@ -72,24 +72,3 @@ def check_target(url: str, *, resolve: bool = True, strict: bool = False) -> Non
         if why:
             shown = host if str(addr) == host else f"{host} ({addr})"
             raise RefusedTarget(f"host {shown} is {why}")
-
-
-def mask_url(url: str | None) -> str | None:
-    """``scheme://host[:port]/…``: enough to recognise the target, none of its secret user-info, path
-    or query; ``…`` alone for text that is not a URL with a host (it may be a secret pasted alone)."""
-    if not url:
-        return url
-    try:
-        parts = urlsplit(url.strip())
-        host = parts.hostname or ""
-    except ValueError:  # an unbalanced IPv6 bracket
-        return "…"
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:  # a port out of range or not a number: not shown
-        port = ""
-    if not parts.scheme or not host:
-        return "…"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}{port}/…"

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Body, FastAPI, Query, Response, status
 
 from api._http import GuardedRoute
-from api.deps import ReaderDep, ScheduleId, SessionDep, WriterDep, query_id
+from api.deps import Limit, Offset, ReaderDep, ScheduleId, SessionDep, WriterDep, query_id
 from api.schedules import service
 from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES
 from api.schedules.schemas import (
@@ -61,8 +61,6 @@ NOT_FOUND = {404: {"model": ErrorOut, "description": "No schedule with this id."
 READ_ONE = {**READ, **NOT_FOUND}
 WRITE = {**READ, **BODY_RESPONSES}
 WRITE_ONE = {**READ_ONE, **BODY_RESPONSES}
-Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE, description="Page size.")]
-Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip.")]
 FireStatus = Literal[FIRE_STATUSES]  # type: ignore[valid-type]
 AlertKind = Literal[ALERT_KINDS]  # type: ignore[valid-type]
 DeliveryStatus = Literal[DELIVERY_STATUSES]  # type: ignore[valid-type]

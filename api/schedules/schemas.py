@@ -12,8 +12,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from api.redact import mask_url
 from api.schedules._cron import check_cron, check_timezone
-from api.schedules._urls import RefusedTarget, check_target, mask_url
+from api.schedules._urls import RefusedTarget, check_target
 from api.spec import RequestModel, SweepSpec
 from api.store import SWEEP_PRIORITIES
 from tuner._regression import RegressionPolicy

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api import store
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable
+from api.paging import MAX_ID, check_page
 from api.schedules import _store
 from api.schedules._cron import as_utc, next_fire
 from api.schedules._launch import fire_schedule
@@ -21,16 +22,6 @@ from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES, 
 from api.schedules.schemas import ScheduleIn, ScheduleOut, ScheduleUpdate
 from api.store._models import utcnow
 from tuner import ConflictError, NotFoundError, SpecError
-
-MAX_PAGE = 1000
-MAX_ID = 2**31 - 1  # ids are 32-bit integers on every database
-
-
-def _page_bounds(limit: int, offset: int) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-        raise SpecError(f"limit must be an integer between 1 and {MAX_PAGE}, got {limit!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise SpecError(f"offset must be a non-negative integer, got {offset!r}")
 
 
 def describe(schedule: Schedule, *, now: datetime | None = None) -> ScheduleOut:
@@ -76,7 +67,7 @@ def get_schedule(session: Session, *, schedule_id: int) -> Schedule:
 
 
 def list_schedules(session: Session, *, enabled: bool | None = None, limit: int = 100, offset: int = 0) -> tuple[list[Schedule], int]:
-    _page_bounds(limit, offset)
+    check_page(limit, offset)
     return _store.list_schedules(session, enabled=enabled, limit=limit, offset=offset)
 
 
@@ -128,7 +119,7 @@ def list_fires(session: Session, *, schedule_id: int, status: str | None = None,
     get_schedule(session, schedule_id=schedule_id)
     if status is not None and status not in FIRE_STATUSES:
         raise SpecError(f"status={status!r} is not a fire status (one of {', '.join(FIRE_STATUSES)})")
-    _page_bounds(limit, offset)
+    check_page(limit, offset)
     return _store.list_fires(session, schedule_id=schedule_id, status=status, limit=limit, offset=offset)
 
 
@@ -148,7 +139,7 @@ def list_alerts(
         raise SpecError(f"kind={kind!r} is not an alert kind (one of {', '.join(ALERT_KINDS)})")
     if delivery_status is not None and delivery_status not in DELIVERY_STATUSES:
         raise SpecError(f"delivery_status={delivery_status!r} is not one of {', '.join(DELIVERY_STATUSES)}")
-    _page_bounds(limit, offset)
+    check_page(limit, offset)
     return _store.list_alerts(session, schedule_id=schedule_id, kind=kind, layout_key=layout,
                               delivery_status=delivery_status, limit=limit, offset=offset)
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
+from api.redact import mask_url
 from api.schedules import _store
-from api.schedules._urls import RefusedTarget, check_target, mask_url
+from api.schedules._urls import RefusedTarget, check_target
 from api.schedules.models import Schedule, ScheduleAlert, ScheduleFire
 
 log = logging.getLogger("meshtune.schedules")

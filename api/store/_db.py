@@ -40,11 +40,13 @@ class StoreUnavailableError(MeshtuneError):
 
 
 def safe_url(url: str | sa.URL) -> str:
-    """``url`` with its password masked, for messages and logs."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # unparsable: still mask anything shaped like the password of user:password@host
-        return re.sub(r"(?<=:)[^:/@]*(?=@)", "***", str(url))
+    """``url`` with its password and query masked, for messages and logs (api.redact's rule)."""
+    from api.redact import mask_url
+
+    text = url.render_as_string(hide_password=False) if isinstance(url, sa.URL) else str(url)
+    if "://" not in text:  # not a URL at all: shown (it is what was given), anything like user:password@ masked
+        return re.sub(r"(?<=:)[^:/@]*(?=@)", "***", text)
+    return mask_url(text) or text
 
 
 def url_problem(url: str) -> str | None:

@@ -55,6 +55,10 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+# The backend whose results are the analytical model with noise: its sweeps, and every row of them
+# (pruned ones, which no backend answered, included), are labelled simulated.
+SIMULATE_BACKEND = "simulate"
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
@@ -113,7 +117,7 @@ class Sweep(Base):
     def simulated(self) -> bool:
         """Every trial of a sweep on the ``simulate`` backend is the analytical model with noise: its
         device time and throughput are simulated, never counted as measured."""
-        return self.backend == "simulate"
+        return self.backend == SIMULATE_BACKEND
 
     __table_args__ = (
         Index(None, "status", "created_at"),

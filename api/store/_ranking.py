@@ -295,11 +295,12 @@ def ranked_rows(session: Session, *, sweep_id: int, metric: str, limit: int | No
     light rows (Core, not ORM: the whole ranking of 4,000 layouts is read without building objects)."""
     table = RankedLayout.__table__
     query = sa.select(table).where(table.c.sweep_id == sweep_id, table.c.metric == metric)
-    if limit is not None or offset:  # by the rank index: a page is a range, not a sort
+    if offset:  # by the rank index: a page starts at a rank, not after sorting what comes before it
         query = query.where(table.c.rank > offset)
-        if limit is not None:
-            query = query.where(table.c.rank <= offset + limit)
-    return list(session.execute(query.order_by(table.c.rank)).all())
+    query = query.order_by(table.c.rank)
+    if limit is not None:  # a LIMIT, not rank <= offset + limit: that sum overflows PostgreSQL's INTEGER
+        query = query.limit(limit)
+    return list(session.execute(query).all())
 
 
 def results_versions(session: Session) -> dict[int, int]:

@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.store import _ranking
-from api.store._models import Sweep, Trial, utcnow
+from api.store._models import SIMULATE_BACKEND, Sweep, Trial, utcnow
 from workers import TrialResult
 
 
@@ -52,7 +52,9 @@ def insert_trial(
         layout=layout, layout_key=layout_key, world_size=world_size, status=status, cause=cause,
         predicted_memory_bytes=predicted_memory_bytes, predicted_step_time_s=predicted_step_time_s,
         predicted_tokens_per_s_per_device=predicted_tokens_per_s_per_device, useful_fraction=useful_fraction,
-        calibration_version=calibration_version, backend=backend, simulated=False, device_seconds=0.0, created_at=now,
+        calibration_version=calibration_version, backend=backend, device_seconds=0.0, created_at=now,
+        # a row with no result yet (pruned, or running) is simulated when its backend is: labelled as its sweep
+        simulated=backend == SIMULATE_BACKEND,
         started_at=now if status == "running" else None, finished_at=None if status == "running" else now,
     )
     dialect = session.get_bind().dialect.name

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from api import store
 from api.engine._model import predict_under
+from api.paging import MAX_RANKING_PAGE, check_page
 from api.spec import SweepSpec
 from api.store import Sweep
 from api.sweeps import budget
@@ -101,6 +102,7 @@ def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_
     stored ranking that results keep up to date (api/store/_ranking.py), ``limit`` rows from
     ``offset`` (all: None). ``Ranking.total`` counts every ranked layout."""
     _check_metric(metric)
+    check_page(limit, offset, max_limit=MAX_RANKING_PAGE, optional=True)
     sweep = _known_sweep(session, sweep_id)
     state = _ranked_state(session, sweep_id=sweep_id)
     stored = store.ranked_rows(session, sweep_id=sweep_id, metric=metric, limit=limit, offset=offset)
@@ -119,7 +121,9 @@ def ranking(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_
             simulated=r.simulated, trial_numbers=list(r.trial_numbers),
         ))
     summary = (state.summary or {}).get(metric) or {}
-    return Ranking(sweep.id, metric, rows, sweep.calibration, bool(summary.get("simulated")), sweep.diagnostic,
+    # a simulate sweep's ranking is simulated with no row to say so (every trial pruned)
+    simulated = sweep.simulated or bool(summary.get("simulated"))
+    return Ranking(sweep.id, metric, rows, sweep.calibration, simulated, sweep.diagnostic,
                    total=int(summary.get("total", 0)), budget=budget.attach(sweep, rows))
 
 
@@ -185,8 +189,8 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
             predicted_memory_bytes=pred_mem, memory_prediction_error=relative_error(pred_mem, peak),
             simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
         ))
-    return Ranking(sweep.id, metric, rows, sweep.calibration, any(r.simulated for r in rows), sweep.diagnostic,
-                   budget=budget.attach(sweep, rows))
+    return Ranking(sweep.id, metric, rows, sweep.calibration, sweep.simulated or any(r.simulated for r in rows),
+                   sweep.diagnostic, budget=budget.attach(sweep, rows))
 
 
 def _predicted(sweep: Sweep, by_key: dict[str, list[Any]], layouts: dict[str, dict[str, Any]]) -> Predictions:

@@ -9,7 +9,17 @@ from fastapi import APIRouter, Body, Query, Request, Response, status
 
 from api._answers import remember
 from api._http import GuardedRoute
-from api.deps import ReaderDep, SessionDep, SettingsDep, SweepId, TrialId, WriterDep
+from api.deps import (
+    Limit,
+    Offset,
+    RankingLimit,
+    ReaderDep,
+    SessionDep,
+    SettingsDep,
+    SweepId,
+    TrialId,
+    WriterDep,
+)
 from api.routes._cache import VersionedCache, etag_matches, sweep_version
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND, ErrorOut
 from api.spec import SweepSpec
@@ -23,8 +33,6 @@ _cache = VersionedCache(max_entries=256)  # ranking pages and Pareto answers, by
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 READ_ONE = {**READ, **NOT_FOUND}
 
-Limit = Annotated[int, Query(ge=1, le=service.MAX_PAGE, description="Page size.")]
-Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip.")]
 SweepStatus = Literal[SWEEP_STATUSES]  # type: ignore[valid-type]
 Priority = Literal[SWEEP_PRIORITIES]  # type: ignore[valid-type]
 TrialStatus = Literal[TRIAL_STATUSES]  # type: ignore[valid-type]
@@ -113,7 +121,7 @@ def ranking(
         "tokens_per_s_per_device"
     ),
     format: Annotated[Literal["json", "csv"] | None, Query(description="json or csv (default: by Accept).")] = None,
-    limit: Annotated[int | None, Query(ge=1, le=1_000_000, description="Only this many rows (default: all).")] = None,
+    limit: RankingLimit = None,
     offset: Offset = 0,
 ) -> Response:
     """Measured layouts ranked by the median of their measurements, with a 95% interval; layouts whose

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from api import store
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable
+from api.paging import check_page
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
@@ -29,8 +30,6 @@ from api.store._models import utcnow
 from api.sweeps.ranking import RANKING_METRICS, median, ranking, ranking_csv, ranking_from_trials, ranking_tag  # noqa: F401
 from tuner import ConflictError, NotFoundError, SpecError
 from tuner._stats import pareto_front
-
-MAX_PAGE = 1000
 
 
 @dataclass
@@ -58,13 +57,6 @@ class Counts:
     sweeps_by_status: dict[str, int]
     trials_by_status: dict[str, int]
     device_seconds: float
-
-
-def _page_bounds(limit: int, offset: int) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-        raise SpecError(f"limit must be an integer between 1 and {MAX_PAGE}, got {limit!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise SpecError(f"offset must be a non-negative integer, got {offset!r}")
 
 
 def create_sweep(
@@ -140,7 +132,7 @@ def list_sweeps(
 ) -> Page:
     if status is not None and status not in store.SWEEP_STATUSES:
         raise SpecError(f"status={status!r} is not a sweep status (one of {', '.join(store.SWEEP_STATUSES)})")
-    _page_bounds(limit, offset)
+    check_page(limit, offset)
     rows, total = store.list_sweeps(session, status=status, owner=owner, limit=limit, offset=offset)
     return Page(_with_queue(session, rows), total, limit, offset)
 
@@ -163,7 +155,7 @@ def list_trials(
     get_sweep(session, sweep_id=sweep_id)
     if status is not None and status not in store.TRIAL_STATUSES:
         raise SpecError(f"status={status!r} is not a trial status (one of {', '.join(store.TRIAL_STATUSES)})")
-    _page_bounds(limit, offset)
+    check_page(limit, offset)
     rows, total = store.list_trials(session, sweep_id=sweep_id, status=status, limit=limit, offset=offset)
     return Page(rows, total, limit, offset)
 

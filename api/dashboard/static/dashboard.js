@@ -18,9 +18,20 @@
     return Object.assign({ font: font, margin: { l: 60, r: 20, t: 10, b: 45 }, hovermode: "closest",
       legend: { orientation: "v", font: { size: 11 } } }, extra);
   }
+  // Plotly draws an annotation on one line and clips it at the plot's edge: a note is broken at its
+  // spaces into lines that fit the narrowest card (about 56 characters at 14 px).
+  function wrapNote(text, width) {
+    const lines = [];
+    String(text).split(" ").forEach(function (word) {
+      const last = lines.length - 1;
+      if (last >= 0 && (lines[last] + " " + word).length <= width) lines[last] += " " + word;
+      else lines.push(word);
+    });
+    return lines.join("<br>");
+  }
   function note(layout, traces, text) {
     if (!traces.length) {
-      layout.annotations = [{ text: text, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+      layout.annotations = [{ text: wrapNote(text, 56), showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5,
         font: { size: 14, color: "#5f6b7a" } }];
       layout.xaxis = Object.assign({}, layout.xaxis, { visible: false });
       layout.yaxis = Object.assign({}, layout.yaxis, { visible: false });
