@@ -1,6 +1,6 @@
 """Golden plans: a few problems whose every plan entry (feasible and infeasible, in order) and
 rejection count was recorded from the planner at 3c80b8e, before it was restructured for speed
-(tests/test_plan_golden.py compares today's plans with them).
+(tests/test_plan_golden.py compares today's plans with them, benchmarks/bench_plan.py at its sizes).
 
 Each entry is reduced to one line of every number ``PlannedLayout.to_dict`` reports (layout key,
 micro-batches, placement, each memory part, each time figure and breakdown part, floats as
@@ -9,6 +9,8 @@ be read. A change of the model itself (a formula, the "fits" rule, a preset's fi
 them on purpose: rewrite the file then, and say why in the commit:
 
     PYTHONPATH=$PWD python -m tests._plan_golden --write   # tests/data/plan_golden.json
+
+(This file was written with the tuner of 3c80b8e first on the path: ``git archive 3c80b8e tuner``.)
 """
 
 from __future__ import annotations
@@ -33,15 +35,15 @@ _DENSE = {"name": "dense-shapes", "layers": 10, "hidden": 1024, "heads": 16, "kv
           "vocab": 32000, "seq_len": 32768, "head_dim": 128, "qk_norm": True, "norms_per_layer": 4, "mlp": "geglu",
           "tied_embeddings": True}
 
-# name -> (model, cluster, training, plan options); small enough for the suite, except where noted.
+# name -> (model, cluster, training, plan options); the suite plans all but the benchmark's sizes.
 PROBLEMS: dict[str, tuple[Any, Any, dict[str, Any], dict[str, Any]]] = {
     "tiny-cpu": ("tiny", "cpu-local", {"global_batch": 16}, {}),
     "tiny-moe-cpu-fp32": ("tiny-moe", {"preset": "cpu-local", "nodes": 2}, {"global_batch": 32, "precision": "fp32"},
                           {}),
     "llama3-8b-h100x4": ("llama3-8b", {"preset": "h100-sxm", "nodes": 4},
                          {"global_batch_tokens": 4 * 2**20, "critical_batch_tokens": 2 * 2**20}, {}),
-    "mixtral-h100x4": ("mixtral-8x7b", {"preset": "h100-sxm", "nodes": 4}, {"global_batch": 512}, {}),
-    "llama3-70b-nvl72": ("llama3-70b", "gb200-nvl72", {"global_batch": 576}, {}),
+    "mixtral-h100x2": ("mixtral-8x7b", {"preset": "h100-sxm", "nodes": 2}, {"global_batch": 256}, {}),
+    "llama3-70b-nvl72": ("llama3-70b", "gb200-nvl72", {"global_batch": 576}, {"space": {"mbs": [1, 2]}}),
     "moe-shapes-a100": (_MOE, {"preset": "a100-40g", "nodes": 2}, {"global_batch": 64}, {}),
     "dense-shapes-mi300x": (_DENSE, {"preset": "mi300x", "nodes": 3}, {"global_batch": 96}, {}),
     # plan's options: tp across nodes allowed, another placement order, fitted factors, a capped space
