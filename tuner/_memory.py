@@ -201,22 +201,28 @@ class ActRow(list):
     m: int
 
 
-def rank_activation_bytes(per_layer, working, logits, mbs, inflight, layers, layer_const, rope):
-    """Activation bytes of one pp rank at its peak: ``inflight`` layer-micro-batches (``layers`` layers
-    on the rank, so ``inflight / layers`` chunk forwards) of ``mbs`` sequences, ``per_layer`` bytes per
-    layer and sequence, the recompute ``working`` set, ``logits`` (non-zero on the last rank only),
-    per-layer-micro-batch ``layer_const`` bytes and RoPE tables of ``rope`` bytes per chunk forward
-    (``MeshMemory`` says what each one is). Numbers or numpy arrays alike (``plan`` costs every
-    layout of a problem at once)."""
+Num = float | np.ndarray  # the composing formulas below take numbers or numpy arrays alike
+
+
+def rank_activation_bytes(per_layer: Num, working: Num, logits: Num, mbs: Num, inflight: Num, layers: Num,
+                          layer_const: Num, rope: Num) -> Num:
+    """Activation bytes of one pp rank at its peak: per-layer activations (Korthikanti et al. 2022
+    Sec. 4) of ``mbs`` sequences times its ``inflight`` layer-micro-batches (Narayanan et al. 2021
+    Sec. 2.2), one layer's recompute ``working`` set, the ``logits`` it keeps (the last rank's only),
+    ``layer_const`` bytes per layer-micro-batch and RoPE tables of ``rope`` bytes per chunk forward,
+    ``inflight / layers`` of them (``layers`` >= 1: every stage has a layer). ``MeshMemory`` says what
+    each one is; ``plan`` passes arrays to cost every layout of a problem at once."""
     return mbs * (per_layer * inflight + working + logits) + layer_const * inflight + rope * (inflight / layers)
 
 
-def rank_peak_bytes(params, grads, optimizer, buffers, activations):
-    """What one rank holds at its peak, without the framework overhead; numbers or arrays alike."""
+def rank_peak_bytes(params: Num, grads: Num, optimizer: Num, buffers: Num, activations: Num) -> Num:
+    """What one rank holds at its peak, without the framework overhead: its model states (Rajbhandari
+    et al. 2020 Fig. 1), the buffers beside them and its activations."""
     return params + grads + optimizer + buffers + activations
 
 
-def _whole(x):
+def _whole(x: Num) -> int | np.ndarray:
+    """Whole bytes (truncated), elementwise for arrays."""
     return np.trunc(x) if isinstance(x, np.ndarray) else int(x)
 
 
@@ -357,7 +363,7 @@ class MeshMemory:
         return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
     @staticmethod
-    def whole_bytes(est: MemoryParts):
+    def whole_bytes(est: MemoryParts) -> int | np.ndarray:
         """What MemoryEstimate.total adds up, without the overhead: whole bytes per part."""
         return (_whole(est.params) + _whole(est.grads) + _whole(est.optimizer) + _whole(est.activations)
                 + _whole(est.buffers))

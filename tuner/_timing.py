@@ -27,7 +27,7 @@ from tuner._formulas import (
     useful_fraction,
 )
 from tuner._layout import AXES, CHECKPOINTING, Layout, microbatches
-from tuner._memory import rank_params
+from tuner._memory import Num, rank_params
 from tuner._partition import EMBEDDING_COST
 from tuner._placement import Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
@@ -136,11 +136,13 @@ class StepTime(NamedTuple):
     pp_p2p: float
 
 
-def _lesser(a, b):
+def _lesser(a: Num, b: Num) -> Num:
+    """The smaller, elementwise for arrays."""
     return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
 
 
-def step_time(per_mb, p2p, dp, mbs, m, pp, vpp, dp_overlap) -> StepTime:
+def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tuple[Num, Num, Num], mbs: Num, m: Num,
+              pp: Num, vpp: Num, dp_overlap: Num) -> StepTime:
     """Seconds per optimiser step, by part, of ``m`` micro-batches of ``mbs`` sequences on a mesh whose
     terms ``MeshTime`` prepared: ``per_mb`` the slowest stage's (compute, tp, cp, ep) seconds of one
     micro-batch as (per sequence, constant) pairs, ``p2p`` the pipeline sends' pair, ``dp`` the
