@@ -74,7 +74,7 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.device_memory
+        return fits_device(self.total, self.device_memory)
 
     def to_dict(self) -> dict[str, int | bool]:
         return {
@@ -88,6 +88,12 @@ class MemoryEstimate:
             "stage": self.stage,
             "fits": self.fits,
         }
+
+
+def fits_device(total: int | np.ndarray, device_memory: int | np.ndarray) -> bool | np.ndarray:
+    """Whether a predicted peak of ``total`` bytes (overhead included) fits a device of
+    ``device_memory`` bytes; elementwise for arrays (``plan`` judges every layout at once)."""
+    return total <= device_memory
 
 
 class MemoryParts(NamedTuple):

@@ -20,6 +20,7 @@ from tuner._memory import (
     MemoryParts,
     MeshMemory,
     estimate_memory,
+    fits_device,
     mesh_memory,
     rank_activation_bytes,
     rank_peak_bytes,
@@ -289,8 +290,8 @@ class _Groups:
         act = np.array([[[t[a, s] for s in (False, True)] for a in CHECKPOINTING] for t in tables.values()])
         act = act[np.array([table_of[id(mm.act)] for mm in self.mems])[mesh][:, None], ac, sp]  # (group, knob, 3)
         layer, working, logits = (act[:, :, j, None] for j in range(3))
-        layer_const, rope, n_cand, budget = np.array([(mm.layer_const, mm.rope, len(mm.ranks),
-                                                        mm.device_memory - mm.overhead) for mm in self.mems]).T
+        layer_const, rope, n_cand, overhead, device_memory = np.array([
+            (mm.layer_const, mm.rope, len(mm.ranks), mm.overhead, mm.device_memory) for mm in self.mems]).T
         rank_of = _table([mm.ranks for mm in self.mems], 0)
         width_r = rank_of.shape[1]
         acts = rank_activation_bytes(layer, working, logits * _table(self.logits, 0)[:, None, :],
@@ -309,8 +310,8 @@ class _Groups:
         best = np.argmax(total, axis=1)  # the first of the costliest, as MeshMemory.peak
         at = np.arange(len(g)), best
         memory = MemoryParts(p[at], gr[at], o[at], acts[at], total[at], rank_of[gm, best], b[at])
-        # Compare exactly what MemoryEstimate.fits will (whole bytes per part).
-        fits = MeshMemory.whole_bytes(memory) <= budget[gm]
+        # Judge exactly what MemoryEstimate.fits will: its total of whole bytes per part, overhead included.
+        fits = fits_device(MeshMemory.whole_bytes(memory) + overhead[gm], device_memory[gm])
 
         # Time: the mesh's terms per micro-batch by ac, pipeline sends by sp, data parallel by zero.
         per_mb = np.array([[mt.per_mb[a] for a in CHECKPOINTING] for mt in self.times])  # (mesh, ac, 4, 2)
