@@ -167,7 +167,7 @@ def main() -> None:
             verdicts.append(cpu <= goal)
         other = OTHER_READING.get(nodes)
         if other is not None:
-            print(f"  read as {nodes:,} GPU nodes, the goal would be <= {other} s: "
+            print(f"  the goal's other reading ({nodes:,} GPUs in <= {other} s, i.e. {cluster.devices:,} here): "
                   f"{'met' if cpu <= other else 'not met'} ({cpu / other:.2f} of it)")
     load1 = os.getloadavg()
     print(f"\nload average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
