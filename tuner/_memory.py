@@ -278,7 +278,7 @@ class MeshMemory:
         self.layers = [rp.layers[r] for r in self.ranks]
         self.layer_w = rp.layer_dense + rp.layer_expert
         self._states: dict[tuple[int, int], list[tuple[float, float, float, float]]] = {}
-        self._rows: dict[Holding, list[tuple[float, float, float, float]]] = {}
+        self._rows: dict[int, tuple[Holding, list[tuple[float, float, float, float]]]] = {}
         base = self._realise(0, self._some_mbs(), "none", False, "1f1b")
         elt = base.compute_bytes
         s = model.seq_len // cp
@@ -324,13 +324,15 @@ class MeshMemory:
                 # gradients as they are produced (Rajbhandari et al. 2020 Sec. 5.2), whatever the
                 # workers do under pp > 1 today
                 held = held._replace(grads_held_unsharded=False)
-            got = self._rows.get(held)
-            if got is None:
+            # ``holding`` gives one object per distinct holding (cached): rows are kept by its identity,
+            # beside the object itself so that the identity stays its own.
+            kept = self._rows.get(id(held))
+            if kept is None:
                 rp = self.rp
-                got = self._rows[held] = [
+                kept = self._rows[id(held)] = (held, [
                     state_bytes(held, rp.dense[r], rp.expert[r], self.layer_w, rp.embedding if r == 0 else 0.0)
-                    for r in self.ranks]
-            self._states[key] = got
+                    for r in self.ranks])
+            got = self._states[key] = kept[1]
         return got
 
     def inflight(self, schedule: str, m: int) -> list[float]:
