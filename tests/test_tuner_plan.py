@@ -37,6 +37,18 @@ def test_plan_ranks_and_accounts_for_every_layout(tiny_plan) -> None:
     assert p.best is p.entries[0]
 
 
+def test_plan_entries_read_as_a_list(tiny_plan) -> None:
+    """A plan's entries are made on first read (tuner._plan.PlanEntries), and read as a list."""
+    entries = tiny_plan.entries
+    listed = list(entries)
+    assert len(listed) == len(entries) > 3 and entries[0] is listed[0] is tiny_plan.best
+    assert entries[-1] is listed[-1] and entries[1:4] == listed[1:4] and entries[::37] == listed[::37]
+    assert entries == listed and entries + [] == listed == [] + entries
+    assert [e.layout.key for e in entries[:3]] == [e.layout.key for e in listed[:3]]
+    with pytest.raises(IndexError):
+        entries[len(entries)]
+
+
 def test_plan_numbers_equal_the_public_estimators(tiny_plan) -> None:
     p = tiny_plan
     for e in p.entries[::37] + p.infeasible[::7]:

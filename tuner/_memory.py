@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 from tuner._errors import LayoutError, SpecError
 from tuner._formulas import (
     cross_entropy_logits_bytes,
@@ -23,7 +25,7 @@ from tuner._formulas import (
 )
 from tuner._layout import Layout, microbatches
 from tuner._partition import partition_stages
-from tuner._realise import Realisation, realise
+from tuner._realise import Holding, Realisation, holding, realise
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
 
 __all__ = ["MEMORY_HEADROOM", "OVERHEAD_BYTES", "MeshMemory", "MemoryEstimate", "estimate_memory",
@@ -47,9 +49,11 @@ OVERHEAD_BYTES = {"cuda": 2 * GiB, "cpu": 384 * MiB}
 MEMORY_HEADROOM = 0.01
 
 
-def usable_memory(device_memory: int) -> int:
-    """Bytes of a device a layout's predicted peak may fill and still leave ``MEMORY_HEADROOM`` free."""
-    return int(device_memory * (1.0 - MEMORY_HEADROOM))
+def usable_memory(device_memory: int | np.ndarray) -> int | np.ndarray:
+    """Bytes of a device a layout's predicted peak may fill and still leave ``MEMORY_HEADROOM`` free
+    (elementwise for arrays, as ``fits_device``)."""
+    usable = np.floor(np.asarray(device_memory) * (1.0 - MEMORY_HEADROOM))
+    return usable if isinstance(device_memory, np.ndarray) else int(usable)
 
 
 # The workers' attention without CP (workers/model.py ``causal_sdpa``) repeats K and V to the query
@@ -87,7 +91,7 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.device_memory
+        return fits_device(self.total, self.device_memory)
 
     @property
     def tight(self) -> bool:
@@ -107,6 +111,12 @@ class MemoryEstimate:
             "fits": self.fits,
             "tight": self.tight,
         }
+
+
+def fits_device(total: int | np.ndarray, device_memory: int | np.ndarray) -> bool | np.ndarray:
+    """Whether a predicted peak of ``total`` bytes (overhead included) fits a device of
+    ``device_memory`` bytes; elementwise for arrays (``plan`` judges every layout at once)."""
+    return total <= device_memory
 
 
 class MemoryParts(NamedTuple):
@@ -171,7 +181,7 @@ def candidate_ranks(rp: RankParams) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def state_bytes(real: Realisation, dense: float, expert: float, layer_w: float,
+def state_bytes(real: Realisation | Holding, dense: float, expert: float, layer_w: float,
                 embedding: float = 0.0) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, buffers) bytes of one device holding ``dense`` and ``expert``
     parameters, as ``real`` (tuner/_realise.py) says the workers hold them.
@@ -214,19 +224,70 @@ def state_bytes(real: Realisation, dense: float, expert: float, layer_w: float,
 
 
 class ActRow(list):
-    """Activation bytes on each candidate rank, with the micro-batching they were costed for (the
-    model states depend on it: ZeRO-1 holds full gradients between micro-batches)."""
+    """Activation bytes on each candidate rank, with the micro-batches per step they were costed for
+    (the model states depend on it: ZeRO-1 holds full gradients between micro-batches)."""
 
-    mbs: int
-    schedule: str
     m: int
+
+
+Num = float | np.ndarray  # the composing formulas below take numbers or numpy arrays alike
+
+
+def rank_activation_bytes(per_layer: Num, working: Num, logits: Num, mbs: Num, inflight: Num, layers: Num,
+                          layer_const: Num, rope: Num) -> Num:
+    """Activation bytes of one pp rank at its peak: per-layer activations (Korthikanti et al. 2022
+    Sec. 4) of ``mbs`` sequences times its ``inflight`` layer-micro-batches (Narayanan et al. 2021
+    Sec. 2.2), one layer's recompute ``working`` set, the ``logits`` it keeps (the last rank's only),
+    ``layer_const`` bytes per layer-micro-batch and RoPE tables of ``rope`` bytes per chunk forward,
+    ``inflight / layers`` of them (``layers`` >= 1: every stage has a layer). ``MeshMemory`` says what
+    each one is; ``plan`` passes arrays to cost every layout of a problem at once."""
+    return mbs * (per_layer * inflight + working + logits) + layer_const * inflight + rope * (inflight / layers)
+
+
+def rank_peak_bytes(params: Num, grads: Num, optimizer: Num, buffers: Num, activations: Num) -> Num:
+    """What one rank holds at its peak, without the framework overhead: its model states (Rajbhandari
+    et al. 2020 Fig. 1), the buffers beside them and its activations."""
+    return params + grads + optimizer + buffers + activations
+
+
+def _whole(x: Num) -> int | np.ndarray:
+    """Whole bytes (truncated), elementwise for arrays."""
+    return np.trunc(x) if isinstance(x, np.ndarray) else int(x)
+
+
+@lru_cache(maxsize=1024)
+def activation_table(model: ModelSpec, *, s: int, tp: int, cp: int, ep: int, elt: int, flash: bool, swiglu_saved: int,
+                     kv_repeated: bool, logits_sharded: bool, eager: bool) -> dict[tuple[str, bool], tuple[float, float, float]]:
+    """Per (ac, sp), bytes per sequence of a micro-batch (everything is linear in mbs): one layer's
+    activations, the working set its recompute re-materialises, and the last stage's logits, for
+    ``s`` local tokens of a sequence (``seq_len / cp``) and the Realisation's choices (``MeshMemory``)."""
+    common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
+                  ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
+                  flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp, ep=ep,
+                  swiglu_saved=swiglu_saved, kv_repeated=kv_repeated, eager_norms=eager, gathered_inputs=eager,
+                  head_dim=model.head_dim if tp > model.kv_heads else 0, q_dim=model.q_dim,
+                  norms=model.norms_per_layer, qk_norm_head_dim=model.head_dim if model.qk_norm else 0,
+                  shared_ffn=model.shared_expert_ffn)
+    act: dict[tuple[str, bool], tuple[float, float, float]] = {}
+    for sp in (False, True):
+        logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt, sharded=logits_sharded, eager_norm=eager)
+        for ac in ("none", "selective", "full"):
+            layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
+            # Recompute re-materialises, during one layer's backward, what it dropped: the whole
+            # layer's activations (full) or its attention sub-layer's (selective).
+            dropped = layer_activation_bytes(sp=sp, ac="none", **common) - layer  # type: ignore[arg-type]
+            working = {"none": 0.0, "selective": dropped, "full": dropped + layer}[ac]
+            act[ac, sp] = (layer, working, logits)
+    return act
 
 
 class MeshMemory:
     """The memory model of one mesh (degrees and vpp) of one problem, prepared so that each layout
     of it (zero, mbs, ac, sp, schedule) costs a few float operations. ``plan`` and
     ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem). What each
-    layout holds comes from its Realisation (tuner/_realise.py), not from rules of its own."""
+    layout holds comes from its Realisation (tuner/_realise.py), not from rules of its own: the
+    model states from its ``holding`` (per ZeRO level and micro-batch count), the activations' kernels
+    from the mesh's realisation."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
                  ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
@@ -239,7 +300,8 @@ class MeshMemory:
         self.ranks = candidate_ranks(rp)
         self.layers = [rp.layers[r] for r in self.ranks]
         self.layer_w = rp.layer_dense + rp.layer_expert
-        self._states: dict[tuple[int, int, str], tuple[list[tuple[float, float, float, float]], float]] = {}
+        self._states: dict[tuple[int, int], list[tuple[float, float, float, float]]] = {}
+        self._rows: dict[int, tuple[Holding, list[tuple[float, float, float, float]]]] = {}
         base = self._realise(0, self._some_mbs(), "none", False, "1f1b")
         elt = base.compute_bytes
         s = model.seq_len // cp
@@ -248,13 +310,6 @@ class MeshMemory:
         # heads before SDPA, and SDPA saves them so; under CP the Realisation says (``cp_kv``).
         kv_repeated = eager and (base.cp_kv == "repeated" if cp > 1 else LOCAL_ATTENTION_REPEATS_KV)
         logits_sharded = base.logits_sharded or not eager
-        common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
-                      ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
-                      flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp, ep=ep,
-                      swiglu_saved=swiglu, kv_repeated=kv_repeated, eager_norms=eager, gathered_inputs=eager,
-                      head_dim=model.head_dim if tp > model.kv_heads else 0, q_dim=model.q_dim,
-                      norms=model.norms_per_layer, qk_norm_head_dim=model.head_dim if model.qk_norm else 0,
-                      shared_ffn=model.shared_expert_ffn)
         # RoPE's cos/sin tables (fp32, s x head_dim/2 each), computed once per forward of a stage chunk.
         self.rope = 4 * s * model.head_dim
         # Per layer and micro-batch, whatever mbs: on CPU the CP chunk attention's boolean causal mask
@@ -262,18 +317,9 @@ class MeshMemory:
         # chunks' c = s/2 queries against (g+1)c keys, (2cp+1)c keys in all (CUDA: a lower-right bias).
         c = s // 2
         self.layer_const = 4.0 * c * c * (2 * cp + 1) if cp > 1 and cluster.device_kind == "cpu" else 0.0
-        # Per sequence of a micro-batch (everything is linear in mbs): (per layer, working set, logits).
-        self.act: dict[tuple[str, bool], tuple[float, float, float]] = {}
-        for sp in (False, True):
-            logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt, sharded=logits_sharded,
-                                  eager_norm=eager)
-            for ac in ("none", "selective", "full"):
-                layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
-                # Recompute re-materialises, during one layer's backward, what it dropped: the whole
-                # layer's activations (full) or its attention sub-layer's (selective).
-                dropped = layer_activation_bytes(sp=sp, ac="none", **common) - layer  # type: ignore[arg-type]
-                working = {"none": 0.0, "selective": dropped, "full": dropped + layer}[ac]
-                self.act[ac, sp] = (layer, working, logits)
+        # Per sequence of a micro-batch: (per layer, working set, logits), shared by the meshes alike in them.
+        self.act = activation_table(model, s=s, tp=tp, cp=cp, ep=ep, elt=elt, flash=flash, swiglu_saved=swiglu,
+                                    kv_repeated=kv_repeated, logits_sharded=logits_sharded, eager=eager)
 
     def _some_mbs(self) -> int:
         """A micro-batch size valid for this mesh (the activations' realisation does not depend on it)."""
@@ -289,20 +335,27 @@ class MeshMemory:
             training = replace(training, global_batch=layout.data_ranks)
         return realise(layout, self.model, self.cluster, training)
 
-    def states(self, zero: int, mbs: int, schedule: str) -> tuple[list[tuple[float, float, float, float]], float]:
-        """Per candidate rank (params, grads, optimizer, buffers), and the buffers of the costliest."""
-        key = (zero, mbs, schedule if self.pp > 1 else "1f1b")
+    def states(self, zero: int, m: int) -> list[tuple[float, float, float, float]]:
+        """Per candidate rank (params, grads, optimizer, buffers) with ``m`` micro-batches per step."""
+        key = (zero, m)
         got = self._states.get(key)
         if got is None:
-            real = self._realise(zero, mbs, "none", False, key[2])
+            d = self.degrees
+            held = holding(d["tp"], d["cp"], d["ep"], d["dp"], zero, m, self.training.precision,
+                           self.cluster.device_kind, self.model.is_moe)
             if not self.eager and zero >= 2:  # a published ZeRO-2/3 run reduce-scatters each micro-batch's
                 # gradients as they are produced (Rajbhandari et al. 2020 Sec. 5.2), whatever the
                 # workers do under pp > 1 today
-                real = replace(real, grads_held_unsharded=False)
-            rp = self.rp
-            rows = [state_bytes(real, rp.dense[r], rp.expert[r], self.layer_w, rp.embedding if r == 0 else 0.0)
-                    for r in self.ranks]
-            got = self._states[key] = (rows, max(row[3] for row in rows))
+                held = held._replace(grads_held_unsharded=False)
+            # ``holding`` gives one object per distinct holding (cached): rows are kept by its identity,
+            # beside the object itself so that the identity stays its own.
+            kept = self._rows.get(id(held))
+            if kept is None:
+                rp = self.rp
+                kept = self._rows[id(held)] = (held, [
+                    state_bytes(held, rp.dense[r], rp.expert[r], self.layer_w, rp.embedding if r == 0 else 0.0)
+                    for r in self.ranks])
+            got = self._states[key] = kept[1]
         return got
 
     def inflight(self, schedule: str, m: int) -> list[float]:
@@ -310,27 +363,27 @@ class MeshMemory:
         return [n * microbatches_in_flight(schedule, self.pp, self.vpp, m, r)
                 for n, r in zip(self.layers, self.ranks, strict=True)]
 
-    def activations(self, ac: str, sp: bool, mbs: int, schedule: str, m: int,
-                    inflight: list[float] | None = None) -> ActRow:
+    def logits_held(self, schedule: str, m: int) -> list[int]:
+        """Micro-batches whose logits each candidate rank keeps: the last rank m under GPipe, else one."""
+        n = m if (schedule == "gpipe" and self.pp > 1) else 1
+        return [n if r == self.pp - 1 else 0 for r in self.ranks]
+
+    def activations(self, ac: str, sp: bool, mbs: int, schedule: str, m: int) -> ActRow:
         """Activation bytes on each candidate rank."""
-        if inflight is None:
-            inflight = self.inflight(schedule, m)
         layer, working, logits = self.act[ac, sp]
-        # The last rank keeps logits for every micro-batch in flight there: m under GPipe, else one.
-        logits *= m if (schedule == "gpipe" and self.pp > 1) else 1
-        last = self.pp - 1
-        row = ActRow(mbs * (layer * n + working + (logits if r == last else 0.0)) + self.layer_const * n
-                     + self.rope * (n / nl if nl else 1.0)
-                     for n, nl, r in zip(inflight, self.layers, self.ranks, strict=True))
-        row.mbs, row.schedule, row.m = mbs, schedule, m
+        lc, rope = self.layer_const, self.rope
+        row = ActRow(rank_activation_bytes(layer, working, logits * held, mbs, n, nl, lc, rope)
+                     for n, nl, held in zip(self.inflight(schedule, m), self.layers, self.logits_held(schedule, m),
+                                            strict=True))
+        row.m = m
         return row
 
     def peak(self, zero: int, acts: ActRow) -> MemoryParts:
-        """The parts of the costliest candidate rank, given its activations."""
-        rows, _ = self.states(zero, acts.mbs, acts.schedule)
-        best, top = 0, sum(rows[0]) + acts[0]
+        """The parts of the costliest candidate rank (the first of the costliest), given its activations."""
+        rows = self.states(zero, acts.m)
+        best, top = 0, rank_peak_bytes(*rows[0], acts[0])
         for c in range(1, len(acts)):
-            t = sum(rows[c]) + acts[c]
+            t = rank_peak_bytes(*rows[c], acts[c])
             if t > top:
                 best, top = c, t
         p, g, o, b = rows[best]
@@ -341,9 +394,10 @@ class MeshMemory:
         return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
     @staticmethod
-    def whole_bytes(est: MemoryParts) -> int:
+    def whole_bytes(est: MemoryParts) -> int | np.ndarray:
         """What MemoryEstimate.total adds up, without the overhead: whole bytes per part."""
-        return int(est.params) + int(est.grads) + int(est.optimizer) + int(est.activations) + int(est.buffers)
+        return (_whole(est.params) + _whole(est.grads) + _whole(est.optimizer) + _whole(est.activations)
+                + _whole(est.buffers))
 
     def wrap(self, est: MemoryParts) -> MemoryEstimate:
         p, g, o, a, b = int(est.params), int(est.grads), int(est.optimizer), int(est.activations), int(est.buffers)

@@ -46,7 +46,8 @@ What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
+from typing import Literal, NamedTuple
 
 from tuner._errors import LayoutError
 from tuner._layout import Layout, microbatches
@@ -184,7 +185,12 @@ def builtin_capabilities(model: ModelSpec) -> Capabilities:
     parallelism with a shared expert: its sigmoid gate would need the whole sequence on every tp rank
     beside the experts' sequence shard, which the built-in TP plan does not build. The transformers
     workload (workers/workload_hf.py) declares its own."""
-    return Capabilities(workload="builtin", sp=not model.shared_expert_ffn)
+    return _builtin_capabilities(not model.shared_expert_ffn)
+
+
+@lru_cache(maxsize=2)
+def _builtin_capabilities(sp: bool) -> Capabilities:
+    return Capabilities(workload="builtin", sp=sp)
 
 
 def builtin_refusal(layout: Layout, model: ModelSpec) -> str | None:
@@ -219,65 +225,86 @@ def check_supported(layout: Layout, model: ModelSpec, capabilities: Capabilities
         raise LayoutError(f"ep={layout.ep} needs a MoE model whose experts ({model.experts}) it divides")
 
 
-def _collectives(layout: Layout, model: ModelSpec, dp_kind: str, sync: str, zero3: bool,
-                 logits_sharded: bool) -> tuple[Collective, ...]:
+@lru_cache(maxsize=1024)
+def _collectives(tp: bool, sp: bool, moe: bool, cp: bool, ep: bool, pp: bool, dp_axes: str, dp_kind: str, sync: str,
+                 zero3: bool, *, logits_sharded: bool) -> tuple[Collective, ...]:
+    """The recurring collectives of a layout with these axes (> 1) and data-parallel program."""
     out = []
-    if layout.tp > 1:
-        tp_op = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
+    if tp:
+        tp_op = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         for op in tp_op:
             out.append(Collective(op, "tp", "layer activations (attention and MLP)", "layer fwd+bwd", True))
-        if model.is_moe:
+        if moe:
             out.append(Collective("all_reduce", "tp", "routed tokens' expert outputs (top_k copies)",
                                   "layer fwd+bwd", True))
         if logits_sharded:
             out.append(Collective("all_reduce", "tp", "loss-parallel max and sum-exp per token", "micro-batch", True))
         else:
             out.append(Collective("all_gather", "tp", "logits (V/tp per rank -> V)", "micro-batch fwd", True))
-    if layout.cp > 1:
+    if cp:
         out.append(Collective("all_gather", "cp", "kv (kv_heads)", "layer fwd", True))
         out.append(Collective("reduce_scatter", "cp", "kv grads (kv_heads)", "layer bwd", True))
-    if layout.ep > 1:
+    if ep:
         out.append(Collective("all_to_all", "ep", "routed tokens (dispatch + combine)", "layer fwd+bwd", True))
-    if layout.pp > 1:
+    if pp:
         out.append(Collective("send_recv", "pp", "stage activations / grads", "micro-batch", True))
     if dp_kind != "none":
-        axes = "*".join(a for a in ("dp", "cp", "ep") if getattr(layout, a) > 1)
         per = "micro-batch" if sync == "every_microbatch" else "step"
         if dp_kind == "replicate":
-            out.append(Collective("all_reduce", axes, "unit grads", per, False))
+            out.append(Collective("all_reduce", dp_axes, "unit grads", per, False))
         else:
-            out.append(Collective("reduce_scatter", axes, "unit grads", per, False))
-            out.append(Collective("all_gather", axes, "unit weights", "micro-batch fwd+bwd" if zero3 else "step",
+            out.append(Collective("reduce_scatter", dp_axes, "unit grads", per, False))
+            out.append(Collective("all_gather", dp_axes, "unit weights", "micro-batch fwd+bwd" if zero3 else "step",
                                   False))
     return tuple(out)
 
 
-def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-            capabilities: Capabilities | None = None) -> Realisation:
-    """The workers' realisation of ``layout`` (see the module docstring); LayoutError if they
-    cannot run it (``capabilities``: the trial's workload, see ``check_supported``)."""
-    check_supported(layout, model, capabilities)
-    m = microbatches(layout, training)
-    data = layout.dp * layout.cp * layout.ep
-    expert_data = layout.dp * layout.cp
-    zero = layout.zero if data > 1 else 0  # no data axis: nothing to shard or reduce
+class Holding(NamedTuple):
+    """How a rank holds its model states: the Realisation fields of the same names (see there), which
+    depend on the layout only through the degrees, ZeRO and the micro-batch count (``holding``)."""
+
+    tp: int
+    data_parallel: str
+    dense: StateSharding
+    experts: StateSharding | None
+    compute_bytes: int
+    gathered: str
+    fsdp_buffer_units: int
+    grad_sync: str
+    grads_held_unsharded: bool
+    unsharded_grad_bytes: int
+    autocast_weight_copies: bool
+
+
+def holding(tp: int, cp: int, ep: int, dp: int, zero: int, microbatches: int, precision: str, device_kind: str,
+            moe: bool) -> Holding:
+    """The model-state part of ``realise`` (the module docstring says what the workers do), for a
+    mesh, ZeRO level and micro-batch count of a model (``moe``) trained in ``precision`` on
+    ``device_kind`` devices; the memory model reads it per (mesh, zero, micro-batches)."""
+    return _holding(tp, dp * cp * ep, dp * cp, zero, microbatches == 1, precision == "bf16" and device_kind == "cuda",
+                    moe)
+
+
+@lru_cache(maxsize=4096)
+def _holding(tp: int, data: int, expert_data: int, zero: int, one_microbatch: bool, bf16: bool, moe: bool) -> Holding:
+    """``holding`` of ``data`` (dense) and ``expert_data`` (routed experts) data ranks."""
+    zero = zero if data > 1 else 0  # no data axis: nothing to shard or reduce
     dp_kind = "none" if data == 1 else ("replicate" if zero == 0 else "fsdp")
     # The same rule with and without pipelining (decision 6, workers.rank_model._SyncingStage).
     if dp_kind == "none":
         sync = "none"
-    elif zero in (2, 3) or m == 1:
+    elif zero in (2, 3) or one_microbatch:
         sync = "every_microbatch"
     else:
         sync = "last_microbatch"
-    if zero == 1 and m == 1:
+    if zero == 1 and one_microbatch:
         zero = 2  # the same program: one reduce-scatter after the only backward
     shard = data if zero >= 1 else 1
     dense = StateSharding(reduce_group=data, weights=shard, grads=shard, optimizer=shard)
     experts = None
-    if model.is_moe:
+    if moe:
         eshard = expert_data if zero >= 1 else 1
         experts = StateSharding(reduce_group=expert_data, weights=eshard, grads=eshard, optimizer=eshard)
-    bf16 = training.precision == "bf16" and cluster.device_kind == "cuda"
     # ZeRO-0 (replicate) computes on the weights themselves in fp32, on one bf16 copy of them from
     # the first forward to the last backward in bf16: the same hold as ZeRO-1/2's gathered weights.
     if zero == 3:
@@ -286,21 +313,33 @@ def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: Tr
         gathered = "none"
     else:
         gathered = "stage"
-    return Realisation(
-        tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp, pp=layout.pp, stages=layout.stages,
-        schedule=layout.schedule if layout.pp > 1 else None,
-        microbatches=m, mbs=layout.mbs, recompute=layout.ac, sp=layout.sp,
-        data_parallel=dp_kind, dense=dense, experts=experts,
-        compute_bytes=BF16 if bf16 else FP32,
-        gathered=gathered,
-        fsdp_buffer_units=2 if zero == 3 else 0,
-        grad_sync=sync,
-        grads_held_unsharded=sync == "last_microbatch",
-        unsharded_grad_bytes=FP32,
+    return Holding(
+        tp=tp, data_parallel=dp_kind, dense=dense, experts=experts, compute_bytes=BF16 if bf16 else FP32,
+        gathered=gathered, fsdp_buffer_units=2 if zero == 3 else 0, grad_sync=sync,
+        grads_held_unsharded=sync == "last_microbatch", unsharded_grad_bytes=FP32,
         autocast_weight_copies=bf16 and dp_kind == "none",
-        experts_tp=model.is_moe and layout.tp > 1,
-        logits_sharded=layout.tp > 1,
-        cp_kv="kv_heads" if layout.cp > 1 else "none",
+    )
+
+
+def realise(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+            capabilities: Capabilities | None = None) -> Realisation:
+    """The workers' realisation of ``layout`` (see the module docstring); LayoutError if they
+    cannot run it (``capabilities``: the trial's workload, see ``check_supported``)."""
+    check_supported(layout, model, capabilities)
+    m = microbatches(layout, training)
+    held = holding(layout.tp, layout.cp, layout.ep, layout.dp, layout.zero, m, training.precision,
+                   cluster.device_kind, model.is_moe)
+    tp, cp, ep, pp, sp = layout.tp, layout.cp, layout.ep, layout.pp, layout.sp
+    dp_axes = "*".join(a for a, n in (("dp", layout.dp), ("cp", cp), ("ep", ep)) if n > 1)
+    return Realisation(
+        cp=cp, ep=ep, dp=layout.dp, pp=pp, stages=layout.stages,
+        schedule=layout.schedule if pp > 1 else None,
+        microbatches=m, mbs=layout.mbs, recompute=layout.ac, sp=sp,
+        **held._asdict(),
+        experts_tp=model.is_moe and tp > 1,
+        logits_sharded=tp > 1,
+        cp_kv="kv_heads" if cp > 1 else "none",
         swiglu_saved=4,
-        collectives=_collectives(layout, model, dp_kind, sync, zero == 3, logits_sharded=layout.tp > 1),
+        collectives=_collectives(tp > 1, sp, model.is_moe, cp > 1, ep > 1, pp > 1, dp_axes, held.data_parallel,
+                                 held.grad_sync, held.gathered == "unit", logits_sharded=tp > 1),
     )

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 from tuner._errors import LayoutError, SpecError
 from tuner._layout import (
@@ -136,23 +137,80 @@ class SearchSpace:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
 
 
+class LayoutGroup(NamedTuple):
+    """Valid layouts alike in mesh, schedule, vpp and mbs (so in micro-batches per step too): every
+    ZeRO level of ``zeros`` (outermost) with every (ac, sp) of ``knobs``, the first ``count`` of them."""
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    schedule: str
+    vpp: int
+    mbs: int
+    microbatches: int
+    zeros: tuple[int, ...]
+    knobs: tuple[tuple[str, bool], ...]
+    count: int
+
+    def layout(self, i: int) -> Layout:
+        """The ``i``-th layout of the group."""
+        zero, (ac, sp) = self.zeros[i // len(self.knobs)], self.knobs[i % len(self.knobs)]
+        return _layout(self._base(), zero, ac, sp)
+
+    def layouts(self) -> Iterator[Layout]:
+        base, n = self._base(), 0
+        for zero in self.zeros:
+            for ac, sp in self.knobs:
+                if n == self.count:
+                    return
+                yield _layout(base, zero, ac, sp)
+                n += 1
+
+    def _base(self) -> dict[str, Any]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "mbs": self.mbs,
+                "schedule": self.schedule, "vpp": self.vpp}
+
+
+def _layout(base: dict[str, Any], zero: int, ac: str, sp: bool) -> Layout:
+    # Every field was validated by the space: build the Layout without re-running __post_init__
+    # (a 16k-device cluster has ~10^5 of them).
+    layout = object.__new__(Layout)
+    d = layout.__dict__
+    d.update(base)
+    d["zero"], d["ac"], d["sp"] = zero, ac, sp
+    return layout
+
+
 @dataclass
 class Enumeration:
-    """Valid layouts (with their micro-batch counts) and rejected ones counted by reason."""
+    """Valid layouts (with their micro-batch counts) and rejected ones counted by reason. The valid
+    ones are held as ``groups`` (what ``plan`` costs); ``valid`` lists them as Layouts."""
 
-    valid: list[Layout] = field(default_factory=list)
-    microbatches: list[int] = field(default_factory=list)
     rejected: dict[str, int] = field(default_factory=dict)
     # Space combinations (valid or rejected) that are a twin of a counted layout and not counted again.
     twins: int = 0
-    # [start, stop) ranges of ``valid`` that share mesh, schedule, vpp and mbs (plan shares work).
-    groups: list[tuple[int, int]] = field(default_factory=list)
+    groups: list[LayoutGroup] = field(default_factory=list)
     # The first reason the workload gave for a layout counted as R_WORKLOAD (None: it refused none).
     refusal: str | None = None
 
+    @cached_property
+    def valid(self) -> list[Layout]:
+        return [layout for g in self.groups for layout in g.layouts()]
+
+    @cached_property
+    def microbatches(self) -> list[int]:
+        return [m for g in self.groups for m in [g.microbatches] * g.count]
+
+    @property
+    def count(self) -> int:
+        """How many layouts are valid."""
+        return sum(g.count for g in self.groups)
+
     @property
     def considered(self) -> int:
-        return len(self.valid) + sum(self.rejected.values())
+        return self.count + sum(self.rejected.values())
 
 
 def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
@@ -280,7 +338,7 @@ def _refusal(tp: int, cp: int, ep: int, dp: int, pp: int, ac: str, sp: bool, *, 
     """Why the workload cannot run this mesh with ``ac`` and ``sp``, or None: ``check_supported``
     itself (the rule a listed layout and the workers' ``parallelize_model`` apply), so valid means
     runnable. It reads only the degrees, sp and ac, so one probe stands for every other knob."""
-    probe = Layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, ac=ac, sp=sp)
+    probe = _layout(dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, mbs=1, schedule="1f1b", vpp=1), 0, ac, sp)  # sp: tp > 1
     try:
         check_supported(probe, model, capabilities)
     except LayoutError as exc:
@@ -308,13 +366,13 @@ def enumerate_layouts(
     order = check_order(order)
     out = Enumeration()
     rejected = out.rejected
-    valid, ms, groups = out.valid, out.microbatches, out.groups
+    groups = out.groups
+    n_valid = 0
     limit = space.max_layouts if space.max_layouts is not None else float("inf")
     gb = training.global_batch
     n_ac = len(space.ac)
     n_raw_zero = len(space.zero)
     twins = [0]
-    new = object.__new__
 
     def count(reason: str, n: int) -> None:
         if n:
@@ -343,6 +401,7 @@ def enumerate_layouts(
                     out.refusal = out.refusal or why
         if refused:
             count(R_WORKLOAD, sum(len(z) for _, _, z in per_mbs) * refused * len(scheds))
+        knobs_t = tuple(knobs)
         for schedule, vpp in scheds:
             if pp * vpp > model.layers:
                 count(R_STAGES, sum(len(z) for _, _, z in per_mbs) * len(knobs))
@@ -358,28 +417,14 @@ def enumerate_layouts(
                 if schedule == "interleaved" and m % pp:
                     count(R_INTERLEAVED, n_per)
                     continue
-                if len(valid) + n_per > limit:
-                    keep = max(0, int(limit) - len(valid))
+                if n_valid + n_per > limit:
+                    keep = max(0, int(limit) - n_valid)
                     count(R_MAX_LAYOUTS, n_per - keep)
                 else:
                     keep = n_per
                 if not keep:
                     continue
-                # The space validated every field: build the Layouts without re-running __post_init__
-                # (a 16k-device cluster has ~10^5 of them).
-                base = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "mbs": mbs, "schedule": schedule, "vpp": vpp}
-                start = len(valid)
-                for zero in zeros:
-                    for ac, sp in knobs:
-                        layout = new(Layout)
-                        d = layout.__dict__
-                        d.update(base)
-                        d["zero"] = zero
-                        d["ac"] = ac
-                        d["sp"] = sp
-                        valid.append(layout)
-                del valid[start + keep:]
-                ms.extend([m] * keep)
-                groups.append((start, start + keep))
+                groups.append(LayoutGroup(tp, cp, ep, dp, pp, schedule, vpp, mbs, m, tuple(zeros), knobs_t, keep))
+                n_valid += keep
     out.twins = twins[0]
     return out

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 from tuner._errors import LayoutError, SpecError
 from tuner._formulas import (
     allgather_time,
@@ -24,8 +26,8 @@ from tuner._formulas import (
     recompute_flops_split,
     useful_fraction,
 )
-from tuner._layout import AXES, Layout, microbatches
-from tuner._memory import rank_params
+from tuner._layout import AXES, CHECKPOINTING, Layout, microbatches
+from tuner._memory import Num, rank_params
 from tuner._partition import EMBEDDING_COST
 from tuner._placement import Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
@@ -134,6 +136,49 @@ class StepTime(NamedTuple):
     pp_p2p: float
 
 
+def _lesser(a: Num, b: Num) -> Num:
+    """The smaller, elementwise for arrays."""
+    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tuple[Num, Num, Num], mbs: Num, m: Num,
+              pp: Num, vpp: Num, dp_overlap: Num) -> StepTime:
+    """Seconds per optimiser step, by part, of ``m`` micro-batches of ``mbs`` sequences on a mesh whose
+    terms ``MeshTime`` prepared: ``per_mb`` the slowest stage's (compute, tp, cp, ep) seconds of one
+    micro-batch as (per sequence, constant) pairs, ``p2p`` the pipeline sends' pair, ``dp`` the
+    data-parallel (hidable once, exposed once, hidable per micro-batch) seconds. The bubble is
+    (p-1)/(v m) of the ideal time (Narayanan et al. 2021 Sec. 2.2); overlap hides data-parallel
+    traffic behind at most the compute. Numbers or numpy arrays alike (``plan`` costs every layout of
+    a problem at once)."""
+    (c1, c0), (t1, t0), (k1, k0), (e1, e0) = per_mb
+    compute, tp_t, cp_t, ep_t = mbs * c1 + c0, mbs * t1 + t0, mbs * k1 + k0, mbs * e1 + e0
+    t_mb = compute + tp_t + cp_t + ep_t
+    busy = m * t_mb
+    bubble = t_mb * (pp - 1) / vpp
+    p1, p0 = p2p
+    p2p_t = m * (mbs * p1 + p0)
+    hidable, fixed, per_mb_dp = dp
+    t_dp = hidable + m * per_mb_dp
+    exposed = fixed + t_dp - _lesser(t_dp * dp_overlap, busy)  # overlap cannot hide more than the compute
+    return StepTime(busy + bubble + p2p_t + exposed, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble,
+                    p2p_t)
+
+
+@lru_cache(maxsize=256)
+def _flop_counts(model: ModelSpec, flash: bool) -> tuple[float, float, float, dict[str, tuple[float, float]], float,
+                                                         dict[str, float]]:
+    """What every mesh's time model reads of the model, per token: one layer's matmul and attention
+    core FLOPs (the core per local token, on the query width heads x head_dim; halved by a causal
+    ``flash`` kernel), the head's, the (matmul, core) FLOPs recompute adds per layer by ac, MFU's
+    model FLOPs, and by ac Megatron's hardware count (full attention, plus the recomputed forward)."""
+    matmul = matmul_flops_per_token(model.attention_params_per_layer + model.active_mlp_params_per_layer)
+    core = attention_core_flops_per_token(model.q_dim, model.seq_len, causal=flash)
+    recompute = {ac: recompute_flops_split(model, ac, causal=flash) for ac in CHECKPOINTING}
+    model_flops = model_flops_per_token(model)
+    hw_flops = {ac: model_flops + model.layers * recompute_flops_per_token_per_layer(model, ac) for ac in CHECKPOINTING}
+    return matmul, core, head_flops_per_token(model), recompute, model_flops, hw_flops
+
+
 class MeshTime:
     """The time model of one placed mesh (degrees and vpp) of one problem, prepared so that each of
     its layouts (zero, mbs, ac, sp, m) costs a few float operations. Per micro-batch terms are
@@ -159,10 +204,7 @@ class MeshTime:
         # batched GEMMs at the matmuls' (its softmax's memory traffic is not modelled).
         attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
         rp = rank_params(model, tp, ep, pp, vpp)
-        matmul = matmul_flops_per_token(model.attention_params_per_layer + model.active_mlp_params_per_layer)
-        # per local token (CP splits the work evenly), on the query width heads x head_dim
-        core = attention_core_flops_per_token(model.q_dim, seq, causal=flash)
-        head = head_flops_per_token(model)
+        matmul, core, head, recompute, self.model_flops, self.hw_flops = _flop_counts(model, flash)
         emb = EMBEDDING_COST * head
 
         tp_link = _link(placement, ("tp",), cluster, f) if tp > 1 else None
@@ -188,8 +230,14 @@ class MeshTime:
         # Per ac: (compute, tp, cp, ep) of one micro-batch on the slowest stage, as (per sequence,
         # constant) pairs: the pipeline runs at its slowest stage.
         self.per_mb: dict[str, tuple[tuple[float, float], ...]] = {}
+        # Ranks alike in layers and ends cost alike: the first of each kind stands for them (max keeps
+        # the first of equals, so the slowest stage found is the one every rank gives).
+        kinds: dict[tuple[int, bool, bool], int] = {}
+        for r, n_layers in enumerate(rp.layers):
+            kinds.setdefault((n_layers, r == 0, r == pp - 1), r)
+        distinct = sorted(kinds.values())
         for ac in ("none", "selective", "full"):
-            re_matmul, re_core = recompute_flops_split(model, ac, causal=flash)
+            re_matmul, re_core = recompute[ac]
             layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
             tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
             tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
@@ -213,12 +261,14 @@ class MeshTime:
                 a2a = elt * seq_local * model.top_k * h
                 ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
             stages = []
-            for r, n_layers in enumerate(rp.layers):
+            for r in distinct:
+                n_layers = rp.layers[r]
                 ends = (emb if r == 0 else 0.0) + (head if r == pp - 1 else 0.0)
                 parts = ((n_layers * layer_s + ends * seq_local / (tp * rate), 0.0),
                          (n_layers * tp_l[0] + ends_tp[r], n_layers * tp_l[1] + ends_tp_lat[r]),
                          (n_layers * cp_l[0], n_layers * cp_l[1]), (n_layers * ep_l[0], n_layers * ep_l[1]))
-                stages.append((sum(a + b for a, b in parts), parts))
+                (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
+                stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
             self.per_mb[ac] = max(stages, key=lambda x: x[0])[1]
 
         # Pipeline p2p: activations cross 2v stage boundaries per micro-batch (forward + backward);
@@ -267,27 +317,11 @@ class MeshTime:
         self.tokens = training.global_batch * seq
         self.world = world
         self.peak = world * cluster.peak_flops
-        self.model_flops = model_flops_per_token(model)
-        self.hw_flops = {  # Megatron's hardware count: full attention, plus the recomputed forward
-            ac: self.model_flops + model.layers * recompute_flops_per_token_per_layer(model, ac)
-            for ac in ("none", "selective", "full")
-        }
         self.useful = useful_fraction(training.global_batch, training.critical_batch)
 
     def estimate(self, zero: int, mbs: int, ac: str, sp: bool, m: int) -> StepTime:
         """Seconds per optimiser step, by part."""
-        (c1, c0), (t1, t0), (k1, k0), (e1, e0) = self.per_mb[ac]
-        compute, tp_t, cp_t, ep_t = mbs * c1 + c0, mbs * t1 + t0, mbs * k1 + k0, mbs * e1 + e0
-        t_mb = compute + tp_t + cp_t + ep_t
-        busy = m * t_mb
-        bubble = t_mb * (self.pp - 1) / self.vpp  # (p-1)/(v m) of the ideal time (Narayanan 2021)
-        p1, p0 = self.p2p[sp]
-        p2p = m * (mbs * p1 + p0)
-        hidable, fixed, per_mb = self.dp[zero]
-        t_dp = hidable + m * per_mb
-        exposed = fixed + t_dp - min(t_dp * self.dp_overlap, busy)  # overlap cannot hide more than the compute
-        step = busy + bubble + p2p + exposed
-        return StepTime(step, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble, p2p)
+        return step_time(self.per_mb[ac], self.p2p[sp], self.dp[zero], mbs, m, self.pp, self.vpp, self.dp_overlap)
 
     def wrap(self, est: StepTime, ac: str) -> TimeEstimate:
         step = est[0]

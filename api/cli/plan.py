@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_sizes(args, model, cluster, training, space, caps)
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
                              allow_tp_across_nodes=args.allow_tp_across_nodes, capabilities=caps)
-    if not enum.valid:  # nothing to rank: the problem (or the space) admits no layout at all
+    if not enum.count:  # nothing to rank: the problem (or the space) admits no layout at all
         reasons = ", ".join(f"{r} ({n:,})" for r, n in sorted(enum.rejected.items(), key=lambda kv: -kv[1])[:3])
         raise LayoutError(
             f"no valid layout of model {model.name} on {cluster.devices} devices with "
