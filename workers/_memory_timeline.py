@@ -1,0 +1,270 @@
+"""Memory over one measured step of a trial, per rank: the series the trial page draws, the step's
+phases (stage, micro-batch, forward/backward, gradient sync, optimiser) and where the peak falls.
+
+CPU: a sampler thread reads this process's resident set and high-water mark (``VmRSS``/``VmHWM``,
+/proc/self/status, kept open: a pread costs ~3 us) every ``SAMPLE_S``; each phase marker (workers/rank_model.py calls ``Phases.mark``)
+reads the high-water mark too. Between two consecutive readings no phase begins, so the phase in
+force at the reading before the one that first sees the step's final high-water mark is the phase
+during which the peak was reached, exactly, however late the sampler runs on a loaded host. The
+series is the sampled resident set plus one point: the kernel's high-water mark, placed between the
+two readings around it (a transient peak the sampler missed is still the series' maximum).
+
+CUDA (not run here: no GPU on this project's machines): the caching allocator's own history
+(``torch.cuda.memory._record_memory_history`` / ``_snapshot``) gives every allocation and free of the
+step; the series is the allocated bytes they add up to, and the markers read ``max_memory_allocated``.
+
+The peak, by construction equal to the trial's reported peak: ``start`` reads the high-water mark of
+everything before the step (build, warm-up, earlier steps: ``before``) and resets it, so the mark at
+``stop`` is the step's own; ``stop`` resets it again and ``finish`` (at the trial's end) reads what the
+later steps reached (``after``). The trial's peak is the maximum of the three, which is the whole
+trial's high-water mark the trial reported before (measure.peak_memory), and the timeline's maximum
+(``timeline_max``): the workers report ``peak_bytes`` as the rank's peak.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from workers import measure
+from workers._contract import timeline_max
+
+SAMPLE_S = 0.001  # the sampler's period
+MAX_POINTS = 240  # stored per rank: each of MAX_POINTS // 2 buckets keeps its lowest and highest sample
+MAX_PHASES = 400  # stored phase markers per rank (a step with many micro-batches keeps its first ones)
+RSS_MEASURE = "cpu.VmRSS"
+CUDA_SERIES = "cuda.memory_allocated"
+
+
+class _Status:
+    """This process's (VmRSS, VmHWM) in bytes: one pread of /proc/self/status, kept open (procfs
+    regenerates the file on a read from offset 0; ~3 us against ~30 us to open and read it)."""
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/self/status", os.O_RDONLY)
+
+    def read(self) -> tuple[int, int]:
+        data = os.pread(self.fd, 8192, 0)
+
+        def field(name: bytes) -> int:
+            i = data.index(name) + len(name)
+            return int(data[i:data.index(b"kB", i)]) * 1024
+
+        return field(b"VmRSS:"), field(b"VmHWM:")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Phases:
+    """The step's phase markers: ``mark(phase, stage, micro_batch)`` records when a phase begins and
+    the high-water mark then. A no-op unless armed (only the sampled step is marked)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.marks: list[tuple[float, str, int | None, int | None, int]] = []
+        self.micro_batch: int | None = None  # the last one marked (the pipeline's loss names it)
+        self._hwm: Any = None
+
+    def arm(self, hwm: Any) -> None:
+        self.marks, self._hwm, self.armed = [], hwm, True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def mark(self, phase: str, stage: int | None = None, micro_batch: int | None = None) -> None:
+        if self.armed:
+            self.marks.append((time.perf_counter(), phase, stage, micro_batch, self._hwm()))
+            if micro_batch is not None:
+                self.micro_batch = micro_batch
+
+
+class StepMemory:
+    """Records one step's memory on this rank: ``start()`` before it, ``stop()`` after it, ``finish()``
+    at the trial's end (see the module docstring); ``timeline()`` is what the rank reports."""
+
+    def __init__(self, device: torch.device, phases: Phases, *, step: int, sample_s: float = SAMPLE_S) -> None:
+        self.device, self.phases, self.step, self.sample_s = device, phases, step, sample_s
+        self.cuda = device.type == "cuda"
+        self.samples: list[tuple[float, int, int]] = []  # (perf_counter, series bytes, high-water mark)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._recording = False  # the CUDA allocator's history is on
+        self._status: _Status | None = None
+        self.before = self.before_reserved = self.after = self.after_reserved = None
+        self.step_peak = self.step_reserved = None
+        self.measure = ""
+
+    # --- the high-water mark (VmHWM, or the caching allocator's max_memory_allocated) ---------------
+
+    def _hwm(self) -> int:
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        assert self._status is not None
+        return self._status.read()[1]
+
+    def _sample(self) -> tuple[float, int, int]:
+        t = time.perf_counter()
+        if self.cuda:
+            return t, int(torch.cuda.memory_allocated(self.device)), self._hwm()
+        assert self._status is not None
+        rss, hwm = self._status.read()
+        return t, rss, hwm
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.sample_s):
+            self.samples.append(self._sample())
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.before, self.before_reserved, self.measure = measure.peak_memory(self.device)
+        measure.reset_high_water_mark(self.device)
+        if not self.cuda:
+            self._status = _Status()
+        self.epoch0, self.t0 = time.time(), time.perf_counter()
+        self.samples.append(self._sample())
+        if self.cuda:
+            self.start_allocated = int(torch.cuda.memory_allocated(self.device))
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=200_000)
+            self._recording = True
+        else:
+            self._thread = threading.Thread(target=self._run, name="meshtune-memory", daemon=True)
+            self._thread.start()
+        self.phases.arm(self._hwm)
+
+    def stop(self) -> None:
+        self.phases.disarm()
+        self._end_sampler()
+        self.samples.append(self._sample())
+        self.trace: list[dict[str, Any]] = []
+        if self.cuda:
+            snapshot = torch.cuda.memory._snapshot()
+            self._end_history()
+            traces = snapshot.get("device_traces") or []
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.trace = list(traces[index]) if index < len(traces) else []
+        self.step_peak, self.step_reserved, _ = measure.peak_memory(self.device)
+        measure.reset_high_water_mark(self.device)
+        self._end_status()
+
+    def finish(self) -> None:
+        self.after, self.after_reserved, _ = measure.peak_memory(self.device)
+
+    def close(self) -> None:
+        """Stop recording, whatever state a failed step left (idempotent): a reused rank process keeps
+        no sampler thread and no allocator history after its trial."""
+        self.phases.disarm()
+        self._end_sampler()
+        self._end_history()
+        self._end_status()
+
+    def _end_status(self) -> None:
+        if self._status is not None:
+            self._status.close()
+            self._status = None
+
+    def _end_sampler(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _end_history(self) -> None:
+        if self._recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False
+
+    # --- the report ------------------------------------------------------------------------------
+
+    def _series(self) -> list[tuple[float, int]]:
+        """(seconds from the step's start, bytes): sampled RSS, or the allocator history's allocated bytes."""
+        if not self.cuda or not self.trace:
+            return [(t - self.t0, b) for t, b, _ in self.samples]
+        out = [(0.0, self.start_allocated)]
+        live = self.start_allocated
+        for i, e in enumerate(self.trace):
+            action, size = e.get("action"), int(e.get("size") or 0)
+            if action == "alloc":
+                live += size
+            elif action == "free_requested":  # the allocated bytes drop when the tensor is freed
+                live -= size
+            else:
+                continue
+            t = e["time_us"] / 1e6 - self.epoch0 if e.get("time_us") else (i + 1) * 1e-6
+            out.append((t, live))
+        return out
+
+    def _readings(self) -> list[tuple[float, int]]:
+        """Every high-water mark read during the step (samples and markers), in time order."""
+        got = [(t - self.t0, hwm) for t, _, hwm in self.samples]
+        got += [(t - self.t0, hwm) for t, *_, hwm in self.phases.marks]
+        return sorted(got)
+
+    def timeline(self) -> dict[str, Any]:
+        """What the rank reports: the downsampled series with the peak point, the phases, the peak's
+        phase and the three windows' high-water marks; ``peak_bytes`` is their maximum."""
+        assert self.step_peak is not None and self.after is not None, "timeline() after stop() and finish()"
+        marks = [(t - self.t0, phase, stage, mb) for t, phase, stage, mb, _ in self.phases.marks]
+        series = self._series()
+        readings = self._readings()
+        # The first reading that saw the step's final high-water mark; the peak lies in the interval
+        # before it, in the phase in force at the reading before (no phase began in between).
+        j = next((i for i, (_, hwm) in enumerate(readings) if hwm >= self.step_peak), len(readings) - 1)
+        lo, hi = (readings[j - 1][0] if j else 0.0), readings[j][0]
+        in_force = [m for m in marks if m[0] <= lo]
+        phase = list(in_force[-1][1:]) if in_force else ["start", None, None]
+        peak_t = (lo + hi) / 2
+        points = downsample(series, MAX_POINTS)
+        if max((b for _, b in points), default=-1) < self.step_peak:  # the kernel's mark, between samples
+            points = sorted([*points, (peak_t, self.step_peak)])
+        windows = {"before": int(self.before or 0), "step": max(b for _, b in points), "after": int(self.after or 0)}
+        where = max(("step", "before", "after"), key=lambda k: (windows[k], k == "step"))
+        out: dict[str, Any] = {
+            "step": self.step,
+            "series": CUDA_SERIES if self.cuda else RSS_MEASURE,
+            "peak_measure": self.measure,
+            "duration_ms": round((readings[-1][0]) * 1000, 3),
+            "samples": len(series),
+            "t_ms": [round(t * 1000, 3) for t, _ in points],
+            "bytes": [int(b) for _, b in points],
+            "phases": [[round(t * 1000, 3), p, s, m] for t, p, s, m in marks[:MAX_PHASES]],
+            "phases_total": len(marks),
+            "before_bytes": windows["before"],
+            "step_peak_bytes": windows["step"],
+            "after_bytes": windows["after"],
+            "peak": {"where": where, "t_ms": round(peak_t * 1000, 3), "between_ms": [round(lo * 1000, 3),
+                     round(hi * 1000, 3)], "phase": phase[0], "stage": phase[1], "micro_batch": phase[2],
+                     # the first reading already saw it: what the step began with was never exceeded
+                     "held_from_start": j == 0},
+        }
+        out["peak_bytes"] = timeline_max(out)  # the rank's reported peak: the timeline's maximum
+        if self.cuda:
+            out["peak_reserved_bytes"] = max(int(x or 0) for x in (self.before_reserved, self.step_reserved,
+                                                                    self.after_reserved))
+        return out
+
+
+def downsample(series: list[tuple[float, int]], max_points: int) -> list[tuple[float, int]]:
+    """At most ``max_points`` of ``series`` (time order): the first and last points, and in each of
+    (max_points - 2) // 2 equal runs of the rest its lowest and its highest point (the shape and every
+    extreme survive; a plain stride would drop a short spike)."""
+    if len(series) <= max_points:
+        return list(series)
+    inner = series[1:-1]
+    buckets = (max_points - 2) // 2
+    out = [series[0]]
+    for k in range(buckets):
+        run = inner[k * len(inner) // buckets:(k + 1) * len(inner) // buckets]
+        if not run:
+            continue
+        lo = min(range(len(run)), key=lambda i: run[i][1])
+        hi = max(range(len(run)), key=lambda i: run[i][1])
+        out += [run[i] for i in sorted({lo, hi})]
+    out.append(series[-1])
+    return out
