@@ -1,0 +1,92 @@
+"""Memory timelines, unit level: the recorder on real memory of this process (CPU), its downsampling,
+and the memory model's per-rank parts. The real trials' timelines (stored, drawn per rank on the
+trial page, their maximum equal to the trial's peak) are checked in test_api_e2e.py, on the session's
+one real sweep."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tuner import Layout, cluster_spec, estimate_memory, model_spec, training_spec
+from tuner._memory_parts import PARTS, memory_parts
+from workers._contract import timeline_max
+from workers._memory_timeline import MAX_POINTS, Phases, StepMemory, downsample
+
+MiB = 2**20
+
+
+def test_the_peak_is_the_timelines_maximum_and_falls_in_the_phase_that_allocated_it():
+    """A real 96 MiB transient allocated and freed inside one phase, on this process: the high-water
+    mark catches it whether or not the sampler saw it, the phase in force when it rose is named, and
+    the reported peak is the timeline's maximum."""
+    phases = Phases()
+    memory = StepMemory(torch.device("cpu"), phases, step=3)
+    memory.start()
+    phases.mark("forward", 0, 0)
+    small = torch.ones(1024)
+    phases.mark("backward", 0, 1)
+    big = torch.ones(96 * MiB // 4)  # touched: resident
+    time.sleep(0.01)  # a few samples see it (not needed for the mark, which the kernel keeps)
+    del big
+    phases.mark("optimizer")
+    del small
+    memory.stop()
+    memory.finish()
+    tl = memory.timeline()
+    start_rss = tl["bytes"][0]
+    assert tl["step_peak_bytes"] - start_rss >= 90 * MiB
+    assert tl["peak"]["where"] == "step" and not tl["peak"]["held_from_start"]
+    assert (tl["peak"]["phase"], tl["peak"]["stage"], tl["peak"]["micro_batch"]) == ("backward", 0, 1)
+    lo, hi = tl["peak"]["between_ms"]
+    marks = {p[1]: p[0] for p in tl["phases"]}
+    assert marks["backward"] <= lo <= hi <= marks["optimizer"] + 1e-6
+    # by construction: the reported peak is the timeline's maximum, and every sample is below it
+    assert tl["peak_bytes"] == timeline_max(tl) == max(tl["before_bytes"], max(tl["bytes"]), tl["after_bytes"])
+    assert max(tl["bytes"]) == tl["step_peak_bytes"]
+    assert tl["step"] == 3 and tl["series"] == "cpu.VmRSS" and tl["peak_measure"] == "cpu.VmHWM"
+    assert len(tl["t_ms"]) == len(tl["bytes"]) <= MAX_POINTS + 1
+
+
+def test_a_failed_step_leaves_no_sampler_thread():
+    import threading
+
+    memory = StepMemory(torch.device("cpu"), Phases(), step=0)
+    memory.start()
+    assert any(t.name == "meshtune-memory" for t in threading.enumerate())
+    memory.close()  # what train_trial's finally does when the step raised
+    memory.close()  # idempotent
+    assert not any(t.name == "meshtune-memory" for t in threading.enumerate())
+
+
+def test_downsampling_keeps_every_extreme_and_the_ends():
+    series = [(i * 0.001, 1000 + (i % 7)) for i in range(5000)]
+    series[2345] = (2.345, 10_000)  # one spike
+    series[3000] = (3.0, 1)  # one dip
+    out = downsample(series, MAX_POINTS)
+    assert len(out) <= MAX_POINTS and out[0] == series[0] and out[-1] == series[-1]
+    assert (2.345, 10_000) in out and (3.0, 1) in out
+    assert [t for t, _ in out] == sorted(t for t, _ in out)
+    assert downsample(series[:10], MAX_POINTS) == series[:10]
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(pp=2, dp=2, schedule="1f1b"), Layout(tp=2, dp=2), Layout(pp=4, mbs=2, schedule="gpipe"),
+    Layout(pp=2, dp=2, vpp=2, schedule="interleaved", zero=3, ac="full"), Layout(dp=4, zero=1, mbs=2),
+], ids=lambda lay: lay.key)
+def test_parts_per_pp_rank_add_up_to_the_memory_model(layout):
+    model, cluster = model_spec("tiny"), cluster_spec("cpu-local")
+    training = training_spec({"global_batch": 16, "precision": "fp32"}, seq_len=model.seq_len)
+    parts = memory_parts(layout, model=model, cluster=cluster, training=training)
+    assert [p["stage"] for p in parts] == list(range(layout.pp))
+    for p in parts:
+        assert p["total"] == sum(p[k] for k in PARTS)
+        assert p["activations"] == pytest.approx(p["per_micro_batch"] * p["in_flight"], abs=1)
+    est = estimate_memory(layout, model=model, cluster=cluster, training=training)
+    costliest = max(parts, key=lambda p: p["total"])
+    assert (costliest["total"], costliest["stage"]) == (est.total, est.stage)
+    assert parts[-1]["logits"] > 0 and all(p["logits"] == 0 for p in parts[:-1])
+    if layout.pp > 1 and layout.schedule == "1f1b":  # the first stage holds the most micro-batches
+        assert parts[0]["in_flight"] > parts[-1]["in_flight"]
