@@ -98,7 +98,8 @@ def coordinator(home: Path, **kwargs) -> Iterator[Coordinator]:
 
 
 @pytest.mark.browser
-def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: None, browser, artifacts_dir) -> None:
+def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: None, browser, artifacts_dir,
+                                                 monkeypatch, capsys) -> None:
     """The coordinator joins the session's local Ray (RAY_ADDRESS), as it joins a cluster in production;
     starting a private Ray costs ~15-30 s on 2 cores. The same real sweep then proves the memory
     timelines (stored per rank, their maximum the reported peak, drawn on the trial page) and a confirm
@@ -150,12 +151,14 @@ def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: Non
         report = _confirm_from_the_dashboard(c, browser, sid, artifacts_dir)
         assert [(r["layout_key"], r["n"], r["trial_numbers"])  # confirm runs are not in the ranking
                 for r in c.http.get(f"/api/sweeps/{sid}/ranking").json()["rows"]] == short
-        shown = subprocess.run([sys.executable, "-m", "api.cli", "show", str(sid)], cwd=ROOT, capture_output=True,
-                               text=True, env={**os.environ, "MESHTUNE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)},
-                               timeout=120)
-        assert shown.returncode == 0, shown.stderr
-        assert "confirm round 0, top 2 x 16 measured steps" in shown.stdout and "Spearman" in shown.stdout
-        assert report["verdict"].split(" over ")[0] in shown.stdout  # "winner kept: <layout> still has ..."
+        from api.cli import main
+
+        monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path))  # the coordinator's store, read as a user would
+        capsys.readouterr()
+        assert main(["show", str(sid)]) == 0
+        shown = capsys.readouterr().out
+        assert "confirm round 0, top 2 x 16 measured steps" in shown and "Spearman" in shown
+        assert report["verdict"].split(" over ")[0] in shown  # "winner kept: <layout> still has ..."
     assert TOKEN not in "".join(c.lines)  # the token is never logged
 
 

@@ -90,3 +90,23 @@ def test_parts_per_pp_rank_add_up_to_the_memory_model(layout):
     assert parts[-1]["logits"] > 0 and all(p["logits"] == 0 for p in parts[:-1])
     if layout.pp > 1 and layout.schedule == "1f1b":  # the first stage holds the most micro-batches
         assert parts[0]["in_flight"] > parts[-1]["in_flight"]
+
+
+def test_cuda_history_is_summed_into_allocated_bytes():
+    """The CUDA series (not run here: no GPU) from a snapshot's trace as torch writes it: alloc adds,
+    free_requested subtracts, segment events are the reserve, not allocations; times on the wall
+    clock, or spread in order when the entries carry none."""
+    memory = StepMemory(torch.device("cpu"), Phases(), step=0)
+    memory.cuda, memory.start_allocated, memory.epoch0, memory.t0 = True, 1000, 100.0, 5.0
+    memory.samples = [(5.0, 1000, 1000), (5.010, 1000, 1600)]
+    memory.trace = [{"action": "segment_alloc", "size": 2 ** 21, "time_us": 100_000_500},
+                    {"action": "alloc", "size": 600, "time_us": 100_001_000},
+                    {"action": "free_requested", "size": 600, "time_us": 100_004_000},
+                    {"action": "free_completed", "size": 600, "time_us": 100_004_100},
+                    {"action": "alloc", "size": 200, "time_us": 100_006_000}]
+    assert memory._series() == [(0.0, 1000), (pytest.approx(0.001), 1600), (pytest.approx(0.004), 1000),
+                                (pytest.approx(0.006), 1200)]
+    for e in memory.trace:
+        e.pop("time_us")
+    assert [b for _, b in memory._series()] == [1000, 1600, 1000, 1200]
+    assert [t for t, _ in memory._series()] == pytest.approx([0.0, 0.0025, 0.005, 0.0075])
