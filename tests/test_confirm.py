@@ -169,6 +169,9 @@ def test_api_routes_answer_one_line_and_report(env):
             detail = r.json()["detail"]
             assert "\n" not in detail and field in detail and str(value) in detail
         assert client.post("/api/sweeps/999/confirm", json={"top_k": 1}).status_code == 404
+        bad = SPEC | {"search": SPEC["search"] | {"confirm": {"top_k": 2, "steps": 0}}}
+        r = client.post("/api/sweeps", json=bad)
+        assert r.status_code == 422 and "search.confirm.steps" in r.json()["detail"]
         r = client.post(f"/api/sweeps/{sid}/confirm", json={"top_k": 2, "steps": 8})
         assert r.status_code == 202 and r.json()["status"] == "queued" and r.json()["confirm"]["steps"] == 8
         r = client.post(f"/api/sweeps/{sid}/confirm", json={"top_k": 2})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -36,23 +37,28 @@ from workers._contract import timeline_max
 SAMPLE_S = 0.002  # the sampler's period (every phase marker adds a reading as well)
 MAX_POINTS = 240  # stored per rank: each of MAX_POINTS // 2 buckets keeps its lowest and highest sample
 MAX_PHASES = 400  # stored phase markers per rank (a step with many micro-batches keeps its first ones)
+MAX_SAMPLES = 4096  # readings kept while a step runs (8 s at 2 ms; then every other one, and half as often)
+MAX_MARKS = 4096  # phase markers kept while a step runs (later ones are counted)
 RSS_MEASURE = "cpu.VmRSS"
 CUDA_SERIES = "cuda.memory_allocated"
 
 
 class _Status:
-    """This process's (VmRSS, VmHWM) in bytes: one pread of /proc/self/status, kept open (procfs
-    regenerates the file on a read from offset 0; ~3 us against ~30 us to open and read it)."""
+    """This process's (VmRSS, VmHWM) in bytes: one pread of /proc/self/status into a buffer allocated
+    once, the file kept open (procfs regenerates it on a read from offset 0; ~3 us against ~30 us to
+    open and read it)."""
 
     def __init__(self) -> None:
         self.fd = os.open("/proc/self/status", os.O_RDONLY)
+        self.buf = bytearray(8192)
 
     def read(self) -> tuple[int, int]:
-        data = os.pread(self.fd, 8192, 0)
+        n = os.preadv(self.fd, [self.buf], 0)
+        data = self.buf
 
         def field(name: bytes) -> int:
-            i = data.index(name) + len(name)
-            return int(data[i:data.index(b"kB", i)]) * 1024
+            i = data.find(name, 0, n) + len(name)
+            return int(data[i:data.find(b"kB", i, n)]) * 1024
 
         return field(b"VmRSS:"), field(b"VmHWM:")
 
@@ -60,27 +66,72 @@ class _Status:
         os.close(self.fd)
 
 
+class _Readings:
+    """(time, bytes, high-water mark) readings in arrays allocated and written before the step: the
+    recorder allocates nothing that lives on while the step runs, so it does not grow the resident
+    memory it measures (a list of tuples grew it by 434 kB over 2,000 markers, and by ~15 kB in a
+    tiny model's step, as much as the step's own growth: tests/test_memory_timeline.py). When full, every other reading is dropped and ``stride`` doubles (the sampler then
+    reads half as often); with ``drop_when_full`` later readings are counted, not kept."""
+
+    def __init__(self, capacity: int, *, drop_when_full: bool = False) -> None:
+        self.capacity, self.drop_when_full = capacity, drop_when_full
+        self.t = array("d", bytes(8 * capacity))
+        self.b = array("q", bytes(8 * capacity))
+        self.h = array("q", bytes(8 * capacity))
+        self.tag = array("i", bytes(4 * 3 * capacity))  # (phase, stage, micro-batch) of a marker; -1 for none
+        self.n = self.dropped = 0
+        self.stride = 1
+
+    def add(self, t: float, b: int, h: int, phase: int = -1, stage: int = -1, mb: int = -1) -> None:
+        if self.n == self.capacity:
+            if self.drop_when_full:
+                self.dropped += 1
+                return
+            self._halve()
+        i = self.n
+        self.t[i], self.b[i], self.h[i] = t, b, h
+        self.tag[3 * i], self.tag[3 * i + 1], self.tag[3 * i + 2] = phase, stage, mb
+        self.n = i + 1
+
+    def _halve(self) -> None:
+        keep = range(0, self.n, 2)
+        for j, i in enumerate(keep):
+            self.t[j], self.b[j], self.h[j] = self.t[i], self.b[i], self.h[i]
+        self.n, self.stride = len(keep), self.stride * 2
+
+    def rows(self) -> list[tuple[float, int, int, int, int, int]]:
+        return [(self.t[i], self.b[i], self.h[i], *self.tag[3 * i:3 * i + 3]) for i in range(self.n)]
+
+
+PHASE_NAMES = ("forward", "backward", "loss", "pipeline send/recv", "gradient sync", "optimizer")
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASE_NAMES)}
+
+
 class Phases:
     """The step's phase markers: ``mark(phase, stage, micro_batch)`` records when a phase begins, with
     the memory and the high-water mark then (a reading of the series too: the curve has a point at
-    every phase boundary however sparse the sampler's). A no-op unless armed (only the recorded step)."""
+    every phase boundary however sparse the sampler's). A no-op unless armed (only the recorded step).
+    ``phase`` is one of ``PHASE_NAMES``."""
 
     def __init__(self) -> None:
         self.armed = False
-        self.marks: list[tuple[float, str, int | None, int | None, int, int]] = []
+        self.marks: _Readings | None = None
         self.micro_batch: int | None = None  # the last one marked (the pipeline's loss names it)
         self._read: Any = None
 
-    def arm(self, read: Any) -> None:
-        """``read()`` -> (bytes, high-water mark)."""
-        self.marks, self._read, self.armed = [], read, True
+    def arm(self, read: Any, marks: _Readings) -> None:
+        """``read()`` -> (bytes, high-water mark); ``marks``: where the readings go."""
+        self.marks, self._read, self.armed = marks, read, True
 
     def disarm(self) -> None:
         self.armed = False
 
     def mark(self, phase: str, stage: int | None = None, micro_batch: int | None = None) -> None:
         if self.armed:
-            self.marks.append((time.perf_counter(), phase, stage, micro_batch, *self._read()))
+            assert self.marks is not None
+            b, h = self._read()
+            self.marks.add(time.perf_counter(), b, h, _PHASE_INDEX[phase], -1 if stage is None else stage,
+                           -1 if micro_batch is None else micro_batch)
             if micro_batch is not None:
                 self.micro_batch = micro_batch
 
@@ -92,60 +143,68 @@ class StepMemory:
     def __init__(self, device: torch.device, phases: Phases, *, step: int, sample_s: float = SAMPLE_S) -> None:
         self.device, self.phases, self.step, self.sample_s = device, phases, step, sample_s
         self.cuda = device.type == "cuda"
-        self.samples: list[tuple[float, int, int]] = []  # (perf_counter, series bytes, high-water mark)
-        self._stop = threading.Event()
+        self.samples = _Readings(MAX_SAMPLES)
+        self.marks = _Readings(MAX_MARKS, drop_when_full=True)
+        self._stop, self._go, self._ready = threading.Event(), threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._recording = False  # the CUDA allocator's history is on
         self._status: _Status | None = None
+        self.trace: list[dict[str, Any]] = []
         self.before = self.before_reserved = self.after = self.after_reserved = None
         self.step_peak = self.step_reserved = None
         self.measure = ""
 
-    # --- the high-water mark (VmHWM, or the caching allocator's max_memory_allocated) ---------------
+    # --- readings: the series' bytes (VmRSS, or the caching allocator's allocated bytes) and the
+    # high-water mark (VmHWM, or max_memory_allocated) ---------------------------------------------
 
     def _read(self) -> tuple[int, int]:
-        """(the series' bytes now, the high-water mark)."""
         if self.cuda:
             return int(torch.cuda.memory_allocated(self.device)), int(torch.cuda.max_memory_allocated(self.device))
         assert self._status is not None
         return self._status.read()
 
-    def _sample(self) -> tuple[float, int, int]:
+    def _sample(self) -> None:
         t = time.perf_counter()
-        return (t, *self._read())
+        b, h = self._read()
+        self.samples.add(t, b, h)
 
     def _run(self) -> None:
+        # Warm before the step's window opens: this thread's stack and the readings' code paths are
+        # resident before the high-water mark is reset (they would otherwise be the step's first growth).
+        self._read()
+        self._ready.set()
+        self._go.wait()
         # time.sleep, not Event.wait: ~30 us of this thread's CPU per sample instead of 45-65 (measured
         # at 2 ms, load 8-14 on 2 cores: 1.4-1.6% of one core, against 2.3-8.7% every 1 ms)
-        sample, append, period = self._sample, self.samples.append, self.sample_s
         while not self._stop.is_set():
-            time.sleep(period)
-            append(sample())
+            time.sleep(self.sample_s * self.samples.stride)
+            self._sample()
 
     # --- the step --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.before, self.before_reserved, self.measure = measure.peak_memory(self.device)
-        measure.reset_high_water_mark(self.device)
-        if not self.cuda:
-            self._status = _Status()
-        self.epoch0, self.t0 = time.time(), time.perf_counter()
-        self.samples.append(self._sample())
         if self.cuda:
             self.start_allocated = int(torch.cuda.memory_allocated(self.device))
+        else:
+            self._status = _Status()
+            self._thread = threading.Thread(target=self._run, name="meshtune-memory", daemon=True)
+            self._thread.start()
+            self._ready.wait()
+        self.phases.arm(self._read, self.marks)
+        self.before, self.before_reserved, self.measure = measure.peak_memory(self.device)
+        measure.reset_high_water_mark(self.device)
+        self.epoch0, self.t0 = time.time(), time.perf_counter()
+        self._sample()
+        if self.cuda:
             torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                      max_entries=200_000, clear_history=True)
             self._recording = True
-        else:
-            self._thread = threading.Thread(target=self._run, name="meshtune-memory", daemon=True)
-            self._thread.start()
-        self.phases.arm(self._read)
+        self._go.set()
 
     def stop(self) -> None:
         self.phases.disarm()
         self._end_sampler()
-        self.samples.append(self._sample())
-        self.trace: list[dict[str, Any]] = []
+        self._sample()
         if self.cuda:
             snapshot = torch.cuda.memory._snapshot()
             self._end_history()
@@ -175,6 +234,7 @@ class StepMemory:
     def _end_sampler(self) -> None:
         if self._thread is not None:
             self._stop.set()
+            self._go.set()
             self._thread.join()
             self._thread = None
 
@@ -189,7 +249,7 @@ class StepMemory:
         """(seconds from the step's start, bytes): RSS read by the sampler and at every phase marker,
         or the allocator history's allocated bytes."""
         if not self.cuda or not self.trace:
-            got = [(t, b) for t, b, _ in self.samples] + [(t, b) for t, *_, b, _ in self.phases.marks]
+            got = [(t, b) for t, b, *_ in self.samples.rows() + self.marks.rows()]
             return [(t - self.t0, b) for t, b in sorted(got)]
         events, live = [], self.start_allocated
         for e in self.trace:
@@ -201,7 +261,7 @@ class StepMemory:
             else:
                 continue
             events.append((e["time_us"] / 1e6 - self.epoch0 if e.get("time_us") else None, live))
-        duration = self.samples[-1][0] - self.t0
+        duration = self.samples.t[self.samples.n - 1] - self.t0
         if any(t is None or not -1.0 <= t <= duration + 1.0 for t, _ in events):
             # no wall-clock time on the entries (or another clock): their order, spread over the step
             events = [(duration * (i + 1) / (len(events) + 1), b) for i, (_, b) in enumerate(events)]
@@ -209,15 +269,14 @@ class StepMemory:
 
     def _readings(self) -> list[tuple[float, int]]:
         """Every high-water mark read during the step (samples and markers), in time order."""
-        got = [(t - self.t0, hwm) for t, _, hwm in self.samples]
-        got += [(t - self.t0, hwm) for t, *_, hwm in self.phases.marks]
-        return sorted(got)
+        return sorted((t - self.t0, hwm) for t, _, hwm, *_ in self.samples.rows() + self.marks.rows())
 
     def timeline(self) -> dict[str, Any]:
         """What the rank reports: the downsampled series with the peak point, the phases, the peak's
         phase and the three windows' high-water marks; ``peak_bytes`` is their maximum."""
         assert self.step_peak is not None and self.after is not None, "timeline() after stop() and finish()"
-        marks = [(t - self.t0, phase, stage, mb) for t, phase, stage, mb, *_ in self.phases.marks]
+        marks = [(t - self.t0, PHASE_NAMES[p], None if s < 0 else s, None if m < 0 else m)
+                 for t, _, _, p, s, m in self.marks.rows()]
         series = self._series()
         readings = self._readings()
         # The first reading that saw the step's final high-water mark; the peak lies in the interval
@@ -241,7 +300,7 @@ class StepMemory:
             "t_ms": [round(t * 1000, 3) for t, _ in points],
             "bytes": [int(b) for _, b in points],
             "phases": [[round(t * 1000, 3), p, s, m] for t, p, s, m in marks[:MAX_PHASES]],
-            "phases_total": len(marks),
+            "phases_total": len(marks) + self.marks.dropped,
             "before_bytes": windows["before"],
             "step_peak_bytes": windows["step"],
             "after_bytes": windows["after"],

@@ -259,7 +259,8 @@ def verdict(report: ConfirmReport) -> str:
                 f"({'the best' if clear else 'but not separated: the best only'} in {report.p_best:.0%} of resamples)")
     elif report.long_winner is not None:
         text = (f"winner changed: {label[report.long_winner]} beats the short-run winner {label[first.layout_key]} "
-                f"over {report.steps} steps (which is the best in {report.p_best or 0:.0%} of resamples)")
+                f"over {report.steps} steps ({label[first.layout_key]} is the best in only {report.p_best or 0:.0%} "
+                "of resamples)")
     else:
         text = "no long run completed"
     if report.spearman is not None:
