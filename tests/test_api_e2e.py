@@ -176,6 +176,10 @@ def _check_memory_timeline(c: Coordinator, sid: int, trial: dict, *, measured_st
         assert max(r["bytes"]) == r["step_peak_bytes"]  # the kernel's mark is the series' top point
         assert {"forward", "backward", "optimizer"} <= {p[1] for p in r["phases"]}
         assert r["peak"]["where"] in ("before", "step", "after") and r["peak"]["phase"]
+        # what malloc had handed out: its peak in a phase of the step that allocates (not the start)
+        assert r["live_measure"] == "cpu.malloc_in_use" and len(r["live"]) == len(r["bytes"])
+        assert r["live_peak"]["phase"] in ("forward", "backward", "loss", "optimizer", "gradient sync",
+                                          "pipeline send/recv")
     assert max(r["peak_bytes"] for r in mem["ranks"]) == trial["peak_memory_bytes"]
 
 
@@ -215,11 +219,12 @@ def _confirm_from_the_dashboard(c: Coordinator, browser, sid: int, artifacts_dir
         w.goto(f"/sweeps/{sid}/trials/{long_run['id']}")
         w.page.wait_for_function("() => document.getElementById('plot-memory').dataset.drawn === '1'")
         drawn = w.page.evaluate("""() => { const d = document.getElementById('plot-memory');
-            return {series: d.data.filter(t => t.name === 'resident memory').length,
+            return {series: d.data.filter(t => t.name.startsWith('resident memory')).length,
+                    allocated: d.data.filter(t => t.name.startsWith('allocated by malloc')).length,
                     peaks: d.layout.annotations.map(a => a.text),
                     parts: d.data.filter(t => t.type === 'bar').length}; }""")
-        assert drawn["series"] == 2 and len(drawn["peaks"]) == 2 and drawn["parts"] > 0
-        assert all(text.startswith("peak ") for text in drawn["peaks"])
+        assert drawn["series"] == drawn["allocated"] == 2 and len(drawn["peaks"]) == 2 and drawn["parts"] > 0
+        assert all(text.startswith("step peak ") for text in drawn["peaks"])
         assert w.page.locator("#memory-table tbody tr").count() == 2
         w.page.locator("#memory").screenshot(path=str(artifacts_dir / "memory-timeline.png"))
         w.clean()

@@ -47,6 +47,10 @@ def test_the_peak_is_the_timelines_maximum_and_falls_in_the_phase_that_allocated
     assert tl["peak_bytes"] == timeline_max(tl) == max(tl["before_bytes"], max(tl["bytes"]), tl["after_bytes"])
     assert max(tl["bytes"]) == tl["step_peak_bytes"]
     assert tl["step"] == 3 and tl["series"] == "cpu.VmRSS" and tl["peak_measure"] == "cpu.VmHWM"
+    # what malloc had handed out: the 96 MiB in the phase that held it, whatever the resident set did
+    assert tl["live_measure"] == "cpu.malloc_in_use" and len(tl["live"]) == len(tl["bytes"])
+    assert (tl["live_peak"]["phase"], tl["live_peak"]["micro_batch"]) == ("backward", 1)
+    assert tl["live_peak"]["bytes"] - tl["live"][0] >= 90 * MiB
     assert len(tl["t_ms"]) == len(tl["bytes"]) <= MAX_POINTS + 1
 
 
@@ -68,6 +72,9 @@ def test_downsampling_keeps_every_extreme_and_the_ends():
     out = downsample(series, MAX_POINTS)
     assert len(out) <= MAX_POINTS and out[0] == series[0] and out[-1] == series[-1]
     assert (2.345, 10_000) in out and (3.0, 1) in out
+    two = [(t, v, 50 if i != 1234 else 999) for i, (t, v) in enumerate(series)]  # a second column's spike too
+    out2 = downsample(two, MAX_POINTS)
+    assert len(out2) <= MAX_POINTS and two[1234] in out2 and (2.345, 10_000, 50) in out2
     assert [t for t, _ in out] == sorted(t for t, _ in out)
     assert downsample(series[:10], MAX_POINTS) == series[:10]
 
@@ -98,19 +105,19 @@ def test_cuda_history_is_summed_into_allocated_bytes():
     clock, or spread in order when the entries carry none."""
     memory = StepMemory(torch.device("cpu"), Phases(), step=0)
     memory.cuda, memory.start_allocated, memory.epoch0, memory.t0 = True, 1000, 100.0, 5.0
-    memory.samples.add(5.0, 1000, 1000)
-    memory.samples.add(5.010, 1000, 1600)
+    memory.samples.add(5.0, 1000, 1000, -1)
+    memory.samples.add(5.010, 1000, 1600, -1)
     memory.trace = [{"action": "segment_alloc", "size": 2 ** 21, "time_us": 100_000_500},
                     {"action": "alloc", "size": 600, "time_us": 100_001_000},
                     {"action": "free_requested", "size": 600, "time_us": 100_004_000},
                     {"action": "free_completed", "size": 600, "time_us": 100_004_100},
                     {"action": "alloc", "size": 200, "time_us": 100_006_000}]
-    assert memory._series() == [(0.0, 1000), (pytest.approx(0.001), 1600), (pytest.approx(0.004), 1000),
-                                (pytest.approx(0.006), 1200)]
+    assert memory._series() == [(0.0, 1000, None), (pytest.approx(0.001), 1600, None),
+                                (pytest.approx(0.004), 1000, None), (pytest.approx(0.006), 1200, None)]
     for e in memory.trace:
         e.pop("time_us")
-    assert [b for _, b in memory._series()] == [1000, 1600, 1000, 1200]
-    assert [t for t, _ in memory._series()] == pytest.approx([0.0, 0.0025, 0.005, 0.0075])
+    assert [b for _, b, _ in memory._series()] == [1000, 1600, 1000, 1200]
+    assert [t for t, _, _ in memory._series()] == pytest.approx([0.0, 0.0025, 0.005, 0.0075])
 
 
 def test_the_recorder_does_not_grow_the_memory_it_measures():
@@ -135,10 +142,10 @@ def test_readings_halve_when_full():
 
     r = _Readings(8)
     for i in range(20):
-        r.add(float(i), i, i)
+        r.add(float(i), i, i, i)
     times = [t for t, *_ in r.rows()]  # halved at the 9th, 13th and 17th reading
     assert r.stride == 8 and r.n == 8 and times == sorted(times) and times[0] == 0.0 and times[-1] == 19.0
     marks = _Readings(4, drop_when_full=True)
     for i in range(6):
-        marks.add(float(i), i, i, 0, 0, i)
+        marks.add(float(i), i, i, i, 0, 0, i)
     assert marks.n == 4 and marks.dropped == 2 and marks.rows()[-1][-1] == 3

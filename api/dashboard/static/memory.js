@@ -30,9 +30,21 @@
       title: i === ranks.length - 1 ? { text: "MiB of tensors" + over, font: { size: 11 } } : undefined };
     layout["yaxis" + ax(xb)] = { domain: [bottom, top], anchor: "x" + ax(xb), showticklabels: true, tickfont: { size: 10 } };
     const xref = "x" + ax(xa), yref = "y" + ax(xa);
-    traces.push({ type: "scatter", mode: "lines", x: r.t_ms, y: r.mib, xaxis: xref, yaxis: yref, name: "resident memory",
+    traces.push({ type: "scatter", mode: "lines", x: r.t_ms, y: r.mib, xaxis: xref, yaxis: yref, name: "resident memory (left)",
       legendgroup: "series", showlegend: i === 0, line: { color: "#1d2330", width: 1.5 },
-      hovertemplate: "%{x:.1f} ms: %{y:.3f} MiB<extra>rank " + r.rank + "</extra>" });
+      hovertemplate: "%{x:.1f} ms: %{y:.3f} MiB resident<extra>rank " + r.rank + "</extra>" });
+    if (r.live_peak) {  // what malloc has handed out (CPU): where the step's own allocations go, on a right axis
+      const yl = "y" + (2 * ranks.length + i + 1);
+      layout["yaxis" + (2 * ranks.length + i + 1)] = { overlaying: yref, anchor: xref, side: "right", showgrid: false,
+        tickformat: ".1f", tickfont: { size: 10, color: "#2e7d32" }, zeroline: false };
+      traces.push({ type: "scatter", mode: "lines", x: r.t_ms, y: r.live_mib, xaxis: xref, yaxis: yl, connectgaps: true,
+        name: "allocated by malloc (right)", legendgroup: "live", showlegend: i === 0, line: { color: "#2e7d32", width: 1.2 },
+        hovertemplate: "%{x:.1f} ms: %{y:.2f} MiB allocated<extra>rank " + r.rank + "</extra>" });
+      traces.push({ type: "scatter", mode: "markers", x: [r.live_peak.t_ms], y: [r.live_peak.mib], xaxis: xref, yaxis: yl,
+        name: "allocation peak", legendgroup: "livepeak", showlegend: i === 0,
+        marker: { symbol: "triangle-up", size: 11, color: "#2e7d32" },
+        hovertemplate: "allocation peak %{y:.2f} MiB: " + r.live_peak.where + "<extra>rank " + r.rank + "</extra>" });
+    }
     // the phases: forward / backward of each micro-batch, from its marker to the next one
     const ph = r.phases, end = r.t_ms.length ? r.t_ms[r.t_ms.length - 1] : 0;
     for (let k = 0; k < ph.length; k++) {
@@ -43,15 +55,17 @@
     }
     shapes.push({ type: "line", xref: xref, yref: yref, x0: 0, x1: end, y0: r.before_mib, y1: r.before_mib,
       line: { color: "#5f6b7a", width: 1, dash: "dot" } });
-    const p = r.peak || {};
-    const inStep = p.where === "step";
-    const px = inStep ? p.t_ms : (p.where === "after" ? end : 0);
-    traces.push({ type: "scatter", mode: "markers", x: [px], y: [r.peak_mib], xaxis: xref, yaxis: yref, name: "peak (high-water mark)",
+    // the step's own peak, where it falls; the trial's, when it was reached before or after the step
+    const p = r.peak || {}, right = p.t_ms > end / 2;
+    let label = "step peak " + r.step_peak_mib.toFixed(2) + " MiB: " + r.step_where;
+    if (p.where === "before") label += " (the trial's peak, " + r.peak_mib.toFixed(2) + " MiB, came before the step)";
+    if (p.where === "after") label += " (the trial's peak, " + r.peak_mib.toFixed(2) + " MiB, came after it)";
+    traces.push({ type: "scatter", mode: "markers", x: [p.t_ms], y: [r.step_peak_mib], xaxis: xref, yaxis: yref, name: "peak (high-water mark)",
       legendgroup: "peak", showlegend: i === 0, marker: { symbol: "star", size: 13, color: "#c62828" },
-      hovertemplate: "peak %{y:.3f} MiB: " + r.where + "<extra>rank " + r.rank + "</extra>" });
-    annotations.push({ xref: xref, yref: yref, x: px, y: r.peak_mib, text: "peak " + r.peak_mib.toFixed(2) + " MiB: " + r.where,
-      showarrow: true, arrowhead: 0, ax: inStep && p.t_ms > end / 2 ? -40 : 40, ay: -18, font: { size: 11, color: "#8b1a1a" },
-      bgcolor: "rgba(255,255,255,0.85)", xanchor: inStep && p.t_ms > end / 2 ? "right" : "left" });
+      hovertemplate: "%{y:.3f} MiB: " + r.step_where + "<extra>rank " + r.rank + "</extra>" });
+    annotations.push({ xref: xref, yref: yref, x: p.t_ms, y: r.step_peak_mib, text: label,
+      showarrow: true, arrowhead: 0, ax: right ? -40 : 40, ay: -18, font: { size: 11, color: "#8b1a1a" },
+      bgcolor: "rgba(255,255,255,0.85)", xanchor: right ? "right" : "left" });
     if (r.predicted) {
       Object.keys(data.labels).forEach(function (part) {
         traces.push({ type: "bar", orientation: "h", x: [r.predicted[part]], y: ["stage " + r.stage], xaxis: "x" + ax(xb), yaxis: "y" + ax(xb),
