@@ -19,8 +19,10 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from api import _answers, _http, dashboard, errors, redact, store
-from api.dashboard import plan_page, sweep_pages, trends
+from api.confirm import routes as confirm_routes
+from api.dashboard import confirm_page, plan_page, sweep_pages, trends
 from api.export import routes as export_routes
+from api.memory import routes as memory_routes
 from api.reshard import routes as reshard
 from api.routes import health, metrics, plan, presets
 from api.schedules import routes as schedules
@@ -139,8 +141,8 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     errors.install(app)
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).
-    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, sweep_pages,
-                   trends, plan_page):
+    for module in (sweeps, confirm_routes, memory_routes, export_routes, plan, presets, health, metrics, schedules,
+                   reshard, dashboard, sweep_pages, confirm_page, trends, plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.
     app.add_middleware(_http.AllowedMethods)

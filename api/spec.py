@@ -105,6 +105,15 @@ class RequestModel(BaseModel):
         return data
 
 
+class ConfirmSettings(RequestModel):
+    """``search.confirm``: once the search and its re-measurements end, run the top layouts longer."""
+
+    top_k: int = Field(5, ge=1, le=1000, description="How many of the ranking's leading layouts run again (in a "
+                       "spec: fewer when fewer are ranked; asked of a completed sweep: at most its ranked layouts).")
+    steps: int | None = Field(None, ge=1, le=10_000, description="Measured steps of each long run (default: "
+                              "10 x trial.measure_steps).")
+
+
 class SearchSettings(RequestModel):
     sampler: Literal["surrogate", "tpe", "nsga2", "gp", "random", "grid"] = Field(
         "surrogate", description="How layouts are proposed: surrogate (default: the analytical model's parts "
@@ -135,6 +144,11 @@ class SearchSettings(RequestModel):
         "from the device count), in this order, each `repeats` times; no sampler and no warm start (the memory "
         "model still prunes a layout it predicts cannot fit). Ignores max_trials, patience and remeasure_top_k; "
         "cannot be combined with `space` or `reference_layouts`.",
+    )
+    confirm: ConfirmSettings | None = Field(
+        None, description="Confirm the winner: after the search, run the top_k ranked layouts for `steps` "
+        "measured steps each, as their own phase (not in the ranking), and report the short-run order "
+        "against the long-run order (`meshtune confirm` asks the same of a completed sweep).",
     )
 
     @field_validator("max_trials")

@@ -97,9 +97,14 @@ def coordinator(home: Path, **kwargs) -> Iterator[Coordinator]:
         c.stop()
 
 
-def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: None) -> None:
+@pytest.mark.browser
+def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: None, browser, artifacts_dir,
+                                                 monkeypatch, capsys) -> None:
     """The coordinator joins the session's local Ray (RAY_ADDRESS), as it joins a cluster in production;
-    starting a private Ray costs ~15-30 s on 2 cores."""
+    starting a private Ray costs ~15-30 s on 2 cores. The same real sweep then proves the memory
+    timelines (stored per rank, their maximum the reported peak, drawn on the trial page) and a confirm
+    round asked from the dashboard's form (its report in the API, the dashboard and ``meshtune show``):
+    one launch for all of it (the suite's time budget)."""
     import ray
 
     spec = {
@@ -140,7 +145,90 @@ def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: Non
         metrics = c.http.get("/metrics").text
         assert 'meshtune_sweeps{state="completed"} 1.0' in metrics
         assert 'meshtune_trials{outcome="completed"} 2.0' in metrics
+        for t in trials:
+            _check_memory_timeline(c, sid, t, measured_step=1 + 2 - 1)  # warm-up 1, the last of 2 measured
+        short = [(r["layout_key"], r["n"], r["trial_numbers"]) for r in ranking["rows"]]
+        report = _confirm_from_the_dashboard(c, browser, sid, artifacts_dir)
+        assert [(r["layout_key"], r["n"], r["trial_numbers"])  # confirm runs are not in the ranking
+                for r in c.http.get(f"/api/sweeps/{sid}/ranking").json()["rows"]] == short
+        from api.cli import main
+
+        monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path))  # the coordinator's store, read as a user would
+        capsys.readouterr()
+        assert main(["show", str(sid)]) == 0
+        shown = capsys.readouterr().out
+        assert "confirm round 0, top 2 x 16 measured steps" in shown and "Spearman" in shown
+        assert report["verdict"].split(" over ")[0] in shown  # "winner kept: <layout> still has ..."
     assert TOKEN not in "".join(c.lines)  # the token is never logged
+
+
+def _check_memory_timeline(c: Coordinator, sid: int, trial: dict, *, measured_step: int) -> None:
+    """A real trial's memory timeline: one per rank, its maximum the trial's reported peak (by
+    construction, and every sampled point below the kernel's high-water mark), the step's phases
+    recorded, the peak placed, the memory model's parts beside it."""
+    mem = c.http.get(f"/api/sweeps/{sid}/trials/{trial['id']}/memory").json()
+    assert [r["rank"] for r in mem["ranks"]] == [0, 1], mem
+    assert mem["timeline_max_bytes"] == mem["peak_memory_bytes"] == trial["peak_memory_bytes"] > 0
+    assert mem["memory_measure"] == "cpu.VmHWM" and len(mem["predicted"]) == trial["layout"]["pp"]
+    for r in mem["ranks"]:
+        assert r["series"] == "cpu.VmRSS" and r["step"] == measured_step and 2 <= len(r["bytes"]) <= 241
+        assert r["peak_bytes"] == max(r["before_bytes"], max(r["bytes"]), r["after_bytes"])
+        assert max(r["bytes"]) == r["step_peak_bytes"]  # the kernel's mark is the series' top point
+        assert {"forward", "backward", "optimizer"} <= {p[1] for p in r["phases"]}
+        assert r["peak"]["where"] in ("before", "step", "after") and r["peak"]["phase"]
+        # what malloc had handed out: its peak in a phase of the step that allocates (not the start)
+        assert r["live_measure"] == "cpu.malloc_in_use" and len(r["live"]) == len(r["bytes"])
+        assert r["live_peak"]["phase"] in ("forward", "backward", "loss", "optimizer", "gradient sync",
+                                          "pipeline send/recv")
+    assert max(r["peak_bytes"] for r in mem["ranks"]) == trial["peak_memory_bytes"]
+
+
+def _confirm_from_the_dashboard(c: Coordinator, browser, sid: int, artifacts_dir: Path) -> dict:  # noqa: ANN001
+    """Ask a confirm round of the top 2 layouts (16 steps: a tenth of the 15 kept is 2 steps, enough for
+    a drift interval) with the sweep page's form, wait for the real long runs, and read the report in
+    the API and on the pages: the confirm card, and a long run's memory drawn per rank."""
+    from _browser import watched_page
+
+    with watched_page(browser, c.url, width=1400, height=1000) as w:
+        w.goto(f"/sweeps/{sid}")
+        form = w.page.locator("#confirm-form")
+        form.locator("input[name=top_k]").fill("2")
+        form.locator("input[name=steps]").fill("16")
+        form.locator("input[name=token]").fill(TOKEN)
+        with w.page.expect_navigation():
+            form.locator("button[type=submit]").click()
+        assert w.page.url.endswith(f"/sweeps/{sid}#confirm-card")
+        w.clean()
+    c.wait_for(sid, lambda s: s["status"] == "completed" and (s["confirm"] or {}).get("round") == 0, timeout=300)
+    report = c.http.get(f"/api/sweeps/{sid}/confirm").json()
+    assert report["done"] and report["source"] == "request" and report["requested_by"] == "e2e"
+    assert report["steps"] == 16 and report["compared"] == 2 and len(report["rows"]) == 2
+    assert abs(report["spearman"]) == pytest.approx(1.0) and report["winner_kept"] in (True, False)
+    for row in report["rows"]:  # every long run measured its 16 steps; the drift has its interval
+        assert row["status"] == "completed" and row["steps"] == 16 and row["long_low"] <= row["long_median"]
+        assert row["drift"]["steps"] == 2 and row["drift"]["low"] <= row["drift"]["change"] <= row["drift"]["high"]
+    long_run = c.http.get(f"/api/sweeps/{sid}/trials/{report['rows'][0]['trial_id']}").json()
+    assert long_run["phase"] == "confirm" and len(long_run["step_times_s"]) == 16
+    _check_memory_timeline(c, sid, long_run, measured_step=1 + 16 - 1)
+    with watched_page(browser, c.url, width=1400, height=1000) as w:
+        w.goto(f"/sweeps/{sid}")
+        assert w.page.locator("#confirm-verdict").inner_text().strip() == report["verdict"]
+        assert w.page.locator("#confirm-table tbody tr").count() == 2
+        assert w.page.locator("#ranking-table a.peak-link").count() == 2  # the peak column opens the timeline
+        w.page.locator("#confirm-card").screenshot(path=str(artifacts_dir / "confirm-report.png"))
+        w.goto(f"/sweeps/{sid}/trials/{long_run['id']}")
+        w.page.wait_for_function("() => document.getElementById('plot-memory').dataset.drawn === '1'")
+        drawn = w.page.evaluate("""() => { const d = document.getElementById('plot-memory');
+            return {series: d.data.filter(t => t.name.startsWith('resident memory')).length,
+                    allocated: d.data.filter(t => t.name.startsWith('allocated by malloc')).length,
+                    peaks: d.layout.annotations.map(a => a.text),
+                    parts: d.data.filter(t => t.type === 'bar').length}; }""")
+        assert drawn["series"] == drawn["allocated"] == 2 and len(drawn["peaks"]) == 2 and drawn["parts"] > 0
+        assert all(text.startswith("step peak ") for text in drawn["peaks"])
+        assert w.page.locator("#memory-table tbody tr").count() == 2
+        w.page.locator("#memory").screenshot(path=str(artifacts_dir / "memory-timeline.png"))
+        w.clean()
+    return report
 
 
 def test_coordinator_killed_mid_sweep_resumes_every_trial_exactly_once(tmp_path: Path) -> None:

@@ -106,6 +106,25 @@ def _run_now(c, who):  # noqa: ANN001, ANN202
             (lambda: c.get(f"/api/schedules/{sid}/fires").json()["total"], 0))
 
 
+def _completed(c) -> int:  # noqa: ANN001 - a completed sweep alice owns, with ranked layouts
+    from _dashboard_seed import seed_sweep
+
+    return seed_sweep(c.app.state.sessions, n_trials=8, name="done", owner="alice")
+
+
+def _confirm(c, who):  # noqa: ANN001, ANN202
+    sid = _completed(c)
+    return (c.post(f"/api/sweeps/{sid}/confirm", json={"top_k": 1, "steps": 2}, headers=_auth(who)),
+            (lambda: c.get(f"/api/sweeps/{sid}").json()["status"], "completed"))
+
+
+def _dashboard_confirm(c, who):  # noqa: ANN001, ANN202
+    sid = _completed(c)
+    return (c.post(f"/sweeps/{sid}/confirm", data={"top_k": "1", "steps": "2", "token": TOKENS[who]},
+                   follow_redirects=False),
+            (lambda: c.get(f"/api/sweeps/{sid}").json()["status"], "completed"))
+
+
 def _dashboard_submit(c, who):  # noqa: ANN001, ANN202
     form = {"name": "d", "model": "tiny", "cluster": "cpu-local", "global_batch": "16", "precision": "fp32",
             "sampler": "random", "max_trials": "2", "backend": "simulate", "token": TOKENS[who]}
@@ -118,6 +137,8 @@ WRITES = {
     ("POST", "/api/sweeps"): (_submit, ANY_WRITER, 201),
     ("POST", "/api/sweeps/{sweep_id}/cancel"): (_cancel, OWNER_OR_ADMIN, 200),
     ("POST", "/api/sweeps/{sweep_id}/reshard-check"): (_reshard, ANY_WRITER, 422),
+    ("POST", "/api/sweeps/{sweep_id}/confirm"): (_confirm, OWNER_OR_ADMIN, 202),
+    ("POST", "/sweeps/{sweep_id}/confirm"): (_dashboard_confirm, OWNER_OR_ADMIN, 303),
     ("POST", "/api/schedules"): (_create_schedule, ANY_WRITER, 201),
     ("PATCH", "/api/schedules/{schedule_id}"): (_patch_schedule, OWNER_OR_ADMIN, 200),
     ("DELETE", "/api/schedules/{schedule_id}"): (_delete_schedule, OWNER_OR_ADMIN, 204),
@@ -143,7 +164,7 @@ def test_write_route_by_role(client: TestClient, route: tuple[str, str], who: st
         assert response.status_code == ok, (who, response.text)
         return
     assert response.status_code == 403, (who, response.status_code, response.text)
-    if route == ("POST", "/sweeps"):  # the dashboard's form page, with the error listed
+    if not route[1].startswith("/api/"):  # the dashboard's pages, with the error shown
         text = html.unescape(response.text)
     else:
         text = response.json()["detail"]

@@ -137,6 +137,9 @@ class TrialResult:
     error: TrialError | None = None
     wall_s: float | None = None  # whole trial incl. launch
     device_seconds: float | None = None  # wall_s * devices held
+    # Per rank (rank order): memory over one measured step, its phases and where its peak falls, whose
+    # maximum is that rank's peak (workers/_memory_timeline.py); None where no real process ran.
+    memory_timeline: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -150,6 +153,12 @@ class TrialResult:
         data = dict(data)
         err = data.pop("error", None)
         return cls(error=TrialError(**err) if err else None, **data)
+
+
+def timeline_max(rank: dict[str, Any]) -> int:
+    """A rank's memory timeline maximum (``TrialResult.memory_timeline``): its series and the
+    high-water marks before and after its recorded step; the rank's reported peak by construction."""
+    return max(max(rank.get("bytes") or [0]), int(rank.get("before_bytes") or 0), int(rank.get("after_bytes") or 0))
 
 
 @runtime_checkable

@@ -11,7 +11,8 @@
   is therefore relative to the bf16 peak (low by design: it says what the layout leaves unused on
   that hardware), and a spec that names the wrong device gives a wrong MFU (the fingerprint's
   ``device_name`` shows what really ran);
-- peak memory: the maximum over ranks, and the per-rank list in rank order;
+- peak memory: the maximum over ranks, and the per-rank list in rank order; each rank's memory
+  timeline (its maximum is that rank's peak) with its rank and pipeline stage;
 - losses: from the last pipeline stage (lowest rank among its ranks), every step incl. warm-up;
 - stage times: for each pp rank, the median over measured steps of the mean over its ranks of the
   rank's own compute time; imbalance = max/mean of those (Narayanan et al. 2021 balance measure);
@@ -79,6 +80,8 @@ def aggregate(
     env = dict(_get(reports[0], "env") or {})
     env["hosts"] = sorted({(_get(r, "env") or {}).get("host") for r in reports} - {None})
     env["world_size"] = world
+    timelines = [dict(tl, rank=_get(r, "rank"), pp_stage=s)
+                 for r, s in zip(reports, stages, strict=True) if (tl := _get(r, "memory_timeline"))]
     notes = sorted({note for r in reports for note in (_get(r, "notes") or [])})
     if notes:
         env["notes"] = notes
@@ -101,4 +104,5 @@ def aggregate(
         env=env,
         wall_s=wall_s,
         device_seconds=wall_s * world if wall_s is not None else None,
+        memory_timeline=timelines or None,
     )

@@ -57,6 +57,12 @@ def release_memory(device: torch.device) -> None:
 def reset_peak_memory(device: torch.device) -> None:
     """Start a trial's peak-memory window from the memory live now (see the module docstring)."""
     release_memory(device)
+    reset_high_water_mark(device)
+
+
+def reset_high_water_mark(device: torch.device) -> None:
+    """Restart the peak window from what the process holds now, freeing nothing (the memory timeline
+    splits a trial into windows so: workers/_memory_timeline.py)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

@@ -11,7 +11,7 @@ the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from tuner._realise import realise
 from workers import measure
 from workers._contract import TrialRequest
 from workers._data_parallel import is_expert_param, zero1_micro_batch
+from workers._memory_timeline import Phases
 from workers.model import synthetic_batch
 from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model
 from workers.workload import build_model, capabilities_of
@@ -67,7 +68,7 @@ class _SyncingStage(PipelineStage):
         return grads, None
 
 
-def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_group, timer):
+def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_group, timer, phases: Phases):
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -81,15 +82,24 @@ def _build_schedule(par: Parallelized, layout, m: int, device: torch.device, pp_
         stage.zero = layout.zero
         for name in ("forward_one_chunk", "backward_one_chunk"):  # this rank's compute, for imbalance
             orig = getattr(stage, name)
+            what = "forward" if name.startswith("forward") else "backward"
 
-            def timed(*a, _orig=orig, **kw):
-                with timer.span():
-                    return _orig(*a, **kw)
+            def timed(chunk_id, *a, _orig=orig, _what=what, _stage=s, **kw):
+                phases.mark(_what, _stage, chunk_id)  # the memory timeline's phases (a no-op unless armed)
+                try:
+                    with timer.span():
+                        return _orig(chunk_id, *a, **kw)
+                finally:
+                    phases.mark("pipeline send/recv", _stage)
 
             setattr(stage, name, timed)
         stages.append(stage)
+    def loss_fn(*a, **kw):  # the schedule computes the loss after the last stage's forward of a micro-batch
+        phases.mark("loss", layout.stages - 1, phases.micro_batch)
+        return par.loss_fn(*a, **kw)
+
     # Positions (context parallel) are the same for every micro-batch: replicate, do not split.
-    kw = {"loss_fn": par.loss_fn, "kwargs_chunk_spec": {"positions": _Replicate()}}
+    kw = {"loss_fn": loss_fn, "kwargs_chunk_spec": {"positions": _Replicate()}}
     if layout.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, m, **kw)
     cls = ScheduleGPipe if layout.schedule == "gpipe" else Schedule1F1B
@@ -115,6 +125,8 @@ class RankModel:
     timer: measure.ComputeTimer
     schedule: Any
     microbatches: int
+    # Phase markers of the step whose memory is recorded (workers/_memory_timeline.py); unarmed otherwise.
+    phases: Phases = field(default_factory=Phases)
 
     @property
     def stage_ids(self) -> list[int]:
@@ -143,8 +155,10 @@ def build_rank_model(request: TrialRequest, device: torch.device, *, notes: list
     optimizer = torch.optim.AdamW([p for _, c in par.chunks for p in c.parameters()], lr=training.lr)
     timer = measure.ComputeTimer(device)
     m = microbatches(layout, training)
-    schedule = _build_schedule(par, layout, m, device, mesh["pp"].get_group(), timer) if layout.pp > 1 else None
-    return RankModel(request, device, dtype, mesh, par, optimizer, timer, schedule, m)
+    phases = Phases()
+    schedule = (_build_schedule(par, layout, m, device, mesh["pp"].get_group(), timer, phases)
+                if layout.pp > 1 else None)
+    return RankModel(request, device, dtype, mesh, par, optimizer, timer, schedule, m, phases)
 
 
 def rank_batch(rm: RankModel, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,9 +191,11 @@ def train_step(
         step = _accumulate if rm.schedule is None else _pipeline_step
         local_loss = step(rm, tokens, targets, positions)
     if rm.par.grad_sync is not None:
+        rm.phases.mark("gradient sync")
         rm.par.grad_sync()
     if grad_norms is not None:
         grad_norms.append(_global_grad_norm(rm.par, layout))
+    rm.phases.mark("optimizer")
     rm.optimizer.step()
     rm.optimizer.zero_grad(set_to_none=True)
     return local_loss
@@ -231,7 +247,9 @@ def _accumulate(rm: RankModel, tokens, targets, positions) -> torch.Tensor:
             rows = slice(i * layout.mbs, (i + 1) * layout.mbs)
             if par.fsdp and layout.zero <= 1:  # ZeRO-0 (replicate) and ZeRO-1: sync on the last only
                 zero1_micro_batch(par.chunks, last=i == m - 1)
+            rm.phases.mark("forward", 0, i)
             loss = par.loss_fn(model(tokens[rows], positions), targets[rows]) / m
+            rm.phases.mark("backward", 0, i)
             loss.backward()
             total += loss.detach().float()
     return total

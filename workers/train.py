@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from workers import measure
 from workers._contract import TrialRequest
+from workers._memory_timeline import StepMemory
 from workers.model import synthetic_batch
 from workers.parallelize import cross_entropy
 from workers.rank_model import RankModel, build_rank_model, global_loss, rank_batch, train_step
@@ -56,7 +57,8 @@ class RankReport:
     ranks of each step's wall time (every rank reports the same list). ``stage_compute_s`` is this
     rank's own forward+backward compute per measured step (all its pipeline chunks together).
     ``memory_measure`` "cpu.VmHWM" is the whole process's resident-set high-water mark since the
-    trial started; "cuda.max_memory_allocated" is torch's caching allocator only."""
+    trial started; "cuda.max_memory_allocated" is torch's caching allocator only. ``memory_timeline``
+    is the last measured step's memory (workers/_memory_timeline.py), whose maximum the peak is."""
 
     rank: int
     world_size: int
@@ -73,6 +75,7 @@ class RankReport:
     dtype: str = "float32"
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    memory_timeline: dict[str, Any] | None = None
 
 
 def reference_losses(request: TrialRequest, *, steps: int | None = None) -> tuple[list[float], list[float]]:
@@ -184,32 +187,43 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
     # 1/m or 1/dp factor). Its all-gathers then count in the step time.
     grad_norms: list[float] | None = [] if options.get("grad_norm", False) else None
     losses, warm_times, step_times, compute_times = [], [], [], []
-    for step in range(request.warmup_steps + request.measure_steps):
-        step_state["step"] = step
-        batch = rank_batch(rm, step)
-        measure.start_barrier(device)
-        t0 = time.perf_counter()
-        _inject_before_step(options, step, rank, device)
-        if sleep_s:
-            time.sleep(sleep_s)
-        local_loss = train_step(rm, *batch, grad_norms=grad_norms)
-        measure.synchronize(device)
-        if min_step_s and step >= request.warmup_steps:  # pad a timed step to its floor: its time is
-            # then the floor, whatever the machine's load, as long as the compute fits in it
-            time.sleep(max(0.0, min_step_s - (time.perf_counter() - t0)))
-        elapsed = measure.agreed_max(time.perf_counter() - t0, device)
-        compute = rm.timer.take()
-        value = global_loss(rm, local_loss)
-        losses.append(value)
-        if not math.isfinite(value):
-            raise NonFiniteLoss(step, value)
-        if step < request.warmup_steps:
-            warm_times.append(elapsed)
-        else:
-            step_times.append(elapsed)
-            compute_times.append(compute)
-
-    peak, reserved, how = measure.peak_memory(device)
+    # The last measured step's memory is recorded (resident memory creeps up over a run: the last step
+    # is where a CPU rank's peak usually falls); the trial's peak is that record's maximum.
+    memory = StepMemory(device, rm.phases, step=request.warmup_steps + request.measure_steps - 1)
+    try:
+        for step in range(request.warmup_steps + request.measure_steps):
+            step_state["step"] = step
+            batch = rank_batch(rm, step)
+            if step == memory.step:
+                memory.start()
+            measure.start_barrier(device)
+            t0 = time.perf_counter()
+            _inject_before_step(options, step, rank, device)
+            if sleep_s:
+                time.sleep(sleep_s)
+            local_loss = train_step(rm, *batch, grad_norms=grad_norms)
+            measure.synchronize(device)
+            if min_step_s and step >= request.warmup_steps:  # pad a timed step to its floor: its time is
+                # then the floor, whatever the machine's load, as long as the compute fits in it
+                time.sleep(max(0.0, min_step_s - (time.perf_counter() - t0)))
+            local = time.perf_counter() - t0
+            if step == memory.step:  # after the clock: joining the sampler is not the step's time
+                memory.stop()
+            elapsed = measure.agreed_max(local, device)
+            compute = rm.timer.take()
+            value = global_loss(rm, local_loss)
+            losses.append(value)
+            if not math.isfinite(value):
+                raise NonFiniteLoss(step, value)
+            if step < request.warmup_steps:
+                warm_times.append(elapsed)
+            else:
+                step_times.append(elapsed)
+                compute_times.append(compute)
+        memory.finish()
+    finally:
+        memory.close()  # a failed step leaves no sampler thread in the reused rank process
+    timeline = memory.timeline()
     return RankReport(
         rank=rank,
         world_size=world,
@@ -217,13 +231,14 @@ def _run_trial(request: TrialRequest, device: torch.device) -> RankReport:
         losses=losses,
         step_times_s=step_times,
         stage_compute_s=compute_times,
-        peak_memory_bytes=peak,
-        peak_reserved_bytes=reserved,
-        memory_measure=how,
+        peak_memory_bytes=timeline["peak_bytes"],
+        peak_reserved_bytes=timeline.get("peak_reserved_bytes"),
+        memory_measure=memory.measure,
         tokens_per_step=training.global_batch * spec.seq_len,
         warmup_times_s=warm_times,
         grad_norms=grad_norms or [],
         dtype=str(rm.dtype).removeprefix("torch."),
         device=str(device),
         notes=notes,
+        memory_timeline=timeline,
     )

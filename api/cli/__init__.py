@@ -23,6 +23,7 @@ COMMANDS = (
     "api.cli.plan",
     "api.cli.run_trial",
     "api.cli.sweep",
+    "api.cli.confirm",
     "api.cli.export",
     "api.cli.serve",
     "api.cli.schedule",

@@ -248,18 +248,23 @@ def show_cmd(args: argparse.Namespace) -> int:
     from api.sweeps import service as svc
 
     _, sessions = _sessions()
+    from api.cli.confirm import print_confirm
+    from api.confirm import service as confirm
+
     with sessions() as s:
         sweep = svc.get_sweep(s, sweep_id=args.id)
         ranking = svc.ranking(s, sweep_id=args.id, metric=args.metric)
         front = svc.pareto(s, sweep_id=args.id)
         trials = svc.list_trials(s, sweep_id=args.id, limit=1000).items if (args.trials or args.json) else []
+        report = confirm.confirm_report(s, sweep_id=args.id)  # the latest confirm round, if any
     if args.json:
         json.dump({"sweep": jsonable(sweep), "ranking": jsonable(ranking), "pareto": jsonable(front),
-                   "trials": jsonable(trials)}, sys.stdout, indent=2)
+                   "trials": jsonable(trials), "confirm": jsonable(report)}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
     print_report(console, sweep, ranking, front)
+    print_confirm(console, report)
     if args.trials:
         table = Table(title="trials")
         for col in ("#", "att", "phase", "layout", "status", "tok/s/dev", "pred", "peak mem", "pred mem", "cause"):

@@ -41,7 +41,7 @@ from starlette.routing import NoMatchFound
 from api import format as fmt
 from api import redact
 from api.auth import ANONYMOUS, match_token
-from api.dashboard import data, form, views
+from api.dashboard import data, form, memory_page, views
 from api.dashboard.importance import param_importance
 from api.deps import SessionDep, SettingsDep, SweepId, TrialId
 from api.settings import Settings
@@ -326,5 +326,6 @@ def trial_page(request: Request, sweep_id: SweepId, trial_id: TrialId, session: 
         # losses cover warm-up + measured steps; step times the measured ones (the last of them)
         "first_measured_step": max(len(t["losses"]) - len(t["step_times_s"]), 0),
     }
-    ctx = {"sweep": data.sweep_header(sweep, prob), "t": t, "label": views.layout_label(t["layout"]), "series": series}
+    ctx = {"sweep": data.sweep_header(sweep, prob), "t": t, "label": views.layout_label(t["layout"]), "series": series,
+           "memory": memory_page.view(session, sweep_id=sweep_id, trial_id=trial_id)}  # its memory card
     return templates.TemplateResponse(request, "trial.html", ctx)

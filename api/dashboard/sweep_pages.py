@@ -22,7 +22,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api._answers import remember
-from api.dashboard import data, views
+from api.dashboard import confirm_page, data, views
 from api.dashboard.router import (
     RANK_PAGE,
     REFRESH_MS,
@@ -103,7 +103,8 @@ def _cached_html(request: Request, session: Any, settings: Settings, sweep_id: i
     def render() -> tuple[bytes, str]:
         ctx = _tables_ctx(request, state, checks=checks, rank_page=rank_page, trial_page=trial_page,
                           trial_status=trial_status)
-        ctx.update(extra, request=request, can_write=can_write, auth_on=bool(settings.api_tokens))
+        ctx.update(extra, request=request, can_write=can_write, auth_on=bool(settings.api_tokens),
+                   confirm=confirm_page.card(session, sweep=state["sweep"]))
         if template == "sweep.html":
             ctx.update(bundle=state["bundle"], live=state["bundle"]["live"])
         body = templates.get_template(template).render(ctx).encode()

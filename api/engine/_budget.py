@@ -67,7 +67,7 @@ class Budget:
         measurements, so a resume continues the same plan; repeat numbers count earlier re-measurement
         attempts, so none is repeated. ``search.layouts``: every listed layout to ``repeats``."""
         k, repeats = self.search.remeasure_top_k, self.search.repeats
-        rows = self._rows()
+        rows = [t for t in self._rows() if t.phase != "confirm"]  # longer runs: not short-run repeats
         if self.problem.listed:
             k = len(self.problem.space)
         if k <= 0 or repeats <= 1:

@@ -81,8 +81,8 @@ class Learning:
 
     def _groups(self) -> dict[str, list[float]]:
         groups: dict[str, list[float]] = {}
-        for t in self._rows():
-            if t.status == "completed" and t.tokens_per_s_per_device is not None:
+        for t in self._rows():  # a confirm run is a longer run, not a repeat of the short ones
+            if t.status == "completed" and t.tokens_per_s_per_device is not None and t.phase != "confirm":
                 groups.setdefault(t.layout_key, []).append(t.tokens_per_s_per_device)
         return groups
 

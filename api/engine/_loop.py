@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from api import store
 from api.engine._budget import Budget
 from api.engine._claim import Claim, KeepAlive, LostClaim
+from api.engine._confirm import CONFIRM, Confirm
 from api.engine._learning import Learning
 from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
 from api.engine._model import Problem
@@ -57,7 +58,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
+class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -67,6 +68,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
             sweep = store.get_sweep(s, sweep_id=sweep_id)
             self.spec = SweepSpec.model_validate(sweep.spec)
             calibration = sweep.calibration
+            self.confirm = sweep.confirm  # the latest confirm round asked (api/engine/_confirm.py)
             self.claimant = Claimant(sweep_id, sweep.owner, sweep.priority or "normal", sweep.created_at)
         self.problem = Problem.from_spec(self.spec, calibration=calibration)
         self.search = self.spec.search
@@ -178,7 +180,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
 
     def _loop(self) -> bool:
         """Returns True when the sweep ran to its end (not cancelled, stopped or taken over)."""
-        phase = "search"
+        phase = CONFIRM if self._confirm_only() else "search"
         remeasure: list[tuple[Layout, int]] = []
         world = self.problem.cluster.devices
         while True:
@@ -200,6 +202,12 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
                     if not self._take_devices(world):
                         break
                     self._launch(Layout(**lost.layout), phase=lost.phase, source=REQUEUED, repeat=lost.repeat, handle=None)
+                    continue
+                if phase == CONFIRM:  # the top layouts' long runs, after everything else
+                    layout = self._confirm_next()
+                    if layout is None or not self._take_devices(world):
+                        break
+                    self._launch(layout, phase=CONFIRM, source=CONFIRM, repeat=self.confirm["round"], handle=None)
                     continue
                 if phase == "search":
                     if not self._search_done():
@@ -231,7 +239,10 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
                 if self.waiting:
                     self.ledger.wait_change(0.5)
                     continue
-                if phase == "remeasure":
+                if phase == "remeasure" and self._confirm_begin():
+                    phase = CONFIRM
+                    continue
+                if phase in ("remeasure", CONFIRM):
                     return True
                 continue
             wait(list(self.in_flight), timeout=self.r.poll_s if halted else 0.5, return_when=FIRST_COMPLETED)
@@ -299,7 +310,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
         trial = self.spec.trial
         request = TrialRequest(
             model=self.problem.model, cluster=self.problem.cluster, training=self.problem.training,
-            layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=trial.measure_steps,
+            layout=ticket.layout, warmup_steps=trial.warmup_steps, measure_steps=self._measure_steps(ticket.phase),
             step_timeout_s=trial.step_timeout_s, seed=self.spec.search.seed,
             trial_id=self._trial_id(ticket), options=trial.options.to_worker(), workload=self.spec.workload,
         )

@@ -3,6 +3,7 @@ store functions (``session`` first, everything else by keyword). Services and th
 routes never build queries.
 """
 
+from api.store._confirm import confirm_trials, reopen_for_confirm, set_confirm, short_run_trials
 from api.store._db import (
     VERSION_TABLE,
     StoreUnavailableError,
@@ -61,6 +62,7 @@ from api.store._sweeps import (
     sweeps_on_fingerprint,
     total_device_seconds,
 )
+from api.store._timeline import TrialMemory, store_timeline, trial_timeline  # registers trial_memory
 from api.store._trials import (
     all_trials,
     env_fingerprint,
@@ -93,11 +95,13 @@ __all__ = [
     "StoreUnavailableError",
     "Sweep",
     "Trial",
+    "TrialMemory",
     "UTCDateTime",
     "all_trials",
     "as_utc",
     "check_connection",
     "claim_sweep",
+    "confirm_trials",
     "count_sweeps_by_status",
     "count_trials_by_status",
     "create_engine",
@@ -131,14 +135,19 @@ __all__ = [
     "record_result",
     "refresh_sweep_cache",
     "release_sweep",
+    "reopen_for_confirm",
     "safe_url",
     "session_scope",
     "set_calibration",
+    "set_confirm",
     "set_fingerprint",
     "sweeps_on_fingerprint",
     "latest_fingerprint",
     "set_sweep_status",
+    "short_run_trials",
+    "store_timeline",
     "total_device_seconds",
+    "trial_timeline",
     "upgrade",
     "url_problem",
 ]

@@ -40,7 +40,8 @@ TRIAL_STATUSES = ("running", "pruned", "completed", "oom", "timeout", "crash", "
 INFEASIBLE_TRIAL_STATUSES = ("pruned", "oom", "timeout")  # told to the sampler as constraint violations
 FAILED_TRIAL_STATUSES = ("crash", "nan")
 TERMINAL_TRIAL_STATUSES = ("pruned", "completed", "oom", "timeout", "crash", "nan")
-PHASES = ("search", "remeasure")
+# "confirm": a longer run of a leading layout (api/engine/_confirm.py), never in the short-run ranking.
+PHASES = ("search", "remeasure", "confirm")
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -98,6 +99,8 @@ class Sweep(Base):
     best_tokens_per_s_per_device: Mapped[float | None] = mapped_column(Float, nullable=True)
     best_useful_tokens_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     best_peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The latest confirm run asked of the sweep (api/engine/_confirm.py): {round, top_k, steps, keys, ...}.
+    confirm: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     # Filled in by the services for the API (not stored): the sweep's place among the queued ones
     # (1 = next to start; None once it runs) and its trials running now.

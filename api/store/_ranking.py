@@ -136,10 +136,11 @@ def fold_layout(session: Session, *, sweep_id: int, layout_key: str) -> None:
         rebuild(session, sweep_id=sweep_id)
         return
     every = session.execute(
-        sa.select(Trial.status, Trial.repeat, Trial.layout, *_TRIAL_COLUMNS)
+        sa.select(Trial.status, Trial.repeat, Trial.phase, Trial.layout, *_TRIAL_COLUMNS)
         .where(Trial.sweep_id == sweep_id, Trial.layout_key == layout_key).order_by(Trial.number)
     ).all()
-    ts = [t for t in every if t.status == "completed" and t.tokens_per_s_per_device is not None]
+    ts = [t for t in every if t.status == "completed" and t.tokens_per_s_per_device is not None
+          and t.phase != "confirm"]  # a confirm run is a longer run: its own report, not a repeat
     layout = next((t.layout for t in every if t.repeat == 0), None) or {}  # as store.layouts_of picks it
     session.execute(sa.delete(RankedLayout).where(RankedLayout.sweep_id == sweep_id,
                                                   RankedLayout.layout_key == layout_key))
@@ -162,7 +163,8 @@ def rebuild(session: Session, *, sweep_id: int) -> None:
     ts_by_key: dict[str, list[Any]] = {}
     for t in session.execute(
         sa.select(Trial.layout_key, *_TRIAL_COLUMNS).where(
-            Trial.sweep_id == sweep_id, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None))
+            Trial.sweep_id == sweep_id, Trial.status == "completed", Trial.tokens_per_s_per_device.is_not(None),
+            Trial.phase != "confirm")
         .order_by(Trial.number)
     ):
         ts_by_key.setdefault(t.layout_key, []).append(t)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.store import _ranking
+from api.store import _ranking, _timeline
 from api.store._models import SIMULATE_BACKEND, Sweep, Trial, utcnow
 from workers import TrialResult
 
@@ -134,6 +134,10 @@ def record_result(
     if layout_key is None:
         layout_key = session.scalar(sa.select(Trial.layout_key).where(
             Trial.sweep_id == sweep_id, Trial.number == number, Trial.attempt == attempt))
+    if result.memory_timeline:  # its own table: the ranking and the dashboard read trials in bulk
+        trial_id = session.scalar(sa.select(Trial.id).where(
+            Trial.sweep_id == sweep_id, Trial.number == number, Trial.attempt == attempt))
+        _timeline.store_timeline(session, trial_id=trial_id, ranks=result.memory_timeline)
     # The stored ranking follows in the same transaction (api/store/_ranking.py).
     _ranking.note_result(session, sweep_id=sweep_id, layout_key=layout_key,
                          completed=result.status == "completed" and result.tokens_per_s_per_device is not None)
@@ -209,11 +213,12 @@ RANKING_COLUMNS = (
 
 
 def measured_trials(session: Session, *, sweep_id: int) -> list[Any]:
-    """Completed measurements of a sweep (search and re-measurement) as light rows (Core, not ORM:
-    only the columns ranking needs, so 10,000 trials stay fast). ``layouts_of`` gives the layouts."""
+    """Completed measurements of a sweep (search and re-measurement; confirm runs are not short-run
+    measurements) as light rows (Core, not ORM: only the columns ranking needs, so 10,000 trials stay
+    fast). ``layouts_of`` gives the layouts."""
     return list(session.execute(
         sa.select(*RANKING_COLUMNS).where(Trial.sweep_id == sweep_id, Trial.status == "completed",
-                                          Trial.tokens_per_s_per_device.is_not(None))
+                                          Trial.tokens_per_s_per_device.is_not(None), Trial.phase != "confirm")
         .order_by(Trial.number)
     ).all())
 

@@ -44,6 +44,9 @@ class SweepOut(ResponseModel):
     queue_position: int | None = Field(None, description="Place among the queued sweeps (1 = the next to start); "
                                        "null once it is claimed by a coordinator or finished.")
     running_trials: int = Field(0, description="Trials of this sweep running now (each on its own placement group).")
+    confirm: dict[str, Any] | None = Field(None, description="The latest confirm round asked (round, top_k, steps, the "
+                                           "layouts in ranking order, source, requested_by); its report is "
+                                           "GET /api/sweeps/{id}/confirm.")
 
 
 class SweepPage(ResponseModel):
@@ -58,7 +61,8 @@ class TrialOut(ResponseModel):
     sweep_id: int = Field(description="Sweep the trial belongs to.")
     number: int = Field(description="Sweep-wide trial number (each number has exactly one non-interrupted attempt).")
     attempt: int = Field(description="0, or higher when a coordinator restart re-ran an interrupted attempt.")
-    phase: str = Field(description="'search' (proposed by the sampler) or 'remeasure' (repeat of a leading layout).")
+    phase: str = Field(description="'search' (proposed by the sampler), 'remeasure' (repeat of a leading layout) or "
+                       "'confirm' (a longer run of a leading layout: not in the ranking; repeat = the confirm round).")
     source: str = Field(description="Who proposed it: sampler, warm_start, reference, ...")
     repeat: int = Field(description="0 for the first measurement of a layout, k for its k-th re-measurement.")
     layout: dict[str, Any] = Field(description="The parallel layout (tp, pp, dp, cp, ep, zero, mbs, ac, sp, schedule, vpp).")

@@ -1,0 +1,134 @@
+"""``meshtune confirm SWEEP [--top K] [--steps N]``: run a completed sweep's top K layouts for N
+measured steps each (default 10x the sweep's), in the foreground, and print the report of short
+runs against long runs (``meshtune show`` prints it too). The same as POST /api/sweeps/{id}/confirm
+and the dashboard's "confirm" action, run here instead of by a coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+from api.cli import show
+
+NAMES = {"top_k": "--top", "steps": "--steps"}  # a refused value is named as the user typed it
+DEFAULT_TOP = 5
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("confirm", help="run a sweep's top layouts longer and compare with the short runs",
+                       description="Re-run the top K layouts of a completed sweep for N measured steps each, as "
+                       "their own phase (not in the ranking), and report the short-run order against the long-run "
+                       "order: Spearman with a bootstrap interval, whether the winner was kept, and each long run's "
+                       "drift (last tenth of its steps against the first).")
+    p.add_argument("id", type=int, help="sweep id (a completed sweep)")
+    p.add_argument("--top", type=int, default=None,
+                   help=f"how many of the ranking's leading layouts (default {DEFAULT_TOP}, or every ranked one if fewer)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per long run (default 10x the sweep's)")
+    p.add_argument("--json", action="store_true", help="print the sweep and the report as JSON")
+    p.set_defaults(func=confirm_cmd)
+
+
+def confirm_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from api import format as fmt
+    from api import store
+    from api.cli.sweep import _resume_hint, _sessions, _stop_on_ctrl_c
+    from api.confirm import service as confirm
+    from api.engine import SweepRunner
+
+    settings, sessions = _sessions()
+    runner = SweepRunner(settings, sessions=sessions)
+    with sessions() as s:
+        top = args.top
+        if top is None:  # every ranked layout when fewer than the default are
+            sweep = confirm._sweep(s, args.id)  # NotFoundError: exit 2
+            store.ensure_ranked(s, sweep_id=sweep.id)
+            state = store.ranking_state(s, sweep_id=sweep.id)
+            ranked = int(((state.summary or {}).get("tokens_per_s_per_device") or {}).get("total", 0))
+            top = max(1, min(DEFAULT_TOP, ranked))
+        sweep = confirm.request_confirm(s, sweep_id=args.id, top_k=top, steps=args.steps, runner_id=runner.runner_id,
+                                        names=NAMES, requested_by=getpass.getuser())
+        asked = dict(sweep.confirm)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else show.PIPED_WIDTH)
+    console.print(f"confirm {sweep.id} '{sweep.name}': the top {len(asked['keys'])} layouts, {asked['steps']} measured "
+                  f"steps each (round {asked['round']})")
+    stop = threading.Event()
+    previous = _stop_on_ctrl_c(stop, console)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
+            task = progress.add_task("long runs", total=len(asked["keys"]), last="")
+
+            def on_progress(event: dict[str, Any]) -> None:
+                row = event.get("trial")
+                if event["event"] == "finished" and row is not None and row.phase == "confirm":
+                    what = (f"{show.num_cell(row.tokens_per_s_per_device)} tok/s/dev" if row.status == "completed"
+                            else show.trial_status_text(row))
+                    progress.update(task, advance=0 if show.node_lost(row) else 1,
+                                    last=f"#{row.number} {fmt.layout_text(row.layout)}: {what}")
+
+            final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: {_resume_hint(sweep.id)}[/yellow]")
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    with sessions() as s:
+        report = confirm.confirm_report(s, sweep_id=final.id)
+    if args.json:
+        json.dump({"sweep": show.jsonable(final), "confirm": show.jsonable(report)}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_confirm(console, report)
+    if final.status not in store.FINISHED_SWEEP_STATUSES:
+        console.print(f"[yellow]stopped: {_resume_hint(final.id)}[/yellow]")
+        return 130
+    return 0 if final.status == "completed" else 1
+
+
+def _interval(median: float | None, low: float | None, high: float | None) -> str:
+    if median is None:
+        return "-"
+    if low is None or high is None:
+        return f"{show.num_cell(median)} (n=1)"
+    return f"{show.num_cell(median)} [{show.num_cell(low)}, {show.num_cell(high)}]"
+
+
+def print_confirm(console: Any, report: Any) -> None:
+    """The confirm report: one row per confirmed layout in short-run order, then the verdict line."""
+    from rich.table import Table
+
+    from api import format as fmt
+
+    if report is None:
+        return
+    label = " (SIMULATED)" if report.simulated else ""
+    table = Table(title=f"sweep {report.sweep_id}: confirm round {report.round}, top {len(report.rows)} x "
+                  f"{report.steps} measured steps{label}")
+    for col in ("short #", "layout", "short tok/s/dev [95%]", "long tok/s/dev [95%]", "change", "long #",
+                "drift, last vs first tenth [95%]", "long run"):
+        table.add_column(col, justify="left" if col in ("layout", "long run") else "right",
+                         overflow="fold")
+    for r in report.rows:
+        d = r.drift
+        if d is None:
+            drift_text = "-"
+        elif d.get("low") is None:
+            drift_text = f"{fmt.signed_pct(d['change'])} (no interval: {d['steps']} step per tenth)"
+        else:
+            mark = " drifted" if d.get("drifted") else ""
+            drift_text = f"{fmt.signed_pct(d['change'])} [{fmt.signed_pct(d['low'])}, {fmt.signed_pct(d['high'])}]{mark}"
+        status = r.status if r.trial_number is None else f"#{r.trial_number} {r.status}"
+        table.add_row(str(r.short_rank), fmt.layout_text(r.layout), _interval(r.short_median, r.short_low, r.short_high),
+                      _interval(r.long_median, r.long_low, r.long_high), fmt.signed_pct(r.change),
+                      "-" if r.long_rank is None else str(r.long_rank), drift_text, status)
+    console.print(table)
+    console.print(report.verdict)
