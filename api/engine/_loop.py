@@ -137,7 +137,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
             self.last_beat = 0.0
             self._beat()
             self.slots = self._slots()
-            self.ledger = self.r.ledger_for(self.backend.name, self.capacity)
+            self.ledger = self.r.ledger_for(self.r.cluster_of(self.backend), self.capacity)
             self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
             try:
                 # Re-runs of a restart go first, each once the ledger grants its devices.

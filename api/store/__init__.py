@@ -17,7 +17,7 @@ from api.store._db import (
     upgrade,
     url_problem,
 )
-from api.store._leases import LEASE_TTL_S, DeviceLease  # registers device_leases on Base.metadata
+from api.store._leases import LEASE_TTL_S, ClusterMember, DeviceLease, DeviceWaiter  # registers their tables
 from api.store._models import (
     FAILED_TRIAL_STATUSES,
     FINISHED_SWEEP_STATUSES,
@@ -86,7 +86,9 @@ __all__ = [
     "TRIAL_STATUSES",
     "VERSION_TABLE",
     "Base",
+    "ClusterMember",
     "DeviceLease",
+    "DeviceWaiter",
     "LEASE_TTL_S",
     "RankedLayout",
     "RankingState",

@@ -318,11 +318,14 @@ def running_by_sweep(session: Session, *, sweep_ids: list[int] | None = None) ->
     return {int(sid): (int(n), int(devices)) for sid, n, devices in session.execute(query)}
 
 
-def queue_key(*, owner_devices: int, priority: str, created_at: datetime, sweep_id: int) -> tuple:
+def queue_key(*, owner_devices: int, priority: str, since: datetime, sweep_id: int) -> tuple:
     """The fair-share order of the queue, lowest first: the owner holding the fewest devices now,
-    then the priority (high before normal before low), then the oldest (api/engine/_share.py)."""
+    then the priority (high before normal before low), then the request that has waited longest
+    (``since``: a queued sweep's submission, a running sweep's request for its next trial's devices;
+    first come, first served among equals, so owners holding alike take turns rather than the oldest
+    sweep winning every tie), then the sweep id (api/store/_leases.py, api/engine/_share.py)."""
     prio = SWEEP_PRIORITIES.index(priority) if priority in SWEEP_PRIORITIES else 1
-    return (owner_devices, prio, created_at, sweep_id)
+    return (owner_devices, prio, since, sweep_id)
 
 
 def queue_positions(session: Session) -> dict[int, int]:
@@ -340,5 +343,5 @@ def queue_positions(session: Session) -> dict[int, int]:
     ):
         held[owner] = int(devices)
     order = sorted(queued, key=lambda r: queue_key(owner_devices=held.get(r.owner, 0), priority=r.priority,
-                                                   created_at=r.created_at, sweep_id=r.id))
+                                                   since=r.created_at, sweep_id=r.id))
     return {r.id: i for i, r in enumerate(order, start=1)}
