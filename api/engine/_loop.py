@@ -24,6 +24,7 @@ from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._learning import Learning
 from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
 from api.engine._model import Problem
+from api.engine._outage import Outages
 from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
@@ -57,7 +58,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
+class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Outages):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -142,7 +143,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
             try:
                 # Re-runs of a restart go first, each once the ledger grants its devices.
                 self.reruns = [Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None) for t in rerun]
-                finished = self._loop()
+                finished = self._through_outages(self._loop)  # a store outage is waited out
             except BaseException:
                 # Failing (or Ctrl-C): do not wait for trials in flight, whose results nobody would
                 # record; closing the backend below ends them. Their rows are marked by the caller
@@ -234,7 +235,9 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
                 if phase == "remeasure":
                     return True
                 continue
-            wait(list(self.in_flight), timeout=self.r.poll_s if halted else 0.5, return_when=FIRST_COMPLETED)
+            # Waiting for devices as well: back soon, a grant may come from another coordinator's release.
+            timeout = self.r.poll_s if halted else (self.ledger.poll_s if self.waiting else 0.5)
+            wait(list(self.in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
 
     # --- budgets -------------------------------------------------------------------------------
 
@@ -340,13 +343,15 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
 
     def _collect(self, done: list[Future]) -> None:
         for fut in done:
-            ticket = self.in_flight.pop(fut)
+            ticket = self.in_flight[fut]  # popped once its result is stored (an outage may break that write)
             if ticket.cancelled:  # stopped because the sweep was cancelled: not a result of its layout
+                del self.in_flight[fut]
                 self.ledger.release(ticket.grant)
                 continue
             try:
                 result = fut.result()
             except BackendError as exc:
+                del self.in_flight[fut]
                 self.ledger.release(ticket.grant)
                 # The backend could not run this trial (it did not crash: it never ran). Its row stays
                 # "running" until the loop ends, then becomes "interrupted" with the cause (sweep
@@ -365,6 +370,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes):
                                     "is no longer this coordinator's")
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
+            del self.in_flight[fut]
             # Only now, with the row's finished_at stored: a stored interval never outlasts its grant.
             self.ledger.release(ticket.grant)
             self.spent += row.device_seconds or 0.0

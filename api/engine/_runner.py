@@ -10,11 +10,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import sqlalchemy.exc
-
 import tuner
 from api import store
 from api.engine._loop import KeepAlive, LostClaim, SweepLoop
+from api.engine._outage import is_transient
 from api.engine._share import OwnerLimits
 from api.engine._shared import SharedLedger, cluster_identity
 from api.settings import Settings
@@ -26,15 +25,6 @@ log = logging.getLogger("meshtune.engine")
 MAX_BACKOFF_S = 60.0
 USAGE_TTL_S = 5.0  # how long an owner's device-hours of the last 24 h are reused before re-reading them
 UNAVAILABLE_CAUSE = "backend unavailable: {exc}; re-run as attempt+1 when the sweep resumes"
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A database error that a later attempt may not meet (connection lost, server restarting,
-    SQLite busy): the sweep is released for a later claim instead of failed for good."""
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
-        return True
-    return isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
-                            sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError))
 
 
 def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
@@ -234,7 +224,8 @@ class SweepRunner:
         with self._lock:
             ledgers = list(self._ledgers.values())
         held = sum(ledger.held_by(sweep.owner) for ledger in ledgers)
-        key = store.queue_key(owner_devices=held, priority=sweep.priority, since=sweep.created_at,
+        used = sum(ledger.used_by(sweep.owner) for ledger in ledgers)
+        key = store.queue_key(owner_devices=held, priority=sweep.priority, owner_usage=used, since=sweep.created_at,
                               sweep_id=sweep.id)
         return all(head is None or key < head for head in (ledger.head_key() for ledger in ledgers))
 

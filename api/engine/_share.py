@@ -76,6 +76,8 @@ class OwnerLimits:
 class DeviceLedger:
     """The queue of one process's sweeps over ``capacity`` devices (no store)."""
 
+    poll_s = 0.5  # how soon a loop with trials in flight asks again while it waits for devices
+
     def __init__(self, capacity: int, *, max_trials: int = 0,
                  limits: Callable[[str | None], OwnerLimits] | None = None) -> None:
         self.capacity = max(1, int(capacity))  # what grants are checked against
@@ -108,6 +110,10 @@ class DeviceLedger:
 
     def held_by(self, owner: str | None) -> int:
         return self.in_use(owner, any_owner=False)
+
+    def used_by(self, owner: str | None) -> float:
+        """The owner's device-seconds of late, as the queue weighs them (none kept in process)."""
+        return 0.0
 
     def free(self) -> int:
         return self.capacity - self.in_use()

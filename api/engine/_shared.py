@@ -102,6 +102,7 @@ class SharedLedger(DeviceLedger):
         self._state = ClusterState(capacity=self.capacity)
         self._state_at = self._poll_at = self._beat_at = -math.inf
         self._told: tuple[int, int] | None = None  # (seen, cluster's) last logged as a disagreement
+        self._failing = False  # the last tend failed (the store is away)
         self._member = False  # has joined the pool (its member row exists unless found dead since)
 
     # --- the store ---------------------------------------------------------------------------------
@@ -142,8 +143,14 @@ class SharedLedger(DeviceLedger):
                              withdraw=withdrawn, release=drop, keep=keep, ttl_s=self.ttl_s)
         except Exception as exc:  # the store is away: requests wait, releases are retried
             STATS.add("failed", time.perf_counter() - t0)
-            log.warning("cluster %s: the device queue did not answer (%s)", self.pool, exc)
+            if not self._failing:  # once per outage, not on every loop's pass
+                log.warning("cluster %s: the device queue did not answer (%s); requests wait, releases are "
+                            "retried", self.pool, str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
+            self._failing = True
             return False
+        if self._failing:
+            log.warning("cluster %s: the device queue answers again", self.pool)
+            self._failing = False
         STATS.add(kind, time.perf_counter() - t0)
         STATS.decide_s.append(state.timings.get("decide", 0.0))
         STATS.lock_s.append(state.timings.get("lock", 0.0))
@@ -209,7 +216,9 @@ class SharedLedger(DeviceLedger):
             with self.sessions() as s:
                 leases = my_leases(s, pool=self.pool, holder=self.holder)
         except Exception as exc:
-            log.warning("cluster %s: could not read this coordinator's device leases (%s)", self.pool, exc)
+            if not self._failing:
+                log.warning("cluster %s: could not read this coordinator's device leases (%s)", self.pool, exc)
+            self._failing = True
             self._poll_at = time.monotonic()
             return
         STATS.add("poll", time.perf_counter() - t0)
@@ -224,7 +233,9 @@ class SharedLedger(DeviceLedger):
                 STATS.add("view", time.perf_counter() - t0)
                 self._absorb(state)
             except Exception as exc:  # keep the last figures
-                log.warning("cluster %s: could not read the device queue (%s)", self.pool, exc)
+                if not self._failing:
+                    log.warning("cluster %s: could not read the device queue (%s)", self.pool, exc)
+                self._failing = True
                 self._state_at = time.monotonic()
         return self._state
 
@@ -256,6 +267,10 @@ class SharedLedger(DeviceLedger):
             held = self._view().held  # first: the read may change the cluster's capacity too
             return self.capacity - held
 
+    def used_by(self, owner: str | None) -> float:
+        with self._cond:
+            return self._view().usage.get(owner, 0.0)
+
     def waiting(self) -> list[int]:
         """Sweep ids waiting for devices on this cluster, every coordinator's, in the order they will be served."""
         with self._cond:
@@ -269,7 +284,8 @@ class SharedLedger(DeviceLedger):
                 if (w.owner_max is None or by_owner.get(w.owner, 0) + w.devices <= w.owner_max) \
                         and w.devices <= state.capacity:
                     return store.queue_key(owner_devices=by_owner.get(w.owner, 0), priority=w.priority,
-                                           since=store.as_utc(w.since), sweep_id=w.sweep_id)
+                                           owner_usage=state.usage.get(w.owner, 0.0), since=store.as_utc(w.since),
+                                           sweep_id=w.sweep_id)
             return None
 
     def _take(self, claimant: Claimant) -> Grant | None:

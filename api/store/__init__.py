@@ -17,7 +17,14 @@ from api.store._db import (
     upgrade,
     url_problem,
 )
-from api.store._leases import LEASE_TTL_S, ClusterMember, DeviceLease, DeviceWaiter  # registers their tables
+from api.store._leases import (  # registers their tables
+    LEASE_TTL_S,
+    USAGE_WINDOW_S,
+    ClusterMember,
+    DeviceLease,
+    DeviceWaiter,
+    queue_positions,
+)
 from api.store._models import (
     FAILED_TRIAL_STATUSES,
     FINISHED_SWEEP_STATUSES,
@@ -51,7 +58,6 @@ from api.store._sweeps import (
     new_runner_id,
     owner_device_seconds,
     queue_key,
-    queue_positions,
     refresh_sweep_cache,
     release_sweep,
     running_by_sweep,
@@ -90,6 +96,7 @@ __all__ = [
     "DeviceLease",
     "DeviceWaiter",
     "LEASE_TTL_S",
+    "USAGE_WINDOW_S",
     "RankedLayout",
     "RankingState",
     "StoreUnavailableError",

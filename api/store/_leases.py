@@ -34,11 +34,12 @@ import sqlalchemy as sa
 from sqlalchemy import Float, Index, Integer, String
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from api.store._models import SWEEP_PRIORITIES, Base, utcnow
+from api.store._models import SWEEP_PRIORITIES, Base, Sweep, Trial, utcnow
 from api.store._sweeps import _runner_is_dead, queue_key
 from api.store._types import UTCDateTime, as_utc
 
 LEASE_TTL_S = 30.0  # a member not beaten for this long is dead (its coordinator crashed or hangs)
+USAGE_WINDOW_S = 3600.0  # the device-time the queue's order weighs: an owner's over the last hour
 _LOCK_CLASS = 0x6D657368  # "mesh": the advisory lock's first key; the second is the pool's crc32
 
 
@@ -110,6 +111,7 @@ class ClusterState:
     members: dict[str, int] = field(default_factory=dict)  # live holder -> the devices it sees
     leases: list[Held] = field(default_factory=list)  # the live leases
     order: list[DeviceWaiter] = field(default_factory=list)  # the waiters, next served first
+    usage: dict[str | None, float] = field(default_factory=dict)  # owner -> device-seconds, last USAGE_WINDOW_S
     granted: list[Held] = field(default_factory=list)  # granted by this transaction
     gone: list[str] = field(default_factory=list)  # members found dead by this transaction
     joined: bool = True  # False: the caller's member row was gone (found dead by another) and is new
@@ -142,9 +144,26 @@ def _now(session: Session, pool: str, *, lock: bool) -> datetime:
     return utcnow()
 
 
-def _order(waiters: Iterable[DeviceWaiter], by_owner: dict[str | None, int]) -> list[DeviceWaiter]:
+def _order(waiters: Iterable[DeviceWaiter], by_owner: dict[str | None, int],
+           usage: dict[str | None, float]) -> list[DeviceWaiter]:
     return sorted(waiters, key=lambda w: queue_key(owner_devices=by_owner.get(w.owner, 0), priority=w.priority,
-                                                   since=as_utc(w.since), sweep_id=w.sweep_id))
+                                                   owner_usage=usage.get(w.owner, 0.0), since=as_utc(w.since),
+                                                   sweep_id=w.sweep_id))
+
+
+def _usage(session: Session, now: datetime, pool: str | None = None) -> dict[str | None, float]:
+    """Owner -> device-seconds its leases held over the last ``USAGE_WINDOW_S`` (of ``pool``, or all)."""
+    start = now - timedelta(seconds=USAGE_WINDOW_S)
+    query = sa.select(DeviceLease.owner, DeviceLease.devices, DeviceLease.granted_at, DeviceLease.released_at).where(
+        sa.or_(DeviceLease.released_at.is_(None), DeviceLease.released_at > start))
+    if pool is not None:
+        query = query.where(DeviceLease.pool == pool)
+    out: dict[str | None, float] = {}
+    for r in session.execute(query):
+        a, b = max(as_utc(r.granted_at), start), min(as_utc(r.released_at) if r.released_at else now, now)
+        if b > a:
+            out[r.owner] = out.get(r.owner, 0.0) + r.devices * (b - a).total_seconds()
+    return out
 
 
 def _read(session: Session, pool: str, now: datetime, ttl_s: float) -> tuple[ClusterState, list[str]]:
@@ -159,8 +178,8 @@ def _read(session: Session, pool: str, now: datetime, ttl_s: float) -> tuple[Clu
         .where(DeviceLease.pool == pool, DeviceLease.released_at.is_(None)))]
     waiters = list(session.scalars(sa.select(DeviceWaiter).where(DeviceWaiter.pool == pool)))
     state = ClusterState(capacity=min(live.values(), default=0), members=live,
-                         leases=[h for h in leases if h.holder in live])
-    state.order = _order([w for w in waiters if w.holder in live], state.by_owner())
+                         leases=[h for h in leases if h.holder in live], usage=_usage(session, now, pool))
+    state.order = _order([w for w in waiters if w.holder in live], state.by_owner(), state.usage)
     # Leases whose holder is no live member (dead, or never a member) are released by the next tend.
     return state, gone + sorted({h.holder for h in leases if h.holder not in live} - set(gone))
 
@@ -185,7 +204,7 @@ def _dispatch(session: Session, pool: str, now: datetime, ttl_s: float) -> Clust
     while True:
         # A waiter its owner's limit keeps out does not hold back the others; one larger than the
         # whole cluster never fits (its coordinator lets it through to be refused by the backend).
-        head = next((w for w in _order(waiting, by_owner) if _allowed(w, by_owner) and w.devices <= state.capacity),
+        head = next((w for w in _order(waiting, by_owner, state.usage) if _allowed(w, by_owner) and w.devices <= state.capacity),
                     None)
         if head is None or head.devices > free:
             break
@@ -200,7 +219,7 @@ def _dispatch(session: Session, pool: str, now: datetime, ttl_s: float) -> Clust
         by_owner[head.owner] = by_owner.get(head.owner, 0) + head.devices
         free -= head.devices
         waiting.remove(head)
-    state.order = _order(waiting, by_owner)
+    state.order = _order(waiting, by_owner, state.usage)
     return state
 
 
@@ -284,3 +303,25 @@ def peak_held(leases: Iterable[DeviceLease], *, until: datetime | None = None) -
         if now > peak:
             peak, at = now, t
     return peak, at
+
+
+def queue_positions(session: Session) -> dict[int, int]:
+    """Queued sweep id -> its place in the queue (1 = the next to start), in ``queue_key`` order with
+    each owner's devices in use counted from the trials running now and its device-time from the
+    leases of the last ``USAGE_WINDOW_S`` (every cluster's)."""
+    queued = session.execute(
+        sa.select(Sweep.id, Sweep.owner, Sweep.priority, Sweep.created_at).where(Sweep.status == "queued")
+    ).all()
+    if not queued:
+        return {}
+    held: dict[str | None, int] = {}
+    for owner, devices in session.execute(
+        sa.select(Sweep.owner, sa.func.coalesce(sa.func.sum(Trial.world_size), 0))
+        .join(Trial, Trial.sweep_id == Sweep.id).where(Trial.status == "running").group_by(Sweep.owner)
+    ):
+        held[owner] = int(devices)
+    usage = _usage(session, utcnow())
+    order = sorted(queued, key=lambda r: queue_key(owner_devices=held.get(r.owner, 0), priority=r.priority,
+                                                   owner_usage=usage.get(r.owner, 0.0), since=r.created_at,
+                                                   sweep_id=r.id))
+    return {r.id: i for i, r in enumerate(order, start=1)}
