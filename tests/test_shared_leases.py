@@ -160,9 +160,9 @@ def test_the_cluster_is_named_explicitly_or_by_the_backend() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("db", [pytest.param("postgresql", marks=pytest.mark.postgres), "sqlite"])
-def test_two_coordinators_on_one_database_never_hold_more_than_the_cluster(tmp_path: Path, db: str, request) -> None:  # noqa: ANN001
-    url = request.getfixturevalue("fresh_pg_url") if db == "postgresql" else f"sqlite:///{tmp_path / 'c.db'}"
+def test_two_coordinators_on_sqlite_share_the_cluster_fairly(tmp_path: Path) -> None:
+    """SQLite, the embedded store (PostgreSQL with three coordinators: tests/test_coordinators.py)."""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
     engine, sessions = store.open_store(url)
     spec = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
             "search": {"sampler": "random", "max_trials": 6, "remeasure_top_k": 0},

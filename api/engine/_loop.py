@@ -371,13 +371,13 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Outages):
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
             del self.in_flight[fut]
+            self._note_lost(row)  # first: the devices go back to a cluster that knows it lost a node
             # Only now, with the row's finished_at stored: a stored interval never outlasts its grant.
             self.ledger.release(ticket.grant)
             self.spent += row.device_seconds or 0.0
             if row.status == "completed":
                 self._note_fingerprint(row)
             changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
-            self._note_lost(row)
             if ticket.phase == "search":
                 self._teach(ticket.layout, ticket.handle, row)
             else:
