@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Float, Index, Integer, String
@@ -115,7 +116,8 @@ class ClusterState:
     granted: list[Held] = field(default_factory=list)  # granted by this transaction
     gone: list[str] = field(default_factory=list)  # members found dead by this transaction
     joined: bool = True  # False: the caller's member row was gone (found dead by another) and is new
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: "lock" (waited for it), "decide"
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: "lock" (waited for it), "decide" (read,
+    # order and grant, under the lock)
 
     @property
     def held(self) -> int:
@@ -144,53 +146,73 @@ def _now(session: Session, pool: str, *, lock: bool) -> datetime:
     return utcnow()
 
 
-def _order(waiters: Iterable[DeviceWaiter], by_owner: dict[str | None, int],
-           usage: dict[str | None, float]) -> list[DeviceWaiter]:
+@dataclass
+class Waiting:
+    """A ``device_waiters`` row, as the dispatch reads it."""
+
+    sweep_id: int
+    holder: str
+    owner: str | None
+    priority: str
+    devices: int
+    owner_max: float | None
+    since: datetime
+
+
+def _order(waiters: Iterable[Waiting], by_owner: dict[str | None, int],
+           usage: dict[str | None, float]) -> list[Waiting]:
     return sorted(waiters, key=lambda w: queue_key(owner_devices=by_owner.get(w.owner, 0), priority=w.priority,
-                                                   owner_usage=usage.get(w.owner, 0.0), since=as_utc(w.since),
+                                                   owner_usage=usage.get(w.owner, 0.0), since=w.since,
                                                    sweep_id=w.sweep_id))
 
 
-def _usage(session: Session, now: datetime, pool: str | None = None) -> dict[str | None, float]:
-    """Owner -> device-seconds its leases held over the last ``USAGE_WINDOW_S`` (of ``pool``, or all)."""
+def _usage(rows: Iterable[Any], now: datetime) -> dict[str | None, float]:
+    """Owner -> device-seconds the lease ``rows`` held over the last ``USAGE_WINDOW_S``."""
     start = now - timedelta(seconds=USAGE_WINDOW_S)
-    query = sa.select(DeviceLease.owner, DeviceLease.devices, DeviceLease.granted_at, DeviceLease.released_at).where(
-        sa.or_(DeviceLease.released_at.is_(None), DeviceLease.released_at > start))
-    if pool is not None:
-        query = query.where(DeviceLease.pool == pool)
     out: dict[str | None, float] = {}
-    for r in session.execute(query):
+    for r in rows:
         a, b = max(as_utc(r.granted_at), start), min(as_utc(r.released_at) if r.released_at else now, now)
         if b > a:
             out[r.owner] = out.get(r.owner, 0.0) + r.devices * (b - a).total_seconds()
     return out
 
 
-def _read(session: Session, pool: str, now: datetime, ttl_s: float) -> tuple[ClusterState, list[str]]:
-    """(the pool's live state, the holders of members found dead); no grant is made."""
+def _recent(session: Session, now: datetime, pool: str | None = None) -> list[Any]:
+    """The leases held now or released within ``USAGE_WINDOW_S`` (of ``pool``, or every pool's)."""
+    query = sa.select(DeviceLease.id, DeviceLease.sweep_id, DeviceLease.owner, DeviceLease.devices,
+                      DeviceLease.holder, DeviceLease.granted_at, DeviceLease.released_at).where(
+        sa.or_(DeviceLease.released_at.is_(None), DeviceLease.released_at > now - timedelta(seconds=USAGE_WINDOW_S)))
+    return list(session.execute(query if pool is None else query.where(DeviceLease.pool == pool)))
+
+
+def _read(session: Session, pool: str, now: datetime, ttl_s: float) -> tuple[ClusterState, list[str], dict[int, Waiting]]:
+    """(the pool's live state, the holders of members found dead, every waiter row by sweep); no grant
+    is made. Three statements: members, leases (live and recent), waiters."""
     members = session.execute(sa.select(ClusterMember.holder, ClusterMember.capacity, ClusterMember.heartbeat_at)
                               .where(ClusterMember.pool == pool)).all()
     cutoff = now - timedelta(seconds=ttl_s)
     live = {m.holder: m.capacity for m in members if as_utc(m.heartbeat_at) >= cutoff and not _runner_is_dead(m.holder)}
     gone = [m.holder for m in members if m.holder not in live]
-    leases = [Held(r.id, r.sweep_id, r.owner, r.devices, r.holder) for r in session.execute(
-        sa.select(DeviceLease.id, DeviceLease.sweep_id, DeviceLease.owner, DeviceLease.devices, DeviceLease.holder)
-        .where(DeviceLease.pool == pool, DeviceLease.released_at.is_(None)))]
-    waiters = list(session.scalars(sa.select(DeviceWaiter).where(DeviceWaiter.pool == pool)))
+    recent = _recent(session, now, pool)
+    leases = [Held(r.id, r.sweep_id, r.owner, r.devices, r.holder) for r in recent if r.released_at is None]
+    waiters = {r.sweep_id: Waiting(r.sweep_id, r.holder, r.owner, r.priority, r.devices, r.owner_max, as_utc(r.since))
+               for r in session.execute(sa.select(DeviceWaiter.sweep_id, DeviceWaiter.holder, DeviceWaiter.owner,
+                                                  DeviceWaiter.priority, DeviceWaiter.devices, DeviceWaiter.owner_max,
+                                                  DeviceWaiter.since).where(DeviceWaiter.pool == pool))}
     state = ClusterState(capacity=min(live.values(), default=0), members=live,
-                         leases=[h for h in leases if h.holder in live], usage=_usage(session, now, pool))
-    state.order = _order([w for w in waiters if w.holder in live], state.by_owner(), state.usage)
+                         leases=[h for h in leases if h.holder in live], usage=_usage(recent, now))
+    state.order = _order([w for w in waiters.values() if w.holder in live], state.by_owner(), state.usage)
     # Leases whose holder is no live member (dead, or never a member) are released by the next tend.
-    return state, gone + sorted({h.holder for h in leases if h.holder not in live} - set(gone))
+    return state, gone + sorted({h.holder for h in leases if h.holder not in live} - set(gone)), waiters
 
 
-def _allowed(w: DeviceWaiter, by_owner: dict[str | None, int]) -> bool:
+def _allowed(w: Waiting, by_owner: dict[str | None, int]) -> bool:
     return w.owner_max is None or by_owner.get(w.owner, 0) + w.devices <= w.owner_max
 
 
-def _dispatch(session: Session, pool: str, now: datetime, ttl_s: float) -> ClusterState:
-    """Release the dead members' leases, drop their waiters, then grant in the queue's order."""
-    state, gone = _read(session, pool, now, ttl_s)
+def _dispatch(session: Session, pool: str, now: datetime, state: ClusterState, gone: list[str]) -> ClusterState:
+    """Release the dead members' leases, drop their waiters, then grant in the queue's order (the
+    grants in one INSERT, their waiters in one DELETE)."""
     if gone:
         session.execute(sa.update(DeviceLease).where(DeviceLease.pool == pool, DeviceLease.holder.in_(gone),
                                                      DeviceLease.released_at.is_(None))
@@ -200,25 +222,29 @@ def _dispatch(session: Session, pool: str, now: datetime, ttl_s: float) -> Clust
                             .execution_options(synchronize_session=False))
         state.gone = gone
     by_owner, free = state.by_owner(), state.capacity - state.held
-    waiting = list(state.order)
+    waiting, granted = list(state.order), []
     while True:
         # A waiter its owner's limit keeps out does not hold back the others; one larger than the
         # whole cluster never fits (its coordinator lets it through to be refused by the backend).
-        head = next((w for w in _order(waiting, by_owner, state.usage) if _allowed(w, by_owner) and w.devices <= state.capacity),
-                    None)
+        head = next((w for w in _order(waiting, by_owner, state.usage)
+                     if _allowed(w, by_owner) and w.devices <= state.capacity), None)
         if head is None or head.devices > free:
             break
-        lease = DeviceLease(pool=pool, sweep_id=head.sweep_id, owner=head.owner, devices=head.devices,
-                            holder=head.holder, granted_at=now, asked_at=head.since)
-        session.add(lease)
-        session.delete(head)
-        session.flush()
-        held = Held(lease.id, head.sweep_id, head.owner, head.devices, head.holder)
-        state.leases.append(held)
-        state.granted.append(held)
+        granted.append(head)
         by_owner[head.owner] = by_owner.get(head.owner, 0) + head.devices
         free -= head.devices
         waiting.remove(head)
+    if granted:
+        ids = session.scalars(sa.insert(DeviceLease).returning(DeviceLease.id, sort_by_parameter_order=True), [
+            {"pool": pool, "sweep_id": w.sweep_id, "owner": w.owner, "devices": w.devices, "holder": w.holder,
+             "granted_at": now, "asked_at": w.since} for w in granted]).all()
+        session.execute(sa.delete(DeviceWaiter).where(DeviceWaiter.pool == pool,
+                                                      DeviceWaiter.sweep_id.in_([w.sweep_id for w in granted]))
+                        .execution_options(synchronize_session=False))
+        for lease_id, w in zip(ids, granted, strict=True):
+            held = Held(lease_id, w.sweep_id, w.owner, w.devices, w.holder)
+            state.leases.append(held)
+            state.granted.append(held)
     state.order = _order(waiting, by_owner, state.usage)
     return state
 
@@ -234,6 +260,9 @@ def tend(
     ``keep`` released: granted after they stopped wanting), stores the requests ``want`` (a request
     already waiting keeps its place), then dispatches. Commit right after: the lock is the
     transaction's."""
+    for w in want:
+        if w.priority not in SWEEP_PRIORITIES:
+            raise ValueError(f"priority={w.priority!r} is not one of {', '.join(SWEEP_PRIORITIES)}")
     t0 = time.perf_counter()
     now = _now(session, pool, lock=True)
     locked = time.perf_counter()
@@ -241,31 +270,37 @@ def tend(
                              .values(heartbeat_at=now, capacity=capacity)
                              .execution_options(synchronize_session=False)).rowcount
     if not beaten:
-        session.add(ClusterMember(pool=pool, holder=holder, capacity=capacity, joined_at=now, heartbeat_at=now))
+        session.execute(sa.insert(ClusterMember).values(pool=pool, holder=holder, capacity=capacity, joined_at=now,
+                                                        heartbeat_at=now))
     if withdraw:
         session.execute(sa.delete(DeviceWaiter).where(DeviceWaiter.pool == pool, DeviceWaiter.holder == holder,
                                                       DeviceWaiter.sweep_id.in_(list(withdraw)))
                         .execution_options(synchronize_session=False))
-        late = session.scalars(sa.select(DeviceLease.id).where(
-            DeviceLease.pool == pool, DeviceLease.holder == holder, DeviceLease.released_at.is_(None),
-            DeviceLease.sweep_id.in_(list(withdraw)))).all()
-        release = {*release, *(i for i in late if i not in keep)}
+        late = sa.update(DeviceLease).where(DeviceLease.pool == pool, DeviceLease.holder == holder,
+                                            DeviceLease.released_at.is_(None), DeviceLease.sweep_id.in_(list(withdraw)))
+        if keep:
+            late = late.where(DeviceLease.id.not_in(list(keep)))
+        session.execute(late.values(released_at=now, release_cause="released").execution_options(synchronize_session=False))
     if release:
         session.execute(sa.update(DeviceLease).where(DeviceLease.id.in_(list(release)), DeviceLease.released_at.is_(None))
                         .values(released_at=now, release_cause="released").execution_options(synchronize_session=False))
-    for w in want:
-        if w.priority not in SWEEP_PRIORITIES:
-            raise ValueError(f"priority={w.priority!r} is not one of {', '.join(SWEEP_PRIORITIES)}")
-        row = session.get(DeviceWaiter, (pool, w.sweep_id))
-        if row is None:
-            session.add(DeviceWaiter(pool=pool, sweep_id=w.sweep_id, holder=holder, owner=w.owner, priority=w.priority,
-                                     devices=w.devices, owner_max=w.owner_max, since=now))
-        else:  # the same request, or its sweep taken over by this coordinator: it keeps its place
-            row.holder, row.owner, row.priority, row.devices, row.owner_max = (
-                holder, w.owner, w.priority, w.devices, w.owner_max)
-    session.flush()
-    t1 = time.perf_counter()
-    state = _dispatch(session, pool, now, ttl_s)
+    t1 = time.perf_counter()  # the decision: read the queue, order it, grant
+    state, gone, waiters = _read(session, pool, now, ttl_s)
+    new, changed = [], []
+    for w in want:  # a request already waiting keeps its place (its since); its sweep may have a new holder
+        before = waiters.get(w.sweep_id)
+        row = Waiting(w.sweep_id, holder, w.owner, w.priority, w.devices, w.owner_max, before.since if before else now)
+        (new if before is None else changed).append(row)
+        waiters[w.sweep_id] = row
+    if new:
+        session.execute(sa.insert(DeviceWaiter), [{"pool": pool, **vars(r)} for r in new])
+    for r in changed:
+        session.execute(sa.update(DeviceWaiter).where(DeviceWaiter.pool == pool, DeviceWaiter.sweep_id == r.sweep_id)
+                        .values(holder=r.holder, owner=r.owner, priority=r.priority, devices=r.devices,
+                                owner_max=r.owner_max).execution_options(synchronize_session=False))
+    if new or changed:  # the caller is live: its requests are in the order now
+        state.order = _order([w for w in waiters.values() if w.holder in state.members], state.by_owner(), state.usage)
+    state = _dispatch(session, pool, now, state, gone)
     state.joined = bool(beaten)
     state.timings = {"lock": locked - t0, "decide": time.perf_counter() - t1}
     return state
@@ -320,7 +355,8 @@ def queue_positions(session: Session) -> dict[int, int]:
         .join(Trial, Trial.sweep_id == Sweep.id).where(Trial.status == "running").group_by(Sweep.owner)
     ):
         held[owner] = int(devices)
-    usage = _usage(session, utcnow())
+    now = utcnow()
+    usage = _usage(_recent(session, now), now)
     order = sorted(queued, key=lambda r: queue_key(owner_devices=held.get(r.owner, 0), priority=r.priority,
                                                    owner_usage=usage.get(r.owner, 0.0), since=r.created_at,
                                                    sweep_id=r.id))
