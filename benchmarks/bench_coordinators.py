@@ -18,7 +18,9 @@ backend's cluster of ``--devices`` devices (``MESHTUNE_SIMULATE_DEVICES``) whose
 devices for ``--pace`` x the simulated run time (``MESHTUNE_SIMULATE_PACE``: the results stay
 labelled simulated; the wall time is made up too), all naming one cluster (``MESHTUNE_CLUSTER_NAME``).
 For ``--seconds`` it runs; meanwhile ``--clients`` closed-loop HTTP clients ask the coordinators in turn
-(``GET /api/sweeps?limit=20``, ``GET /api/sweeps/{id}``) and their p50/p99 are printed. Then, from the
+(``GET /api/sweeps?limit=20``, ``GET /api/sweeps/{id}``) and their p50/p99 are printed
+(``--api apart``: the coordinators run the engine alone and one ``meshtune serve --no-engine`` answers,
+to see what sharing a process, and its interpreter lock, with a busy engine costs the API). Then, from the
 lease history: grants and releases per second, the queue wait, the devices' utilisation, each owner's
 share of the device-time, the peak held (never above the cluster); from each coordinator's counters
 (``api.engine._shared.STATS``, written at exit): store transactions per second by kind (are the
@@ -29,7 +31,7 @@ service costs when it competes for two cores with everything else (``uptime`` is
 after: quote it with them).
 
     python benchmarks/bench_coordinators.py [--part queue|run|all] [--coordinators 3] [--sweeps 200]
-        [--owners 20] [--devices 4096] [--seconds 150] [--pace 0.5] [--trials 8] [--clients 8]
+        [--owners 20] [--devices 4096] [--seconds 150] [--api inside|apart] [--pace 0.5] [--trials 8] [--clients 8]
         [--hold-ms 20] [--queue-seconds 20] [--pg postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
 """
 
@@ -169,9 +171,13 @@ def dump(*_):
     open(os.environ["BENCH_STATS"], "w").write(json.dumps(STATS.to_dict()))
     os._exit(0)
 signal.signal(signal.SIGTERM, dump)
+if os.environ["BENCH_SERVE"] == "engine":  # a coordinator without an API
+    import threading
+    from api.engine import SweepRunner
+    SweepRunner().run_pending(threading.Event())
 from api.cli import main
 sys.exit(main(["serve", "--host", "127.0.0.1", "--port", os.environ["BENCH_PORT"], "--no-access-log",
-               "--log-level", "warning"]))
+               "--log-level", "warning", *os.environ["BENCH_SERVE"].split()]))
 """
 
 
@@ -187,9 +193,9 @@ def submit(url: str, args: argparse.Namespace) -> list[int]:
         for m, n in shapes]
     ids = []
     with sessions() as s:
-        for i in range(args.sweeps):
-            spec = specs[i % len(specs)].model_copy(update={"search": specs[i % len(specs)].search.model_copy(
-                update={"seed": i})})
+        for i in range(args.sweeps):  # every owner gets every shape in turn: the owners' demands are alike
+            base = specs[(i // args.owners) % len(specs)]
+            spec = base.model_copy(update={"search": base.search.model_copy(update={"seed": i})})
             ids.append(service.create_sweep(s, spec=spec, owner=f"owner{i % args.owners}").id)
     return ids
 
@@ -203,12 +209,17 @@ def run_part(admin: str, args: argparse.Namespace) -> dict[str, Any]:
         t = time.monotonic()
         ids = submit(url, args)
         submit_s = time.monotonic() - t
-        ports = [free_port() for _ in range(args.coordinators)]
-        for i, port in enumerate(ports):
+        # inside: each coordinator is a `meshtune serve` (API and engine in one process); apart: the
+        # coordinators run the engine only and one `meshtune serve --no-engine` answers the API.
+        ports = [free_port() for _ in range(args.coordinators if args.api == "inside" else 1)]
+        for i in range(args.coordinators + (args.api == "apart")):
+            api_only = args.api == "apart" and i == args.coordinators
             env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHTUNE_DATABASE_URL": url, "MESHTUNE_HOME": str(tmp),
                    "MESHTUNE_API_TOKENS": "", "MESHTUNE_CLUSTER_NAME": CLUSTER, "MESHTUNE_BACKEND": "simulate",
                    "MESHTUNE_SIMULATE_DEVICES": str(args.devices), "MESHTUNE_SIMULATE_PACE": str(args.pace),
-                   "MESHTUNE_SCHEDULER_ENABLED": "false", "BENCH_PORT": str(port), "BENCH_STATS": str(tmp / f"stats{i}.json")}
+                   "MESHTUNE_SCHEDULER_ENABLED": "false", "BENCH_STATS": str(tmp / f"stats{i}.json"),
+                   "BENCH_PORT": str(ports[0 if api_only else i] if (api_only or args.api == "inside") else 0),
+                   "BENCH_SERVE": "--no-engine" if api_only else ("" if args.api == "inside" else "engine")}
             procs.append(subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env,
                                           stdout=subprocess.DEVNULL, stderr=(tmp / f"serve{i}.log").open("w")))
         for port in ports:
@@ -304,6 +315,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=150.0, help="how long the run part runs")
     ap.add_argument("--pace", type=float, default=0.5, help="wall seconds per simulated second of a trial")
     ap.add_argument("--trials", type=int, default=8, help="search.max_trials of each sweep")
+    ap.add_argument("--api", choices=("inside", "apart"), default="inside",
+                    help="inside: each coordinator serves the API too; apart: engines alone plus one API process")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200, help="requests per path per round (3 rounds)")
     ap.add_argument("--hold-ms", type=float, default=20.0, help="queue part: how long a grant is held")
@@ -330,7 +343,8 @@ def main() -> None:
             print(f"  {k:<24} {v['count']:>7}  mean {v['mean_ms']:7.2f} ms  max {v['max_ms']:8.1f} ms")
     if args.part in ("run", "all"):
         r = run_part(args.pg, args)
-        print(f"\n[run] {args.coordinators} x meshtune serve, {args.seconds:g} s, trials at {args.pace:g} x their "
+        how = "meshtune serve" if args.api == "inside" else "engine (+ one meshtune serve --no-engine for the API)"
+        print(f"\n[run] {args.coordinators} x {how}, {args.seconds:g} s, trials at {args.pace:g} x their "
               f"simulated time (stored {args.sweeps} sweeps in {r['submit_s']:.0f} s first):")
         print(f"  sweeps at the end: {r['sweeps']}; trials started {r['trials_started']} (all simulated: "
               f"{r['trials_simulated']})")

@@ -192,7 +192,11 @@ class DeviceLedger:
                 return
             grant.released = True
             self._grants.remove(grant)
+            self._gave_back(grant)
             self._cond.notify_all()
+
+    def _gave_back(self, grant: Grant) -> None:
+        """After ``release`` took ``grant`` off the books (a store-backed ledger tells the store)."""
 
     def wait_change(self, timeout: float) -> None:
         """Block until a grant is released or a waiter leaves (or ``timeout``)."""

@@ -320,18 +320,10 @@ class SharedLedger(DeviceLedger):
             if asked:
                 self._cond.notify_all()
 
-    def release(self, grant: Grant | None) -> None:
-        if grant is None:
-            return
-        with self._cond:
-            if grant.released:
-                return
-            grant.released = True
-            self._grants.remove(grant)
-            if grant.lease_id is not None:  # released with the dispatch it frees devices for
-                self._drop.add(grant.lease_id)
-                self._tend()
-            self._cond.notify_all()
+    def _gave_back(self, grant: Grant) -> None:
+        if grant.lease_id is not None:  # released with the dispatch it frees devices for
+            self._drop.add(grant.lease_id)
+            self._tend()
 
     def wait_change(self, timeout: float) -> None:
         """Block until one of this coordinator's waiters is granted (read every ``poll_s``), a grant is
