@@ -109,6 +109,7 @@ def queue_worker(url: str, index: int, args: argparse.Namespace, out: str) -> No
     grants = releases = 0
     deadline = time.monotonic() + args.queue_seconds
     while time.monotonic() < deadline:
+        before = grants + releases
         for c, n in claimants:
             now = time.monotonic()
             if c.sweep_id in held:
@@ -120,6 +121,8 @@ def queue_worker(url: str, index: int, args: argparse.Namespace, out: str) -> No
                 if g is not None:
                     held[c.sweep_id] = (g, now + args.hold_ms / 1000)
                     grants += 1
+        if grants + releases == before:  # nothing to do: leave the cores to the store (no spinning)
+            time.sleep(0.002)
     for g, _ in held.values():
         ledger.release(g)
     Path(out).write_text(json.dumps({"grants": grants, "releases": releases, "stats": STATS.to_dict()}))

@@ -9,7 +9,9 @@ and is written on re-entry). What a broken transaction may have left half-known 
 store: the next trial number is the stored one's successor (an insert that did not commit leaves no
 gap), a trial row that did commit without its launch being known is re-run under its number, and the
 claim is beaten at once (an outage longer than the claim's staleness may have let another coordinator
-take the sweep: then ``LostClaim``, as for any takeover). Only when the store stays away past
+take the sweep: then ``LostClaim``, as for any takeover). What a stored result teaches the search
+afterwards (calibration, the sampler) is skipped for that one result if the outage broke that step; a
+layout pruned by the model in the transaction it broke is not stored (the sampler has moved on). Only when the store stays away past
 ``OUTAGE_S`` does the error end the loop: the sweep is then released for a resume (api/engine/_runner.py).
 """
 
@@ -88,7 +90,7 @@ class Outages:
         """After an outage: what the store holds decides (see the module docstring)."""
         self._load_rows()
         rows = list(self.rows.values())
-        self.next_number = max(self.next_number, max((t.number for t in rows), default=-1) + 1)
+        self.next_number = max((t.number for t in rows), default=-1) + 1  # every number taken is stored, or not taken
         self.seen |= {t.layout_key for t in rows if t.phase == "search"}
         known = {(t.number, t.attempt) for t in [*self.in_flight.values(), *self.reruns]}
         from api.engine._loop import Ticket  # the loop's record of a launch (_loop imports this module)
