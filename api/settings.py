@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,6 +73,13 @@ class Settings(BaseSettings):
     owner_device_hours_per_day: Annotated[dict[str, float], NoDecode] = Field(
         default_factory=dict, description="owner -> device-hours its trials may hold in any 24 h")
     max_concurrent_sweeps: int = Field(default=8, ge=1, description="Sweeps one coordinator runs at once.")
+    # Coordinators that share one cluster's devices name it (api/engine/_shared.py); unset: the
+    # backend's own cluster id (Ray's), else the backend's name.
+    cluster_name: str | None = Field(default=None, description="The cluster this coordinator's devices belong to.")
+    # The simulate backend's cluster: its devices (unset: unbounded) and the wall seconds a trial
+    # takes per second of the run it simulates (0: answer at once).
+    simulate_devices: int | None = Field(default=None, ge=1, description="Devices of the simulated cluster.")
+    simulate_pace: float = Field(default=0.0, ge=0, le=1000, description="Wall seconds per simulated second.")
     # Proxies whose X-Forwarded-For is believed ("10.0.0.5,192.168.0.0/16"): IP literals or CIDRs.
     # Empty: the peer's own address is the client's, whatever the header says (api/_http.client_address).
     trusted_proxies: Annotated[tuple[IPNetwork, ...], NoDecode] = Field(
@@ -108,6 +116,16 @@ class Settings(BaseSettings):
             if bad:
                 raise ValueError(f"{name} entry {bad[0]!r} is not name:value")
             return {k.strip(): v.strip() for k, v in pairs}
+        return value
+
+    @field_validator("cluster_name")
+    @classmethod
+    def _check_cluster_name(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,149}", value):
+            raise ValueError(f"MESHTUNE_CLUSTER_NAME={value!r} is not a name (letters, digits and ._:/@-, "
+                             "at most 150, starting with a letter or digit)")
         return value
 
     @field_validator("api_roles")

@@ -7,6 +7,7 @@ did not predict (``oom_tp``: every layout with that tp), a crash (``crash_pp``).
 
 from __future__ import annotations
 
+import os
 import time
 
 from workers import TrialError, TrialResult
@@ -39,3 +40,35 @@ class ScriptedBackend:
             return TrialResult(status="crash", backend=self.name, simulated=True,
                                error=TrialError(kind="crash", message="scripted crash", rank=0), device_seconds=1.0)
         return self.sim.run(request)
+
+
+class LoggedSimulate:
+    """The simulate backend on the coordinator's simulated cluster (``MESHTUNE_SIMULATE_DEVICES``,
+    ``MESHTUNE_SIMULATE_PACE``: trials hold their devices for a while), appending each trial's start
+    and end (trial id, process id, time) to the file ``MESHTUNE_TEST_RUN_LOG`` names, so a test can
+    audit what every coordinator process ran. Results stay labelled simulated."""
+
+    name = "simulate"
+
+    def __init__(self) -> None:
+        from api.settings import Settings
+
+        settings = Settings()
+        self.sim = SimulateBackend(seed=0, devices=settings.simulate_devices, pace=settings.simulate_pace)
+        self.log = os.environ["MESHTUNE_TEST_RUN_LOG"]
+
+    def capacity(self) -> int:
+        return self.sim.capacity()
+
+    def close(self) -> None:
+        return None
+
+    def _note(self, what: str, trial_id: str) -> None:
+        with open(self.log, "a") as f:  # one short write per line: appends from processes do not interleave
+            f.write(f"{what} {trial_id} {os.getpid()} {time.time():.6f}\n")
+
+    def run(self, request):
+        self._note("start", request.trial_id)
+        result = self.sim.run(request)
+        self._note("end", request.trial_id)
+        return result

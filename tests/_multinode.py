@@ -5,7 +5,8 @@ stay up for the other tests, so the cluster lives in this child process: a head 
 devices and ``--nodes`` worker nodes (separate raylets, object stores and worker processes), each
 declaring its own devices — 2 CPUs — and a custom resource ``meshtune_node_<i>`` naming it. The
 test sends commands (start a trial, wait for it to step, kill a node, read the placement groups,
-run sweeps through the engine — ``SweepRunner`` with SQLite — on this cluster) and gets plain dicts back.
+run sweeps through the engine — one ``SweepRunner`` or three, with SQLite — on this cluster) and gets
+plain dicts back.
 
     python tests/_multinode.py SOCKET AUTHKEY_HEX NODES
 """
@@ -174,10 +175,13 @@ class Driver:
 
     # --- a sweep through the engine, on this cluster ------------------------------------------------
 
-    def sweep_start(self, db: str, specs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Run ``specs`` one after the other through one ``SweepRunner`` (the coordinator's engine,
-        one device ledger) on this cluster, stored in SQLite at ``db``. What the sampler is told is
-        recorded (``SweepLoop._tell``, wrapped)."""
+    def sweep_start(self, db: str, specs: list[dict[str, Any]], coordinators: int = 1) -> dict[str, Any]:
+        """Run ``specs`` through the coordinator's engine (``SweepRunner``, its device ledger) on this
+        cluster, stored in SQLite at ``db``: with one coordinator one after the other; with several
+        (runners of their own: own runner ids, own ledgers, one device queue in the store, as separate
+        processes have) the first ``coordinators`` specs at once, one each and one owner each, then the
+        rest one after the other on the first. What the sampler is told is recorded
+        (``SweepLoop._tell``, wrapped)."""
         from api import store
         from api.engine import _loop
         from api.engine._runner import SweepRunner
@@ -192,26 +196,38 @@ class Driver:
         tell = _loop.SweepLoop._tell
 
         def spy(loop: Any, layout: Any, handle: Any, row: Any) -> None:
-            self.told.append({"number": row.number, "layout_key": layout.key, "status": row.status})
+            self.told.append({"sweep_id": row.sweep_id, "number": row.number, "layout_key": layout.key,
+                              "status": row.status})
             tell(loop, layout, handle, row)
 
         _loop.SweepLoop._tell = spy  # type: ignore[method-assign]
-        runner = SweepRunner(Settings(database_url=url, backend="ray"), sessions=self.sessions,
-                             backend_factory=lambda spec: RayBackend(), poll_s=0.2)
+        runners = [SweepRunner(Settings(database_url=url, backend="ray"), sessions=self.sessions,
+                               backend_factory=lambda spec: RayBackend(), poll_s=0.2) for _ in range(coordinators)]
+        owners = ["alice", "bob", "carol", "dave"]
         with self.sessions() as s:
-            ids = [service.create_sweep(s, spec=SweepSpec.model_validate(spec), owner="alice").id for spec in specs]
+            ids = [service.create_sweep(s, spec=SweepSpec.model_validate(spec), owner=owners[min(i, coordinators - 1)]).id
+                   for i, spec in enumerate(specs)]
         self.sweep_done = threading.Event()
         self.sweep_out: dict[str, Any] = {}
 
-        def work() -> None:
+        def work(runner: Any, sweep_ids: list[int]) -> None:
             try:
-                for sid in ids:
+                for sid in sweep_ids:
                     runner.run_sweep(sid)
             except Exception:  # noqa: BLE001 - the test reads it
                 self.sweep_out["raised"] = traceback.format_exc()
+
+        plan = [(runners[0], ids[:1] + ids[coordinators:])] + [(runners[k], [ids[k]]) for k in range(1, coordinators)]
+
+        def all_of() -> None:
+            threads = [threading.Thread(target=work, args=p, daemon=True) for p in plan]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
             self.sweep_done.set()
 
-        threading.Thread(target=work, daemon=True).start()
+        threading.Thread(target=all_of, daemon=True).start()
         return {"ids": ids}
 
     def sweep_stepping(self, count: int, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -241,8 +257,16 @@ class Driver:
 
         if not self.sweep_done.wait(timeout_s):
             return {"raised": f"the sweeps did not end within {timeout_s:g} s"}
+        from api.store._leases import ClusterMember, DeviceLease
+
         out: dict[str, Any] = {"sweeps": {}, "told": self.told, **self.sweep_out}
         with self.sessions() as s:
+            out["leases"] = [{"pool": x.pool, "holder": x.holder, "sweep_id": x.sweep_id, "devices": x.devices,
+                              "granted_at": x.granted_at.timestamp(),
+                              "released_at": x.released_at.timestamp() if x.released_at else None}
+                             for x in s.query(DeviceLease).order_by(DeviceLease.id)]
+            out["members"] = [{"pool": m.pool, "holder": m.holder, "capacity": m.capacity}
+                              for m in s.query(ClusterMember)]
             for sw in store.list_sweeps(s, limit=100)[0]:
                 out["sweeps"][sw.id] = {"status": sw.status, "error": sw.error, "trials": [
                     {"number": t.number, "attempt": t.attempt, "status": t.status, "cause": t.cause,

@@ -4,7 +4,8 @@ own Ray stays connected here). Each trial's ranks land as the tuner's placement 
 ranks contiguous and on one Ray node, every TP group inside a node, PP crossing nodes — and the
 rank processes report it themselves; a TP group that would cross a node is refused unless allowed;
 killing a worker node mid-trial fails only the trial on it, as a node-lost crash within 60 s,
-frees its devices, and the next trial is placed on the remaining nodes and completes."""
+frees its devices, and the next trial is placed on the remaining nodes and completes; the same with
+three coordinators placing gangs at once."""
 
 from __future__ import annotations
 
@@ -281,25 +282,33 @@ def _peak_devices(trials: list[dict[str, Any]], *, after: float = float("-inf"))
     return peak
 
 
-def test_a_sweep_goes_on_after_a_node_dies_under_one_of_its_trials(cluster: Cluster, tmp_path: Path) -> None:
-    """A real sweep through the engine (SweepRunner, SQLite) on 3 worker nodes of 2 devices, 2-rank
-    trials (one node each, 3 at once). One node is killed mid-trial: that trial is a `crash` with
-    the node-lost cause within 60 s, its layout is not told to the sampler (not infeasible) and runs
-    once more on the nodes that remain, the listed layout still waiting runs too, and the ledger
-    follows the live cluster (never more devices in use than it has). A second sweep that needs the
-    three nodes is refused trial by trial with the reason, and completes."""
+def _peak_leases(leases: list[dict[str, Any]], *, after: float = float("-inf")) -> int:
+    """The most devices the lease history holds at one instant >= ``after``."""
+    return _peak_devices([{"started_at": x["granted_at"], "finished_at": x["released_at"], "world_size": x["devices"]}
+                          for x in leases], after=after)
+
+
+def test_three_coordinators_go_on_after_a_node_dies_under_one_of_their_trials(cluster: Cluster, tmp_path: Path) -> None:
+    """Three coordinators (runners of their own on one store: own runner ids and ledgers, one device
+    queue) place real gangs on 3 worker nodes of 2 devices: three sweeps of three owners, 2-rank trials
+    (one node each, 3 at once). One node is killed mid-trial: that trial is a `crash` with the node-lost
+    cause within 60 s, its layout is not told to the sampler (not infeasible) and runs once more on
+    the nodes that remain, the listed layouts still waiting run too, every coordinator's ledger follows
+    the live cluster (the lease history never holds more devices than it has, nor more than the 4 left
+    once the loss is seen), all named by the Ray cluster's id. A sweep that needs the three nodes is
+    refused trial by trial with the reason, and completes."""
     nodes = cluster.call("ensure_nodes", count=3)["nodes"]
     assert len(nodes) == 3
     trial = {"warmup_steps": 1, "measure_steps": 12, "step_timeout_s": 120, "options": {"sleep_per_step_s": 0.4}}
-    small = {"name": "after-a-node-dies", "model": "tiny", "backend": "ray",
-             "cluster": {"preset": "cpu-local", "nodes": 1, "devices_per_node": 2},
-             "training": {"global_batch": 8, "precision": "fp32"}, "trial": trial,
-             "search": {"layouts": [{"dp": 2}, {"tp": 2}, {"pp": 2, "schedule": "gpipe"}, {"dp": 2, "zero": 1}],
-                        "repeats": 1}}
-    wide = {**small, "name": "needs-three-nodes", "cluster": {"preset": "cpu-local", "nodes": 3, "devices_per_node": 2},
+    base = {"model": "tiny", "backend": "ray", "cluster": {"preset": "cpu-local", "nodes": 1, "devices_per_node": 2},
+            "training": {"global_batch": 8, "precision": "fp32"}, "trial": trial}
+    listed = ([{"dp": 2}, {"tp": 2}], [{"pp": 2, "schedule": "gpipe"}], [{"dp": 2, "zero": 1}])
+    small = [{**base, "name": f"after-a-node-dies-{i}", "search": {"layouts": lay, "repeats": 1}}
+             for i, lay in enumerate(listed)]
+    wide = {**base, "name": "needs-three-nodes", "cluster": {"preset": "cpu-local", "nodes": 3, "devices_per_node": 2},
             "training": {"global_batch": 12, "precision": "fp32"},
             "search": {"layouts": [{"tp": 2, "dp": 3}, {"dp": 6}], "repeats": 1}}
-    first, second = cluster.call("sweep_start", db=str(tmp_path / "s.db"), specs=[small, wide])["ids"]
+    *ids, second = cluster.call("sweep_start", db=str(tmp_path / "s.db"), specs=[*small, wide], coordinators=3)["ids"]
     now = cluster.call("sweep_stepping", count=3)
     stepping = now["stepping"]
     doomed_id = min(stepping, key=now["steps"].__getitem__)  # the furthest from its end
@@ -308,28 +317,40 @@ def test_a_sweep_goes_on_after_a_node_dies_under_one_of_its_trials(cluster: Clus
     out = cluster.call("sweep_result")
     assert "raised" not in out, out["raised"]
     sweeps = {int(k): v for k, v in out["sweeps"].items()}
-    rows = sorted(sweeps[first]["trials"], key=lambda r: r["number"])
-    assert sweeps[first]["status"] == "completed", sweeps[first]
+    assert all(sweeps[i]["status"] == "completed" for i in ids), sweeps
+    every = [r for i in ids for r in sweeps[i]["trials"]]
 
-    number = int(doomed_id.split("-")[1])
-    (lost,) = [r for r in rows if r["infra"] == "node_lost"]
-    assert lost["number"] == number and lost["status"] == "crash"
+    hit, number = (int(x) for x in doomed_id.split("-")[:2])
+    (lost,) = [r for r in every if r["infra"] == "node_lost"]
+    rows = sorted(sweeps[hit]["trials"], key=lambda r: r["number"])
+    assert lost in rows and lost["number"] == number and lost["status"] == "crash"
     assert lost["cause"].startswith(f"crash: node lost: node {gone[:12]} died with ranks 0-1 of this trial"), lost
     print(f"node loss recorded {lost['finished_at'] - killed['killed_at_wall']:.1f} s after the kill")
     assert lost["finished_at"] - killed["killed_at_wall"] < LOST_WITHIN_S
     # Not told to the sampler (so never infeasible); told: every other search result.
-    assert number not in [t["number"] for t in out["told"]]
-    assert sorted(t["number"] for t in out["told"]) == [r["number"] for r in rows if r["number"] != number]
-    # The lost layout ran once more, and every listed layout completed, none on the lost node.
-    (again,) = [r for r in rows if r["source"] == "requeued"]
-    assert again["layout_key"] == lost["layout_key"] and again["number"] > number
-    done = [r for r in rows if r["status"] == "completed"]
-    assert sorted(r["layout_key"] for r in done) == sorted({r["layout_key"] for r in rows}) and len(done) == 4
-    assert all(gone not in r["rank_nodes"] for r in done if r["started_at"] > killed["killed_at_wall"])
-    assert len(rows) == 5 and all(r["status"] in ("completed", "crash") for r in rows)
-    # Devices in use: never over the 6 the cluster had; never over the 4 left once the loss was seen.
-    assert _peak_devices(rows) <= 6
-    assert _peak_devices(rows, after=lost["finished_at"]) <= 4
+    told = sorted((t["sweep_id"], t["number"]) for t in out["told"] if t["sweep_id"] in ids)
+    assert (hit, number) not in told
+    assert told == sorted((i, r["number"]) for i in ids for r in sweeps[i]["trials"] if (i, r["number"]) != (hit, number))
+    # The lost layout ran once more in its sweep, and every listed layout completed, none on the lost node.
+    (again,) = [r for r in every if r["source"] == "requeued"]
+    assert again in rows and again["layout_key"] == lost["layout_key"] and again["number"] > number
+    for i, lay in zip(ids, listed, strict=True):
+        done = [r for r in sweeps[i]["trials"] if r["status"] == "completed"]
+        assert len(done) == len(lay) and len({r["layout_key"] for r in done}) == len(lay)
+    assert all(gone not in r["rank_nodes"] for r in every if r["status"] == "completed"
+               and r["started_at"] > killed["killed_at_wall"])
+    assert len(every) == 5 and all(r["status"] in ("completed", "crash") for r in every)
+    # Devices held: never over the 6 the cluster had; never over the 4 left once the loss was seen;
+    # by the trial rows and by the lease history of the three coordinators, one pool: the Ray cluster's.
+    assert _peak_devices(every) <= 6 and _peak_devices(every, after=lost["finished_at"]) <= 4
+    leases = out["leases"]
+    (pool,) = {x["pool"] for x in leases}
+    assert pool.startswith("ray:") and len(pool) > len("ray:") + 8  # named by the cluster's id
+    assert len({x["holder"] for x in leases}) == 3 and all(x["released_at"] for x in leases)
+    # The lost trial's own lease holds the dead node's devices until its result is in: from its release on.
+    freed = max(x["released_at"] for x in leases if x["sweep_id"] == hit and x["granted_at"] <= lost["started_at"])
+    assert _peak_leases(leases) <= 6 and _peak_leases(leases, after=freed) <= 4
+    assert min(m["capacity"] for m in out["members"]) == 4  # what the coordinators saw after the loss
 
     # Needs 3 nodes, 2 are left: each trial is refused with the reason (a result), the sweep completes.
     assert sweeps[second]["status"] == "completed", sweeps[second]

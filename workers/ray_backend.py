@@ -134,6 +134,15 @@ class RayBackend:
         self._ensure_ray()
         return int(sum(alive_nodes("GPU").values())) or int(sum(alive_nodes("CPU").values()))
 
+    def cluster_id(self) -> str:
+        """The Ray cluster's id, the same for every driver of the cluster: coordinators on one Ray share
+        one device queue, two local Rays do not (api/engine/_shared.py). Ray 2.60 has no public accessor
+        (``ray._private.worker.global_worker.node.cluster_id``, the GCS's ``ClusterID``); its GCS
+        address stands in if that moves."""
+        self._ensure_ray()
+        cid = getattr(getattr(ray._private.worker.global_worker, "node", None), "cluster_id", None)
+        return cid.hex() if cid is not None else str(ray.get_runtime_context().gcs_address)
+
     def close(self) -> None:
         """Free the pool's idle gangs (shared with other backends of this process; busy ones stay);
         shut Ray down if this backend started it and nothing else runs on it."""

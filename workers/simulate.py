@@ -25,6 +25,12 @@ results labelled simulated and its sweep diagnostic: ``fail`` (crash, hang, oom,
 never when that rank or step does not exist), ``memory_cap_bytes`` (the device's memory for the
 trial), ``sleep_per_step_s`` (added to every step) and ``min_step_s`` (a floor on every timed step).
 
+A simulated *cluster* for the coordinators' queue (benchmarks/bench_coordinators.py, the
+multi-coordinator tests): ``devices`` is its size (``capacity()``; default unbounded) and ``pace`` the
+wall seconds a trial takes per second of the run it simulates (default 0: it answers at once), so
+trials hold their devices for a time and sweeps queue for them as on a real cluster. The results
+stay ``simulated=True``; ``env`` records the pace.
+
 The noise is seeded from (backend seed, request seed, layout, trial id): the same request gives the
 same answer, two trials of one layout in a sweep (different trial ids) give different draws.
 """
@@ -49,16 +55,23 @@ class SimulateBackend:
 
     name = "simulate"
 
-    def __init__(self, *, seed: int = 0, noise: float = 0.03, factors: object | None = None) -> None:
+    def __init__(self, *, seed: int = 0, noise: float = 0.03, factors: object | None = None,
+                 devices: int | None = None, pace: float = 0.0) -> None:
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
             raise ValueError(f"simulate noise must be a non-negative number, got {noise!r}")
+        if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+            raise ValueError(f"simulate devices must be a positive integer, got {devices!r}")
+        if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 1000:
+            raise ValueError(f"simulate pace must be a number of wall seconds per simulated second in [0, 1000], "
+                             f"got {pace!r}")
         self.seed = seed
         self.noise = float(noise)
         self.factors = factors  # tuner.CalibrationFactors, or None for the tuner's defaults
+        self.devices, self.pace = devices, float(pace)
 
     def capacity(self) -> int:
-        # Nothing is held: any number of simulated trials can run side by side.
-        return 1_000_000
+        # Unbounded unless a simulated cluster's size is given: nothing real is held.
+        return self.devices or 1_000_000
 
     def close(self) -> None:
         return None
@@ -72,6 +85,8 @@ class SimulateBackend:
         model, cluster, training, layout = request.model, request.cluster, request.training, request.layout
         check_layout(layout, model=model, cluster=cluster, training=training)
         env = {"backend": "simulate", "source": "tuner analytical model", "noise_sigma": self.noise}
+        if self.pace:
+            env["pace"] = self.pace  # wall seconds per simulated second: the wall time is made up too
 
         options = request.options
         memory = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
@@ -114,6 +129,9 @@ class SimulateBackend:
         mfu = None
         if cluster.device_kind == "cuda" and est.mfu is not None:
             mfu = est.mfu * est.step_time_s / step
+        run_s = (request.warmup_steps + request.measure_steps) * step
+        if self.pace:  # hold the devices for the run's time, scaled
+            time.sleep(max(0.0, self.pace * run_s - (time.perf_counter() - t0)))
         return TrialResult(
             status="completed",
             backend=self.name,
@@ -127,7 +145,7 @@ class SimulateBackend:
             memory_measure=MEMORY_MEASURE,
             env=env,
             wall_s=time.perf_counter() - t0,
-            device_seconds=(request.warmup_steps + request.measure_steps) * step * layout.world_size,
+            device_seconds=run_s * layout.world_size,
         )
 
 

@@ -31,8 +31,9 @@ adds trial rows first re-asserts ownership (``store.hold_sweep``, which takes th
 results are written only onto a row of the same layout while the writer still owns the sweep. A runner
 that finds its sweep taken over stops at once and writes nothing more (``LostClaim``); a runner's
 error never fails or interrupts a sweep that another runner owns. A database error that may pass
-(connection lost, server restart) releases the sweep for a later resume instead of failing it, and
-``run_pending`` survives any error (logged, retried with back-off).
+(connection lost, server restart) is waited out by the sweep's loop with its trials in flight
+(api/engine/_outage.py); one that outlasts that wait releases the sweep for a later resume instead
+of failing it, and ``run_pending`` survives any error (logged, retried with back-off).
 
 Several sweeps at once (issue 15): ``run_pending`` runs up to ``max_concurrent_sweeps`` claimed
 sweeps, one ``SweepLoop`` thread each (a queued sweep is claimed only when it would be served
@@ -40,8 +41,8 @@ before every sweep already waiting for devices, so the others stay queued with t
 ``DeviceLedger`` for its backend (fair share between owners, then priority, then age; per-owner
 limits wait at launch) before its row is written and gives them back after its result is recorded,
 so the stored [started_at, finished_at) intervals never hold more devices than the cluster has,
-whichever coordinator on the database ran them (the grants are lease rows: api/engine/_share.py,
-api/store/_leases.py). Restart re-runs take their devices like any trial (their ``started_at`` is
+whichever coordinator on the database ran them (the grants are lease rows handed out by one queue
+per cluster for every coordinator: api/engine/_shared.py, api/store/_leases.py). Restart re-runs take their devices like any trial (their ``started_at`` is
 when they got them). A cancelled sweep asks a backend that can (``backend.cancel(trial_id)``: Ray
 kills the trial's gang and removes its placement groups) to stop its trials in flight; their results
 are not recorded and their rows become "interrupted" (cause ``sweep cancelled``); a backend without

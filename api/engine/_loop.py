@@ -25,6 +25,7 @@ from api.engine._confirm import CONFIRM, Confirm
 from api.engine._learning import Learning
 from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
 from api.engine._model import Problem
+from api.engine._outage import Outages
 from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
@@ -58,7 +59,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
+class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -139,12 +140,12 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
             self.last_beat = 0.0
             self._beat()
             self.slots = self._slots()
-            self.ledger = self.r.ledger_for(self.backend.name, self.capacity)
+            self.ledger = self.r.ledger_for(self.r.cluster_of(self.backend), self.capacity)
             self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
             try:
                 # Re-runs of a restart go first, each once the ledger grants its devices.
                 self.reruns = [Ticket(t.number, t.attempt, Layout(**t.layout), t.phase, None) for t in rerun]
-                finished = self._loop()
+                finished = self._through_outages(self._loop)  # a store outage is waited out
             except BaseException:
                 # Failing (or Ctrl-C): do not wait for trials in flight, whose results nobody would
                 # record; closing the backend below ends them. Their rows are marked by the caller
@@ -245,7 +246,9 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
                 if phase in ("remeasure", CONFIRM):
                     return True
                 continue
-            wait(list(self.in_flight), timeout=self.r.poll_s if halted else 0.5, return_when=FIRST_COMPLETED)
+            # Waiting for devices as well: back soon, a grant may come from another coordinator's release.
+            timeout = self.r.poll_s if halted else (self.ledger.poll_s if self.waiting else 0.5)
+            wait(list(self.in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
 
     # --- budgets -------------------------------------------------------------------------------
 
@@ -351,13 +354,15 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
 
     def _collect(self, done: list[Future]) -> None:
         for fut in done:
-            ticket = self.in_flight.pop(fut)
+            ticket = self.in_flight[fut]  # popped once its result is stored (an outage may break that write)
             if ticket.cancelled:  # stopped because the sweep was cancelled: not a result of its layout
+                del self.in_flight[fut]
                 self.ledger.release(ticket.grant)
                 continue
             try:
                 result = fut.result()
             except BackendError as exc:
+                del self.in_flight[fut]
                 self.ledger.release(ticket.grant)
                 # The backend could not run this trial (it did not crash: it never ran). Its row stays
                 # "running" until the loop ends, then becomes "interrupted" with the cause (sweep
@@ -376,13 +381,14 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm):
                                     "is no longer this coordinator's")
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 row = self._reload(s, ticket.number, ticket.attempt)
+            del self.in_flight[fut]
+            self._note_lost(row)  # first: the devices go back to a cluster that knows it lost a node
             # Only now, with the row's finished_at stored: a stored interval never outlasts its grant.
             self.ledger.release(ticket.grant)
             self.spent += row.device_seconds or 0.0
             if row.status == "completed":
                 self._note_fingerprint(row)
             changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
-            self._note_lost(row)
             if ticket.phase == "search":
                 self._teach(ticket.layout, ticket.handle, row)
             else:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import sqlalchemy.exc
-
 import tuner
 from api import store
 from api.engine._loop import KeepAlive, LostClaim, SweepLoop
-from api.engine._share import DeviceLedger, OwnerLimits
+from api.engine._outage import is_transient
+from api.engine._share import OwnerLimits
+from api.engine._shared import SharedLedger, cluster_identity
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store._models import utcnow
@@ -27,22 +27,13 @@ USAGE_TTL_S = 5.0  # how long an owner's device-hours of the last 24 h are reuse
 UNAVAILABLE_CAUSE = "backend unavailable: {exc}; re-run as attempt+1 when the sweep resumes"
 
 
-def is_transient(exc: BaseException) -> bool:
-    """A database error that a later attempt may not meet (connection lost, server restarting,
-    SQLite busy): the sweep is released for a later claim instead of failed for good."""
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
-        return True
-    return isinstance(exc, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError,
-                            sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError))
-
-
 def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
     from workers.backends import get_backend
 
     name = spec.backend or settings.backend
     kwargs: dict[str, Any] = {}
     if name == "simulate":
-        kwargs = {"seed": spec.search.seed}
+        kwargs = {"seed": spec.search.seed, "devices": settings.simulate_devices, "pace": settings.simulate_pace}
     elif name == "ray":
         # A local Ray (no RAY_ADDRESS) gets a logical CPU per rank even on a 2-core machine.
         kwargs = {"address": settings.ray_address, "num_cpus": spec.to_problem()[1].devices}
@@ -73,7 +64,7 @@ class SweepRunner:
         self.poll_s = poll_s
         self.runner_id = store.new_runner_id()
         self._lock = threading.Lock()
-        self._ledgers: dict[str, DeviceLedger] = {}
+        self._ledgers: dict[str, SharedLedger] = {}  # by cluster (api/engine/_shared.py)
         self._starting: set[int] = set()  # claimed, set-up not done (no devices asked for yet)
         self._live: set[int] = set()  # loops past set-up
         self._to_close: list[Any] = []  # backends of ended loops, closed once no loop runs
@@ -81,15 +72,20 @@ class SweepRunner:
 
     # --- sharing the devices between the loops ------------------------------------------------------
 
-    def ledger_for(self, backend_name: str, capacity: int) -> DeviceLedger:
-        """The ledger of this backend's devices, shared by every loop of this runner."""
+    def cluster_of(self, backend: Any) -> str:
+        """The cluster ``backend``'s devices belong to (MESHTUNE_CLUSTER_NAME, else the backend's own)."""
+        return cluster_identity(backend, self.settings.cluster_name)
+
+    def ledger_for(self, pool: str, capacity: int) -> SharedLedger:
+        """The ledger of one cluster's devices (``cluster_of``), shared by every loop of this runner and
+        queued with every coordinator's on the database."""
         with self._lock:
-            ledger = self._ledgers.get(backend_name)
+            ledger = self._ledgers.get(pool)
             if ledger is None:
-                ledger = DeviceLedger(capacity, max_trials=self.settings.max_concurrent_trials,
-                                      limits=self._owner_limits, sessions=self.sessions, pool=backend_name,
+                ledger = SharedLedger(capacity, max_trials=self.settings.max_concurrent_trials,
+                                      limits=self._owner_limits, sessions=self.sessions, pool=pool,
                                       holder=self.runner_id)
-                self._ledgers[backend_name] = ledger
+                self._ledgers[pool] = ledger
             else:
                 ledger.set_capacity(capacity)  # a cluster that grew or shrank
             return ledger
@@ -148,6 +144,8 @@ class SweepRunner:
         try:
             while not stop_event.is_set():
                 self._reap(active, outcomes, cooling)
+                for ledger in list(self._ledgers.values()):
+                    ledger.flush()  # a release the store missed, the beat of what is held
                 try:
                     sweep = None
                     with self._lock:
@@ -226,7 +224,8 @@ class SweepRunner:
         with self._lock:
             ledgers = list(self._ledgers.values())
         held = sum(ledger.held_by(sweep.owner) for ledger in ledgers)
-        key = store.queue_key(owner_devices=held, priority=sweep.priority, created_at=sweep.created_at,
+        used = sum(ledger.used_by(sweep.owner) for ledger in ledgers)
+        key = store.queue_key(owner_devices=held, priority=sweep.priority, owner_usage=used, since=sweep.created_at,
                               sweep_id=sweep.id)
         return all(head is None or key < head for head in (ledger.head_key() for ledger in ledgers))
 

@@ -1,17 +1,18 @@
-"""Sharing one cluster between the sweeps a coordinator runs at once (issue 15).
+"""Sharing one cluster between the sweeps a coordinator runs at once (issue 15), and between
+coordinators (api/engine/_shared.py).
 
-Every trial takes its devices (its world size) from one ``DeviceLedger`` per backend (a Ray
-cluster's GPUs, or CPUs for CPU ranks: ``backend.capacity()``) before its row is written, and gives
-them back after its result is recorded; on Ray each trial's gang has placement groups of its own
-(workers/_gangs.py), so trials of several sweeps run side by side whenever their devices fit.
+Every trial takes its devices (its world size) from one ledger per cluster (a Ray cluster's GPUs, or
+CPUs for CPU ranks: ``backend.capacity()``) before its row is written, and gives them back after its
+result is recorded; on Ray each trial's gang has placement groups of its own (workers/_gangs.py), so
+trials of several sweeps run side by side whenever their devices fit.
 
 Who gets the next free devices (``store.queue_key``): the waiting sweep whose owner holds the fewest
-devices now (fair share), then the higher priority (high, normal, low), then the older sweep. The
-order is strict: a waiter that does not fit yet holds back the ones behind it, so a large trial is
-never starved by a stream of small ones. Per-owner limits (``MESHTUNE_OWNER_MAX_DEVICES``,
-``MESHTUNE_OWNER_DEVICE_HOURS_PER_DAY``) make a sweep wait at launch, never fail; a waiter held back
-by its owner's limit does not hold back the others. A trial larger than the whole ledger is let
-through at once (the backend refuses it with the numbers, as it always did).
+devices now (fair share), then the higher priority (high, normal, low), then the request that has
+waited longest. The order is strict: a waiter that does not fit yet holds back the ones behind it, so
+a large trial is never starved by a stream of small ones. Per-owner limits
+(``MESHTUNE_OWNER_MAX_DEVICES``, ``MESHTUNE_OWNER_DEVICE_HOURS_PER_DAY``) make a sweep wait at launch,
+never fail; a waiter held back by its owner's limit does not hold back the others. A trial larger than
+the whole ledger is let through at once (the backend refuses it with the numbers, as it always did).
 
 The ledger follows the live cluster: its capacity is re-read from the backend (``capacity()``, on Ray
 the alive nodes' devices, a node seen lost no longer counted) at most every ``CAPACITY_TTL_S`` when a
@@ -20,17 +21,10 @@ node held. A trial that fitted the cluster once but no longer fits the nodes tha
 (``DeviceLedger.shrank``) is let through and refused by the backend; the loop records that as the
 trial's result (``infra="cluster_shrank"``), not as the sweep's end.
 
-What is held is counted across coordinators: with a store (``sessions``), every grant is a lease row
-(api/store/_leases.py), taken in one serialised transaction that inserts it only if it fits the
-capacity and the owner's limit beside the live leases of every coordinator on the database (two
-``meshtune serve`` replicas, or a ``meshtune sweep`` beside one); a release deletes it. The order
-above is each coordinator's, among its own waiters; the free devices and an owner's held devices
-are read from all leases (re-read at most every ``SYNC_S`` while a waiter asks). Every loop calls
-the ledger on each pass (``withdraw`` when not waiting, ``try_acquire``/``wait_change`` when
-waiting), which beats this coordinator's leases at most every ``LEASE_BEAT_S``; a lease not beaten
-for ``store.LEASE_TTL_S`` (a crashed coordinator's) no longer counts, nor one of a process of this
-host that is gone. After a coordinator restart its resumed sweeps' re-runs take their devices anew
-(the restart rule itself is api/engine/__init__.py's). Without a store the ledger is in-process.
+``DeviceLedger`` here keeps the queue in this process (no store); a coordinator's runner uses
+``SharedLedger`` (api/engine/_shared.py), the same interface over the store's one queue of every
+coordinator on the database. After a coordinator restart its resumed sweeps' re-runs take their
+devices anew (the restart rule itself is api/engine/__init__.py's).
 """
 
 from __future__ import annotations
@@ -44,12 +38,10 @@ from datetime import datetime
 from typing import Any
 
 from api import store
-from api.store._leases import Holdings, beat_leases, drop_lease, holdings, take_lease
+from api.store._models import utcnow
 
 log = logging.getLogger("meshtune.engine")
 CAPACITY_TTL_S = 2.0  # how long a backend's capacity is reused before a claim re-reads it
-SYNC_S = 1.0  # how long the other coordinators' holdings are reused before a waiter re-reads them
-LEASE_BEAT_S = 5.0  # how often a coordinator beats its leases (well inside store.LEASE_TTL_S)
 
 
 @dataclass(frozen=True)
@@ -82,28 +74,26 @@ class OwnerLimits:
 
 
 class DeviceLedger:
+    """The queue of one process's sweeps over ``capacity`` devices (no store)."""
+
+    poll_s = 0.5  # how soon a loop with trials in flight asks again while it waits for devices
+
     def __init__(self, capacity: int, *, max_trials: int = 0,
-                 limits: Callable[[str | None], OwnerLimits] | None = None, sessions: Any = None,
-                 pool: str = "", holder: str = "", ttl_s: float = store.LEASE_TTL_S, sync_s: float = SYNC_S) -> None:
-        self.capacity = max(1, int(capacity))
+                 limits: Callable[[str | None], OwnerLimits] | None = None) -> None:
+        self.capacity = max(1, int(capacity))  # what grants are checked against
+        self.seen = self.capacity  # what this process's backend reports (the same here)
         self.peak = self.capacity  # the most it has had: below it, the cluster lost devices
         self.read_at = time.monotonic()
         self.max_trials = max_trials
         self.limits = limits or (lambda owner: OwnerLimits())
         self._grants: list[Grant] = []
-        self._waiting: dict[int, tuple[Claimant, int]] = {}
+        self._waiting: dict[int, tuple[Claimant, int, datetime]] = {}  # sweep -> (who, devices, since)
         self._cond = threading.Condition()
-        # The store's leases (None: in-process only); ``pool`` is whose devices (the backend's name),
-        # ``holder`` this coordinator (its runner id).
-        self.sessions, self.pool, self.holder, self.ttl_s, self.sync_s = sessions, pool, holder, ttl_s, sync_s
-        self._others = Holdings()  # the other coordinators' live leases, as last read
-        self._others_at = -sync_s
-        self._beat_at = time.monotonic()
 
     def set_capacity(self, capacity: int) -> None:
         """The backend's devices now (a cluster that grew or lost a node)."""
         with self._cond:
-            self.capacity = max(1, int(capacity))
+            self.capacity = self.seen = max(1, int(capacity))
             self.peak = max(self.peak, self.capacity)
             self.read_at = time.monotonic()
             self._cond.notify_all()
@@ -112,68 +102,18 @@ class DeviceLedger:
         """Whether the cluster has fewer devices now than it once had (a node was lost)."""
         return self.capacity < self.peak
 
-    # --- the store's leases -----------------------------------------------------------------------
-
-    def _mine(self) -> set[int]:
-        return {g.lease_id for g in self._grants if g.lease_id is not None}
-
-    def _sync(self, *, force: bool = False) -> None:
-        """Re-read what the other coordinators hold (at most every ``sync_s`` unless ``force``). A store
-        that cannot answer keeps the last figures (grants then wait: ``take_lease`` fails too)."""
-        if self.sessions is None or (not force and time.monotonic() - self._others_at < self.sync_s):
-            return
-        self._others_at = time.monotonic()
-        try:
-            with self.sessions() as s:
-                self._others = holdings(s, pool=self.pool, mine=self._mine(), ttl_s=self.ttl_s)
-        except Exception as exc:
-            log.warning("could not read the devices other coordinators hold (%s)", exc)
-
-    def beat(self, *, force: bool = False) -> None:
-        """This coordinator still holds its leases (at most every LEASE_BEAT_S unless ``force``)."""
-        if self.sessions is None:
-            return
-        with self._cond:
-            if not force and time.monotonic() - self._beat_at < LEASE_BEAT_S:
-                return
-            self._beat_at = time.monotonic()
-            mine = self._mine()
-            try:
-                with store.session_scope(self.sessions) as s:
-                    kept = beat_leases(s, lease_ids=mine)
-            except Exception as exc:  # retried on the next pass; the TTL leaves several beats of slack
-                log.warning("could not beat the device leases of %s (%s)", self.holder, exc)
-                return
-            if kept < len(mine):
-                log.warning("%d device leases of %s expired while held (not beaten for %.0f s): other "
-                            "coordinators may use those devices", len(mine) - kept, self.holder, self.ttl_s)
-
-    def _take_lease(self, claimant: Claimant, n: int) -> tuple[bool, int | None]:
-        """(granted, the lease's id): the store's check-and-insert over every coordinator's leases."""
-        if self.sessions is None or n == 0:
-            return True, None
-        try:
-            with store.session_scope(self.sessions) as s:
-                lease_id, self._others = take_lease(
-                    s, pool=self.pool, sweep_id=claimant.sweep_id, owner=claimant.owner, devices=n,
-                    holder=self.holder, capacity=self.capacity, owner_max=self.limits(claimant.owner).max_devices,
-                    mine=self._mine(), ttl_s=self.ttl_s)
-        except Exception as exc:  # the store is away: wait, as for devices that are not free
-            log.warning("sweep %s: could not take a device lease (%s)", claimant.sweep_id, exc)
-            return False, None
-        self._others_at = time.monotonic()
-        return lease_id is not None, lease_id
-
     # --- reads -----------------------------------------------------------------------------------
 
     def in_use(self, owner: str | None = None, *, any_owner: bool = True) -> int:
         with self._cond:
-            self._sync()
-            mine = sum(g.devices for g in self._grants if any_owner or g.claimant.owner == owner)
-            return mine + (self._others.total if any_owner else self._others.by_owner.get(owner, 0))
+            return sum(g.devices for g in self._grants if any_owner or g.claimant.owner == owner)
 
     def held_by(self, owner: str | None) -> int:
         return self.in_use(owner, any_owner=False)
+
+    def used_by(self, owner: str | None) -> float:
+        """The owner's device-seconds of late, as the queue weighs them (none kept in process)."""
+        return 0.0
 
     def free(self) -> int:
         return self.capacity - self.in_use()
@@ -181,23 +121,22 @@ class DeviceLedger:
     def waiting(self) -> list[int]:
         """Sweep ids waiting for devices, in the order they will be served."""
         with self._cond:
-            return [c.sweep_id for c, _ in self._order()]
+            return [c.sweep_id for c, _, _ in self._order()]
 
     def head_key(self) -> tuple | None:
         """``store.queue_key`` of the waiter served next, or None when nobody (allowed) waits."""
         with self._cond:
-            self._sync()
             order = self._order()
             if not order:
                 return None
-            c = order[0][0]
-            return store.queue_key(owner_devices=self._held(c.owner), priority=c.priority,
-                                   created_at=c.created_at, sweep_id=c.sweep_id)
+            c, _, since = order[0]
+            return store.queue_key(owner_devices=self._held(c.owner), priority=c.priority, since=since,
+                                   sweep_id=c.sweep_id)
 
     # --- requests ------------------------------------------------------------------------------
 
     def _held(self, owner: str | None) -> int:
-        return sum(g.devices for g in self._grants if g.claimant.owner == owner) + self._others.by_owner.get(owner, 0)
+        return sum(g.devices for g in self._grants if g.claimant.owner == owner)
 
     def _allowed(self, claimant: Claimant, n: int) -> bool:
         """Whether the owner's limits let this request start now (else it waits, out of the order)."""
@@ -206,34 +145,33 @@ class DeviceLedger:
             return False
         return lim.max_devices is None or self._held(claimant.owner) + n <= lim.max_devices
 
-    def _order(self) -> list[tuple[Claimant, int]]:
-        allowed = [(c, n) for c, n in self._waiting.values() if self._allowed(c, n)]
-        return sorted(allowed, key=lambda cn: store.queue_key(
-            owner_devices=self._held(cn[0].owner), priority=cn[0].priority, created_at=cn[0].created_at,
-            sweep_id=cn[0].sweep_id))
+    def _order(self) -> list[tuple[Claimant, int, datetime]]:
+        allowed = [w for w in self._waiting.values() if self._allowed(w[0], w[1])]
+        return sorted(allowed, key=lambda w: store.queue_key(
+            owner_devices=self._held(w[0].owner), priority=w[0].priority, since=w[2], sweep_id=w[0].sweep_id))
+
+    def _want(self, claimant: Claimant, n: int) -> None:
+        """``claimant`` waits for ``n`` devices (a request already waiting keeps its place)."""
+        since = self._waiting.get(claimant.sweep_id, (None, None, utcnow()))[2]
+        self._waiting[claimant.sweep_id] = (claimant, n, since)
 
     def try_acquire(self, claimant: Claimant, n: int) -> Grant | None:
         """``n`` devices for one trial of ``claimant``'s sweep now, or None (it is then queued and
         asks again; ``withdraw`` when it no longer wants them)."""
-        self.beat()
         with self._cond:
             if n > self.capacity:  # can never fit: let the backend refuse it with its numbers
                 self._waiting.pop(claimant.sweep_id, None)
                 return self._grant(claimant, 0, None)
-            self._waiting[claimant.sweep_id] = (claimant, n)
-            self._sync()
+            self._want(claimant, n)
             order = self._order()
             if not order or order[0][0].sweep_id != claimant.sweep_id:
                 return None
-            if n > self.capacity - sum(g.devices for g in self._grants) - self._others.total:
+            if n > self.capacity - sum(g.devices for g in self._grants):
                 return None
             if self.max_trials and len(self._grants) >= self.max_trials:
                 return None
-            granted, lease_id = self._take_lease(claimant, n)
-            if not granted:  # another coordinator took them first: ask again later
-                return None
             del self._waiting[claimant.sweep_id]
-            return self._grant(claimant, n, lease_id)
+            return self._grant(claimant, n, None)
 
     def _grant(self, claimant: Claimant, n: int, lease_id: int | None) -> Grant:
         grant = Grant(claimant, n, lease_id=lease_id)
@@ -242,7 +180,6 @@ class DeviceLedger:
         return grant
 
     def withdraw(self, sweep_id: int) -> None:
-        self.beat()
         with self._cond:
             if self._waiting.pop(sweep_id, None) is not None:
                 self._cond.notify_all()
@@ -254,19 +191,15 @@ class DeviceLedger:
             if grant.released:
                 return
             grant.released = True
-            if grant.lease_id is not None:  # deleted first: a waiter woken below must not meet it
-                try:
-                    with store.session_scope(self.sessions) as s:
-                        drop_lease(s, lease_id=grant.lease_id)
-                except Exception as exc:  # no longer beaten: it stops counting after the TTL
-                    log.warning("could not give back device lease %s (%s)", grant.lease_id, exc)
             self._grants.remove(grant)
+            self._gave_back(grant)
             self._cond.notify_all()
 
+    def _gave_back(self, grant: Grant) -> None:
+        """After ``release`` took ``grant`` off the books (a store-backed ledger tells the store)."""
+
     def wait_change(self, timeout: float) -> None:
-        """Block until a grant is released or a waiter leaves (or ``timeout``); another coordinator's
-        release is seen by the next ``try_acquire`` (its holdings re-read every SYNC_S)."""
-        self.beat()
+        """Block until a grant is released or a waiter leaves (or ``timeout``)."""
         with self._cond:
             self._cond.wait(timeout)
 
@@ -308,9 +241,9 @@ class Sharing:
             log.warning("sweep %s: could not re-read the backend's capacity (%s)", self.sweep_id, exc)
             self.ledger.read_at = time.monotonic()
             return
-        if capacity != self.ledger.capacity:
+        if capacity != self.ledger.seen:
             log.warning("sweep %s: the backend's capacity is now %d devices (was %d)", self.sweep_id,
-                        capacity, self.ledger.capacity)
+                        capacity, self.ledger.seen)
         self.ledger.set_capacity(capacity)
 
     def _take_devices(self, world: int) -> bool:

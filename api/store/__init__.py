@@ -18,7 +18,14 @@ from api.store._db import (
     upgrade,
     url_problem,
 )
-from api.store._leases import LEASE_TTL_S, DeviceLease  # registers device_leases on Base.metadata
+from api.store._leases import (  # registers their tables
+    LEASE_TTL_S,
+    USAGE_WINDOW_S,
+    ClusterMember,
+    DeviceLease,
+    DeviceWaiter,
+    queue_positions,
+)
 from api.store._models import (
     FAILED_TRIAL_STATUSES,
     FINISHED_SWEEP_STATUSES,
@@ -52,7 +59,6 @@ from api.store._sweeps import (
     new_runner_id,
     owner_device_seconds,
     queue_key,
-    queue_positions,
     refresh_sweep_cache,
     release_sweep,
     running_by_sweep,
@@ -88,8 +94,11 @@ __all__ = [
     "TRIAL_STATUSES",
     "VERSION_TABLE",
     "Base",
+    "ClusterMember",
     "DeviceLease",
+    "DeviceWaiter",
     "LEASE_TTL_S",
+    "USAGE_WINDOW_S",
     "RankedLayout",
     "RankingState",
     "StoreUnavailableError",

@@ -318,27 +318,12 @@ def running_by_sweep(session: Session, *, sweep_ids: list[int] | None = None) ->
     return {int(sid): (int(n), int(devices)) for sid, n, devices in session.execute(query)}
 
 
-def queue_key(*, owner_devices: int, priority: str, created_at: datetime, sweep_id: int) -> tuple:
+def queue_key(*, owner_devices: int, priority: str, owner_usage: float = 0.0, since: datetime, sweep_id: int) -> tuple:
     """The fair-share order of the queue, lowest first: the owner holding the fewest devices now,
-    then the priority (high before normal before low), then the oldest (api/engine/_share.py)."""
+    then the priority (high before normal before low), then the owner that has held the least
+    device-time lately (``owner_usage``, device-seconds over ``store.USAGE_WINDOW_S``: owners holding
+    alike take turns by what they used, so an owner whose trials run longer does not win every tie),
+    then the request that has waited longest (``since``: a queued sweep's submission, a running sweep's
+    request for its next trial's devices), then the sweep id (api/store/_leases.py, api/engine/_share.py)."""
     prio = SWEEP_PRIORITIES.index(priority) if priority in SWEEP_PRIORITIES else 1
-    return (owner_devices, prio, created_at, sweep_id)
-
-
-def queue_positions(session: Session) -> dict[int, int]:
-    """Queued sweep id -> its place in the queue (1 = the next to start), in ``queue_key`` order with
-    each owner's devices in use counted from the trials running now."""
-    queued = session.execute(
-        sa.select(Sweep.id, Sweep.owner, Sweep.priority, Sweep.created_at).where(Sweep.status == "queued")
-    ).all()
-    if not queued:
-        return {}
-    held: dict[str | None, int] = {}
-    for owner, devices in session.execute(
-        sa.select(Sweep.owner, sa.func.coalesce(sa.func.sum(Trial.world_size), 0))
-        .join(Trial, Trial.sweep_id == Sweep.id).where(Trial.status == "running").group_by(Sweep.owner)
-    ):
-        held[owner] = int(devices)
-    order = sorted(queued, key=lambda r: queue_key(owner_devices=held.get(r.owner, 0), priority=r.priority,
-                                                   created_at=r.created_at, sweep_id=r.id))
-    return {r.id: i for i, r in enumerate(order, start=1)}
+    return (owner_devices, prio, round(owner_usage, 3), since, sweep_id)
