@@ -33,7 +33,7 @@ def memory_parts(layout: Layout, *, model: ModelSpec, cluster: ClusterSpec, trai
                     pp=layout.pp, vpp=layout.vpp)
     mm.ranks = tuple(range(layout.pp))
     mm.layers = [mm.rp.layers[r] for r in mm.ranks]
-    states, _ = mm.states(layout.zero, layout.mbs, layout.schedule)
+    states = mm.states(layout.zero, m)
     acts = mm.activations(layout.ac, layout.sp, layout.mbs, layout.schedule, m)
     layer, working, logits = mm.act[layout.ac, layout.sp]
     logits *= m if (layout.schedule == "gpipe" and layout.pp > 1) else 1
