@@ -213,7 +213,11 @@ class MeshMemory:
         self.model, self.cluster, self.training, self.eager = model, cluster, training, eager
         self.degrees = dict(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
+        probed = cluster.probed  # measured on the cluster (tuner/_probe.py): the process's baseline, the allocator's share
+        if overhead is None and probed is not None and probed.memory_overhead_bytes is not None:
+            overhead = probed.memory_overhead_bytes
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
+        self.allocator = probed.allocator_overhead or 0.0 if probed is not None else 0.0
         self.rp = rp = rank_params(model, tp, ep, pp, vpp)
         self.ranks = candidate_ranks(rp)
         self.layers = [rp.layers[r] for r in self.ranks]
@@ -319,16 +323,18 @@ class MeshMemory:
         """The parts of the costliest rank."""
         return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
-    @staticmethod
-    def whole_bytes(est: MemoryParts) -> int:
-        """What MemoryEstimate.total adds up, without the overhead: whole bytes per part."""
-        return int(est.params) + int(est.grads) + int(est.optimizer) + int(est.activations) + int(est.buffers)
+    def whole_bytes(self, est: MemoryParts) -> int:
+        """What MemoryEstimate.total adds up, without the fixed overhead: whole bytes per part, and
+        what the allocator holds beyond them (a probed share)."""
+        tensors = int(est.params) + int(est.grads) + int(est.optimizer) + int(est.activations) + int(est.buffers)
+        return tensors + int(self.allocator * tensors)
 
     def wrap(self, est: MemoryParts) -> MemoryEstimate:
         p, g, o, a, b = int(est.params), int(est.grads), int(est.optimizer), int(est.activations), int(est.buffers)
+        overhead = self.overhead + int(self.allocator * (p + g + o + a + b))
         obj = object.__new__(MemoryEstimate)  # the values are checked by construction; skip __init__
-        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, buffers=b, overhead=self.overhead,
-                            total=p + g + o + a + b + self.overhead, stage=est.stage,
+        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, buffers=b, overhead=overhead,
+                            total=p + g + o + a + b + overhead, stage=est.stage,
                             device_memory=self.device_memory)
         return obj
 

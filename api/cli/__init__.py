@@ -19,6 +19,7 @@ from tuner import MeshtuneError, NotFoundError
 COMMANDS = (
     "api.cli.plan",
     "api.cli.run_trial",
+    "api.cli.probe",
     "api.cli.sweep",
     "api.cli.export",
     "api.cli.serve",

@@ -222,6 +222,15 @@ def calibration_lines(calibration: dict | None) -> list[str]:
     return describe(calibration)
 
 
+def model_lines(sweep: Any, ranking: Any) -> list[str]:
+    """Which figures the sweep modelled its cluster with, and how far its step times were predicted."""
+    from api.probes.service import probe_line
+    from api.sweeps import accuracy
+
+    line = probe_line(sweep.calibration)
+    return ([line] if line else []) + accuracy.lines(sweep, ranking)
+
+
 def show_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -250,6 +259,8 @@ def show_cmd(args: argparse.Namespace) -> int:
             f"{fmt.layout_text(p.layout)} ({num_cell(p.tokens_per_s_per_device)}, {bytes_cell(p.peak_memory_bytes)})"
             for p in on_front))
     for line in calibration_lines(sweep.calibration):
+        console.print(line)
+    for line in model_lines(sweep, ranking):
         console.print(line)
     if args.trials:
         table = Table(title="trials")
