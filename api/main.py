@@ -21,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from api import _answers, _http, dashboard, errors, store
 from api.dashboard import plan_page, sweep_pages, trends
 from api.export import routes as export_routes
+from api.probes import routes as probes
 from api.reshard import routes as reshard
 from api.routes import health, metrics, plan, presets
 from api.schedules import routes as schedules
@@ -138,7 +139,7 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     errors.install(app)
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).
-    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, dashboard, sweep_pages,
+    for module in (sweeps, export_routes, plan, presets, health, metrics, schedules, reshard, probes, dashboard, sweep_pages,
                    trends, plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.

@@ -13,7 +13,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     owner_device_hours_per_day: Annotated[dict[str, float], NoDecode] = Field(
         default_factory=dict, description="owner -> device-hours its trials may hold in any 24 h")
     max_concurrent_sweeps: int = Field(default=8, ge=1, description="Sweeps one coordinator runs at once.")
+    probe: Literal["auto", "off"] = Field(
+        default="auto", description="auto: a sweep whose cluster, model and environment have no stored probe "
+        "probes it before its first trial (api/probes); off: sweeps model the cluster from its datasheet.")
 
     @field_validator("api_tokens", mode="before")
     @classmethod

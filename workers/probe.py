@@ -54,7 +54,7 @@ LAYER_REPS = 5  # a real layer's time is the noisiest figure on a shared host: m
 
 def probe_request(model: Any, cluster: Any, training: TrainingSpec, *, tp_sp: list[tuple[int, bool]],
                   max_mbs: int = 4, budget_s: float = DEFAULT_BUDGET_S, target_s: float = TARGET_S, workload: str = "builtin",
-                  trial_id: str | None = None) -> TrialRequest:
+                  trial_id: str | None = None, layer_reps: int = LAYER_REPS) -> TrialRequest:
     """The request a backend's ``run_program`` runs ``probe_rank`` with: a data-parallel layout of the
     cluster's world size (the gang every layout of that size reuses), what to measure in its options.
     The cluster is stripped of earlier probed figures: a probe measures, it reads none."""
@@ -66,7 +66,7 @@ def probe_request(model: Any, cluster: Any, training: TrainingSpec, *, tp_sp: li
     # per-sequence part of a layer is read across that span, not extrapolated beyond it.
     seqs = [1, min(4, max(2, int(max_mbs)))]
     options = {"probe": {"tiers": targets.tiers, "layers": [list(x) for x in targets.layers], "seqs": seqs,
-                         "budget_s": budget_s, "target_s": target_s}}
+                         "budget_s": budget_s, "target_s": target_s, "layer_reps": layer_reps}}
     return TrialRequest(model=model, cluster=cluster, training=training, layout=Layout(dp=world),
                         warmup_steps=0, measure_steps=1, step_timeout_s=max(60.0, 2 * budget_s), options=options,
                         workload=workload, trial_id=trial_id)
@@ -137,11 +137,20 @@ def probe_rank(request: TrialRequest, *, device: torch.device) -> dict[str, Any]
     dtype = _precision(request.training, device, notes, dict(request.options))
     raw: dict[str, Any] = {"version": PROBE_VERSION, "dtype": str(dtype).removeprefix("torch."),
                            "world": dist.get_world_size(), "device": device.type, "notes": notes}
-    raw["memory"] = _memory(request, device, dtype)
-    raw["links"] = _links(opts.get("tiers") or {}, device, target, clock, notes)
-    raw["gemm"], raw["attention"] = _compute(request.model, device, dtype, target)
-    raw["layers"], raw["steps"] = _layers(request, device, opts, target, clock, notes)
-    raw["wall_s"] = time.monotonic() - clock.t0
+    phases: dict[str, float] = {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            phases[name] = time.monotonic() - t0
+
+    raw["memory"] = phase("memory", lambda: _memory(request, device, dtype))
+    raw["links"] = phase("links", lambda: _links(opts.get("tiers") or {}, device, target, clock, notes))
+    raw["gemm"], raw["attention"] = phase("compute", lambda: _compute(request.model, device, dtype, target))
+    raw["layers"], raw["steps"] = phase("layers", lambda: _layers(request, device, opts, target, clock, notes))
+    raw["wall_s"], raw["phases_s"] = time.monotonic() - clock.t0, phases
     raw["env"] = fingerprint(device.type)
     return raw
 
@@ -319,7 +328,8 @@ def _layers(request: TrialRequest, device: torch.device, opts: dict[str, Any], t
         if clock.left() < 0.15 * clock.budget_s:
             notes.append(f"layers tp={tp}{' sp' if sp else ''}: skipped, over the probe's budget")
             continue
-        row, stepped = _layer_config(request, device, int(tp), bool(sp), (lo, hi), seqs, batch, target)
+        row, stepped = _layer_config(request, device, int(tp), bool(sp), (lo, hi), seqs, batch, target,
+                                     int(opts.get("layer_reps", LAYER_REPS)))
         out.append(row)
         steps = steps or stepped
         gc.collect()
@@ -327,8 +337,8 @@ def _layers(request: TrialRequest, device: torch.device, opts: dict[str, Any], t
 
 
 def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool, depths: tuple[int, int],
-                  seqs: list[int], batch: tuple[torch.Tensor, torch.Tensor],
-                  target: float) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                  seqs: list[int], batch: tuple[torch.Tensor, torch.Tensor], target: float,
+                  layer_reps: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One (tp, sp): the model at both depths built at once (their layers are timed in turns), one
     micro-batch of each size forward+backward, gradient sync off; for tp=1 also the optimiser and
     a real step of the deeper model with and without its gradient all-reduce."""
@@ -359,7 +369,7 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
 
     combos = [(d, n) for n in seqs for d in depths]
     times = _timed_together([functools.partial(step, d, n) for d, n in combos], device, target * len(combos),
-                            min_reps=LAYER_REPS)
+                            min_reps=layer_reps)
     row = {"tp": tp, "dp": dp, "sp": sp, "layers": [lo, hi], "seqs": seqs,
            "fb_s": [[t for (_, m), t in zip(combos, times, strict=True) if m == n] for n in seqs]}
     if (tp, sp) != (1, False):
@@ -371,5 +381,5 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
     if dp > 1:  # one real step of the deeper model, its gradients all-reduced and not
         steps["step_nosync_s"], steps["step_sync_s"] = _timed_together(
             [lambda: (step(hi, 1), opt(hi)), lambda: (step(hi, 1, True), opt(hi))], device, 2 * target,
-            min_reps=LAYER_REPS)
+            min_reps=layer_reps)
     return row, steps

@@ -227,7 +227,7 @@ def model_lines(sweep: Any, ranking: Any) -> list[str]:
     from api.probes.service import probe_line
     from api.sweeps import accuracy
 
-    line = probe_line(sweep.calibration)
+    line = probe_line(sweep.calibration, sweep.backend)
     return ([line] if line else []) + accuracy.lines(sweep, ranking)
 
 

@@ -155,9 +155,12 @@ class Problem:
         """Model the cluster with a probe's figures (``record``: api/probes/service.py ``record_of``),
         or say why it is modelled from the datasheet (``record=None`` and ``note``): the prior, the
         memory model and every prediction from now on read them. Returns the calibration to store."""
+        if record is None:  # the datasheet's figures stay: no prediction changes, no new version
+            self.calibration = {**self.calibration, "probe": {"figures": None, "note": note}}
+            return self.calibration
         self.cluster = cluster_under({"probe": record}, dataclasses.replace(self.cluster, probed=None))
         self._arrays = None  # every layout's parts again, under the new figures
-        return self._store(probe=record if record is not None else {"figures": None, "note": note})
+        return self._store(probe=record)
 
     @property
     def probe_id(self) -> int | None:

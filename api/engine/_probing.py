@@ -37,8 +37,10 @@ class Probing:
     def _probe_cluster(self) -> None:
         if "probe" in self.problem.calibration:  # resumed: the figures it started from (Problem.load)
             return
+        if self.r.settings.probe == "off" or self.spec.backend == "simulate":  # the datasheet: nothing to say
+            return  # (simulate answers from the datasheet's model: it measures nothing)
         before = self.problem.probe_id
-        if self.spec.backend == "simulate" or not callable(getattr(self.backend, "run_program", None)):
+        if not callable(getattr(self.backend, "run_program", None)):
             self._use_probe(None, f"datasheet figures: backend {self.spec.backend!r} runs no probe")
             return
         world = self.problem.cluster.devices

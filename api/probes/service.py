@@ -89,13 +89,19 @@ def get(session: Session, probe_id: int) -> ClusterProbe | None:
     return session.get(ClusterProbe, probe_id)
 
 
+def newest(session: Session, *, limit: int = 100) -> list[ClusterProbe]:
+    return list(session.scalars(sa.select(ClusterProbe).order_by(ClusterProbe.id.desc()).limit(limit)))
+
+
 def _request(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, workload: str,
-             layouts: Iterable[Layout], budget_s: float | None, trial_id: str | None) -> Any:
-    from workers.probe import DEFAULT_BUDGET_S, probe_request
+             layouts: Iterable[Layout], budget_s: float | None, trial_id: str | None,
+             target_s: float | None = None, layer_reps: int | None = None) -> Any:
+    from workers.probe import DEFAULT_BUDGET_S, LAYER_REPS, TARGET_S, probe_request
 
     tp_sp, max_mbs = targets_of(layouts)
     return probe_request(model, cluster, training, tp_sp=tp_sp, max_mbs=max_mbs, workload=workload,
-                         budget_s=budget_s or DEFAULT_BUDGET_S, trial_id=trial_id)
+                         budget_s=budget_s or DEFAULT_BUDGET_S, target_s=target_s or TARGET_S, trial_id=trial_id,
+                         layer_reps=layer_reps or LAYER_REPS)
 
 
 def _run(backend: Any, request: Any, program: Any, what: str) -> Any:
@@ -129,13 +135,16 @@ def environment(backend: Any, *, model: ModelSpec, cluster: ClusterSpec, trainin
 
 def measure(backend: Any, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
             layouts: Iterable[Layout], workload: str = "builtin", budget_s: float | None = None,
-            trial_id: str | None = None) -> dict[str, Any]:
-    """Run the probe on ``backend`` and read its figures; the row's fields (nothing stored yet)."""
+            trial_id: str | None = None, target_s: float | None = None,
+            layer_reps: int | None = None) -> dict[str, Any]:
+    """Run the probe on ``backend`` and read its figures; the row's fields (nothing stored yet).
+    ``target_s``, ``layer_reps``: seconds of repetitions per measurement, and the least repetitions
+    of a real layer (workers/probe.py ``TARGET_S``, ``LAYER_REPS``; fewer: quicker and noisier)."""
     from workers.probe import probe_rank
 
     t0 = time.monotonic()
     request = _request(model, cluster, training, workload=workload, layouts=layouts, budget_s=budget_s,
-                       trial_id=trial_id)
+                       trial_id=trial_id, target_s=target_s, layer_reps=layer_reps)
     raw = dict(_run(backend, request, probe_rank, "measuring").reports[0])
     env = dict(raw.pop("env", {}) or {})
     figures = derive(raw, model=model, cluster=hardware(cluster), training=training)
@@ -202,12 +211,13 @@ def record_of(outcome: ProbeOutcome, cluster: ClusterSpec) -> dict[str, Any]:
             "figures": dict(row.figures), "summary": summary(hardware(cluster), figures_of(row))}
 
 
-def probe_line(calibration: dict[str, Any] | None) -> str | None:
+def probe_line(calibration: dict[str, Any] | None, backend: str | None = None) -> str | None:
     """What figures a sweep's model read: its probe (id, when, measured or reused, how many figures
-    probed) or the datasheet and why; None for a sweep from before probes."""
+    probed) or the datasheet and why; None on the simulate backend (its results are the datasheet
+    model's, and say so everywhere)."""
     probe = (calibration or {}).get("probe")
     if probe is None:
-        return None
+        return None if backend == "simulate" else "cluster figures: datasheet (this sweep used no probe)"
     if not probe.get("figures"):
         return f"cluster figures: datasheet ({probe.get('note') or 'no probe'})"
     when = (probe.get("created_at") or "")[:16].replace("T", " ")
