@@ -27,7 +27,7 @@ def truth(*, layers: tuple[LayerFigure, ...] = (), step_s: float = 0.004, step_l
                          layers=layers or (LayerFigure(1, False, 0.006, 0.0015, 0.003, 0.0005),
                                            LayerFigure(2, False, 0.02, 0.002, 0.01, 0.001),
                                            LayerFigure(2, True, 0.03, 0.001, 0.012, 0.0)),
-                         step_s=step_s, step_layer_s=step_layer_s, dp_overlap=0.25,
+                         step_s=step_s, step_layer_s=step_layer_s, dp_overlap=0.25, fsdp_unit_s=0.002,
                          memory_overhead_bytes=300 * 2**20, allocator_overhead=0.05, dtype="float32")
 
 
@@ -40,14 +40,15 @@ def raw_of(figures: ProbedFigures, *, model: Any, cluster: Any, training: Any, s
               "times_s": [FORMULAS[x.op](s, 2 if x.op == "send_recv" else x.group, x.bandwidth, x.latency)
                           for s in SIZES]} for x in figures.links]
     gemm_flops, attn_flops = 1.0e9, 2.0e8
-    base = dataclasses.replace(figures, layers=(), step_s=None, step_layer_s=None, dp_overlap=None)
+    base = dataclasses.replace(figures, layers=(), step_s=None, step_layer_s=None, dp_overlap=None,
+                               grad_sync_unit_s=None, fsdp_unit_s=None)
     probed = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
-    def modelled(layers: int, tp: int, dp: int, sp: bool, n: int) -> tuple[float, float]:
+    def modelled(layers: int, tp: int, dp: int, sp: bool, n: int) -> tuple[float, float, float]:
         mt = mesh_time(dataclasses.replace(model, layers=layers), probed, training, f, tp, 1, 1, dp, 1, 1)
         (c1, c0), (t1, t0), _, _ = mt.per_mb["none", sp]
-        return n * (c1 + t1) + c0 + t0, mt.dp[0][0]
+        return n * (c1 + t1) + c0 + t0, mt.dp[0][0], mt.dp[3][2]
 
     rows = []
     for x in figures.layers:
@@ -56,11 +57,13 @@ def raw_of(figures: ProbedFigures, *, model: Any, cluster: Any, training: Any, s
                + n * x.ends_per_seq_s for d in depths] for n in seqs]
         rows.append({"tp": x.tp, "dp": dp, "sp": x.sp, "layers": list(depths), "seqs": list(seqs), "fb_s": fb})
     lo, hi = depths
-    _, sync = modelled(hi, 1, world, False, 1)
-    nosync = 0.05
+    _, sync, zero3 = modelled(hi, 1, world, False, 1)
+    nosync, hidden = 0.05, 1 - figures.dp_overlap
+    units = hi + 1
     steps = {"layers": [lo, hi], "dp": world, "seqs": 1,
              "optimizer_s": [figures.step_s + d * figures.step_layer_s for d in depths],
-             "step_nosync_s": nosync, "step_sync_s": nosync + (1 - figures.dp_overlap) * sync}
+             "step_nosync_s": nosync, "step_sync_s": nosync + hidden * sync + units * (figures.grad_sync_unit_s or 0),
+             "step_zero3_s": nosync + hidden * (zero3 + 3 * units * figures.fsdp_unit_s)}
     live = 64 * 2**20
     return {"version": 1, "dtype": figures.dtype, "world": world, "device": "cpu", "notes": [],
             "memory": {"baseline_bytes": figures.memory_overhead_bytes, "live_bytes": live,

@@ -52,7 +52,8 @@ def test_derive_reads_back_the_figures_that_made_the_timings():
         for f in ("layer_s", "layer_per_seq_s", "ends_s", "ends_per_seq_s"):
             assert getattr(g, f) == pytest.approx(getattr(w, f), abs=1e-9), f
     assert got.step_s == pytest.approx(want.step_s) and got.step_layer_s == pytest.approx(want.step_layer_s)
-    assert got.dp_overlap == pytest.approx(want.dp_overlap)
+    assert got.dp_overlap == pytest.approx(want.dp_overlap) and got.fsdp_unit_s == pytest.approx(want.fsdp_unit_s)
+    assert got.grad_sync_unit_s == 0.0
     assert got.memory_overhead_bytes == want.memory_overhead_bytes
     assert got.allocator_overhead == pytest.approx(want.allocator_overhead, rel=1e-3)
 
@@ -113,6 +114,24 @@ def test_gradient_sync_pays_the_probed_latency_once_per_fsdp_unit_and_the_probed
     est = estimate_time(Layout(dp=4, mbs=4), model=MODEL, cluster=_probed(links=link, dp_overlap=0.0),
                         training=TRAINING)
     assert est.breakdown["dp_comm_exposed"] == pytest.approx((MODEL.layers + 1) * allreduce_time(0, 4, 1e20, 1e-3))
+
+
+def test_a_sync_slower_than_its_links_is_a_cost_per_unit_of_every_layout_s_program():
+    """A real step's gradient sync beyond the modelled all-reduce (nothing hidden) is paid once per
+    FSDP unit, as ZeRO-3's is per unit gather and reduce-scatter, on any data-parallel degree."""
+    want = dataclasses.replace(truth(), dp_overlap=0.0, grad_sync_unit_s=0.003)
+    got = derive(raw_of(want, model=MODEL, cluster=CLUSTER, training=TRAINING), model=MODEL, cluster=CLUSTER,
+                 training=TRAINING)
+    assert got.dp_overlap == 0.0 and got.grad_sync_unit_s == pytest.approx(0.003)
+    assert got.fsdp_unit_s == pytest.approx(want.fsdp_unit_s)
+    none = dataclasses.replace(got, grad_sync_unit_s=0.0, fsdp_unit_s=0.0)
+    for layout, per_unit in ((Layout(pp=2, dp=2, mbs=4), 0.003), (Layout(dp=4, zero=3, mbs=4), 3 * 0.002)):
+        a = estimate_time(layout, model=MODEL, cluster=with_probe(CLUSTER, got), training=TRAINING)
+        b = estimate_time(layout, model=MODEL, cluster=with_probe(CLUSTER, none), training=TRAINING)
+        units = MODEL.layers // layout.pp + 1
+        m = tuner.microbatches(layout, TRAINING)
+        times = m if layout.zero == 3 else 1
+        assert a.breakdown["dp_comm_exposed"] - b.breakdown["dp_comm_exposed"] == pytest.approx(times * units * per_unit)
 
 
 def test_probed_memory_overhead_and_allocator_share_enter_the_memory_model():

@@ -19,6 +19,9 @@ What a figure means:
   elementwise kernels, DTensor bookkeeping): a constant per micro-batch plus a part per sequence;
 - ``step_s`` + ``step_layer_s`` x layers: the optimiser step and zeroing of a step, beyond the
   micro-batches; ``dp_overlap``: the share of the modelled gradient all-reduce a real step hid;
+  ``grad_sync_unit_s``: what a real step's gradient sync took beyond the modelled all-reduces (none
+  hidden), per FSDP unit; ``fsdp_unit_s``: the same for each unit's all-gather and reduce-scatter of
+  a real ZeRO-3 step (FSDP2's copies in and out, its hooks, the optimiser on shards);
 - ``memory_overhead_bytes``: what a rank process holds before it builds a model (interpreter, torch,
   communicators; CUDA: the context and NCCL, beyond torch's allocator); ``allocator_overhead``: what
   the allocator holds beyond the live tensors, as a share of them.
@@ -103,6 +106,8 @@ class ProbedFigures:
     step_s: float | None = None
     step_layer_s: float | None = None
     dp_overlap: float | None = None
+    grad_sync_unit_s: float | None = None  # ZeRO-0 (replicate): a unit's all-reduce beyond the modelled one
+    fsdp_unit_s: float | None = None  # ZeRO>=1: a unit's all-gather or reduce-scatter beyond the modelled one
     memory_overhead_bytes: int | None = None
     allocator_overhead: float | None = None
     dtype: str = ""  # the dtype the compute figures were measured in
@@ -112,7 +117,7 @@ class ProbedFigures:
         for f in ("matmul_flops", "attention_flops"):
             if getattr(self, f) is not None:
                 _positive(f"probed.{f}", getattr(self, f))
-        for f in ("step_s", "step_layer_s", "allocator_overhead"):
+        for f in ("step_s", "step_layer_s", "allocator_overhead", "grad_sync_unit_s", "fsdp_unit_s"):
             if getattr(self, f) is not None:
                 _non_negative(f"probed.{f}", getattr(self, f))
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
@@ -229,13 +234,12 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
     probed_cluster = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
-    def modelled(layers: int, tp: int, dp: int, sp: bool, seqs: int) -> tuple[float, float]:
-        """(compute + TP collectives of one micro-batch of ``seqs`` sequences, gradient all-reduce)
-        of the model cut to ``layers`` layers under (tp, dp) on one stage, as the time model costs them."""
-        m = dataclasses.replace(model, layers=layers)
-        mt = mesh_time(m, probed_cluster, training, f, tp, 1, 1, dp, 1, 1)
+    def modelled(layers: int, tp: int, dp: int, sp: bool, seqs: int) -> float:
+        """Compute + TP collectives of one micro-batch of ``seqs`` sequences of the model cut to
+        ``layers`` layers under (tp, dp) on one stage, as the time model costs them."""
+        mt = mesh_time(dataclasses.replace(model, layers=layers), probed_cluster, training, f, tp, 1, 1, dp, 1, 1)
         (c1, c0), (t1, t0), _, _ = mt.per_mb["none", sp]
-        return seqs * (c1 + t1) + c0 + t0, mt.dp[0][0]
+        return seqs * (c1 + t1) + c0 + t0
 
     layer_figs = []
     for x in raw.get("layers", []):
@@ -243,8 +247,7 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
         lo, hi = int(x["layers"][0]), int(x["layers"][1])
         per_seq: dict[int, tuple[float, float]] = {}
         for seqs, (t_lo, t_hi) in zip(x["seqs"], x["fb_s"], strict=True):
-            m_lo, _ = modelled(lo, tp, dp, sp, seqs)
-            m_hi, _ = modelled(hi, tp, dp, sp, seqs)
+            m_lo, m_hi = modelled(lo, tp, dp, sp, seqs), modelled(hi, tp, dp, sp, seqs)
             layer = max(0.0, ((t_hi - m_hi) - (t_lo - m_lo)) / (hi - lo))
             ends = max(0.0, (t_lo - m_lo) - lo * layer)
             per_seq[int(seqs)] = (layer, ends)
@@ -254,26 +257,36 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
         layer_figs.append(LayerFigure(tp=tp, sp=sp and tp > 1, layer_s=max(0.0, l1 - dl * s1), layer_per_seq_s=dl,
                                       ends_s=max(0.0, e1 - de * s1), ends_per_seq_s=de))
 
-    step_s = step_layer = overlap = None
+    step_s = step_layer = overlap = unit = fsdp = None
     st = raw.get("steps")
     if st:
         lo, hi = (int(v) for v in st["layers"])
         o_lo, o_hi = st["optimizer_s"]
         step_layer = max(0.0, (o_hi - o_lo) / (hi - lo)) if hi > lo else 0.0
         step_s = max(0.0, o_lo - lo * step_layer)
-        # A real step of the hi-layer model with one micro-batch, gradients synced and not: what the
-        # sync added against the modelled all-reduce is what the step did not hide.
-        _, sync = modelled(hi, 1, int(st["dp"]), False, int(st["seqs"]))
-        if sync > 0 and st.get("step_sync_s") is not None:
+        # Real steps of the hi-layer model with one micro-batch, gradients synced and not: what the
+        # sync added against the modelled all-reduce is what the step did not hide; beyond all of
+        # it, a cost per FSDP unit. The same against ZeRO-3's modelled gathers and reduce-scatters.
+        if st.get("step_sync_s") is not None:
+            dp = int(st["dp"])
+            mt = mesh_time(dataclasses.replace(model, layers=hi), probed_cluster, training, f, 1, 1, 1, dp, 1, 1)
+            units = hi + 1  # workers/_data_parallel.py: one per block, one for the rest of the model
+            sync, zero3 = mt.dp[0][0], mt.dp[3][2]
             exposed = max(0.0, st["step_sync_s"] - st["step_nosync_s"])
-            overlap = min(1.0, max(0.0, 1.0 - exposed / sync))
+            if sync > 0:
+                overlap = min(1.0, max(0.0, 1.0 - exposed / sync))
+                unit = max(0.0, exposed - sync) / units
+            if st.get("step_zero3_s") is not None and overlap is not None and overlap < 1:
+                extra = max(0.0, st["step_zero3_s"] - st["step_nosync_s"]) / (1 - overlap) - zero3
+                fsdp = max(0.0, extra) / (3 * units)  # two gathers and a reduce-scatter per unit
     mem = raw.get("memory") or {}
     overhead = int(mem["baseline_bytes"]) if mem.get("baseline_bytes") is not None else None
     alloc = None
     if mem.get("live_bytes"):
         alloc = max(0.0, (mem["held_bytes"] - mem["live_bytes"]) / mem["live_bytes"])
     return dataclasses.replace(base, layers=tuple(layer_figs), step_s=step_s, step_layer_s=step_layer,
-                               dp_overlap=overlap, memory_overhead_bytes=overhead, allocator_overhead=alloc,
+                               dp_overlap=overlap, grad_sync_unit_s=unit, fsdp_unit_s=fsdp,
+                               memory_overhead_bytes=overhead, allocator_overhead=alloc,
                                dtype=str(raw.get("dtype", "")), notes=tuple(notes))
 
 
@@ -347,6 +360,8 @@ def figure_rows(cluster: Any, probed: ProbedFigures | None = None) -> list[Figur
     row("optimiser step, fixed per step", "s", 0.0, p and p.step_s)
     row("optimiser step, per layer", "s", 0.0, p and p.step_layer_s)
     row("data-parallel overlap", "", f.dp_overlap, p and p.dp_overlap)
+    row("gradient all-reduce per FSDP unit, beyond the link (ZeRO-0)", "s", 0.0, p and p.grad_sync_unit_s)
+    row("all-gather or reduce-scatter per FSDP unit, beyond the link (ZeRO-1-3)", "s", 0.0, p and p.fsdp_unit_s)
     row("memory held before the model, per device", "B", float(OVERHEAD_BYTES[cluster.device_kind]),
         None if p is None or p.memory_overhead_bytes is None else float(p.memory_overhead_bytes))
     row("allocator overhead over live tensors", "", 0.0, p and p.allocator_overhead)

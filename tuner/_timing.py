@@ -298,16 +298,19 @@ class MeshTime:
         #     (a run of k forwards costs k, or k - 1 after a backward, plus the backward after it).
         pbytes = 2 if training.precision == "bf16" else 4
         units = max(rp.layers) + vpp if workers else 1
+        # What a real step's sync took per unit beyond the modelled collective (tuner/_probe.py).
+        unit_ar = (probed.grad_sync_unit_s or 0.0) if probed is not None and workers else 0.0
+        unit_fsdp = (probed.fsdp_unit_s or 0.0) if probed is not None and workers else 0.0
         ag = rs = ar = 0.0
         for psi, nd, axes in ((max(rp.dense), dp * ep * cp, ("dp", "ep", "cp")), (max(rp.expert), dp * cp, ("dp", "cp"))):
             if nd > 1 and psi > 0:
                 links = {op: _link(placement, axes, cluster, f, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-                ag += allgather_time(pbytes * psi, nd, links["all_gather"][0], 0.0) + units * allgather_time(
-                    0.0, nd, *links["all_gather"])
-                rs += allgather_time(REDUCE_BYTES * psi, nd, links["reduce_scatter"][0], 0.0) + units * allgather_time(
-                    0.0, nd, *links["reduce_scatter"])
-                ar += allreduce_time(REDUCE_BYTES * psi, nd, links["all_reduce"][0], 0.0) + units * allreduce_time(
-                    0.0, nd, *links["all_reduce"])
+                ag += allgather_time(pbytes * psi, nd, links["all_gather"][0], 0.0) + units * (allgather_time(
+                    0.0, nd, *links["all_gather"]) + unit_fsdp)
+                rs += allgather_time(REDUCE_BYTES * psi, nd, links["reduce_scatter"][0], 0.0) + units * (allgather_time(
+                    0.0, nd, *links["reduce_scatter"]) + unit_fsdp)
+                ar += allreduce_time(REDUCE_BYTES * psi, nd, links["all_reduce"][0], 0.0) + units * (allreduce_time(
+                    0.0, nd, *links["all_reduce"]) + unit_ar)
         if workers:
             self.dp = {0: (ar, 0.0, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
         elif pp == 1:

@@ -18,7 +18,7 @@ runs it on processes of its own. In order, each phase only if the budget has roo
    workers' own code (``build_rank_model``: TP/SP, replicate hooks) and run forward+backward on
    one micro-batch of 1 and of 2 sequences, gradient sync off;
 5. steps: AdamW's step and zeroing on the real rank's parameters at two depths, and one real
-   step with and without the gradient all-reduce.
+   step with and without the gradient all-reduce, and one under ZeRO-3 (FSDP2).
 Repetitions are chosen so each measurement takes about ``target_s`` (at least 3), agreed by all
 ranks; every rank's clock is reduced with MAX so all report the same numbers.
 """
@@ -378,8 +378,13 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
         step(depth, 1, True)  # gradients on the optimiser's (sharded) parameters: a synced backward
     o_lo, o_hi = _timed_together([functools.partial(opt, lo), functools.partial(opt, hi)], device, 2 * target)
     steps: dict[str, Any] = {"layers": [lo, hi], "optimizer_s": [o_lo, o_hi], "dp": dp, "seqs": 1}
-    if dp > 1:  # one real step of the deeper model, its gradients all-reduced and not
-        steps["step_nosync_s"], steps["step_sync_s"] = _timed_together(
-            [lambda: (step(hi, 1), opt(hi)), lambda: (step(hi, 1, True), opt(hi))], device, 2 * target,
-            min_reps=layer_reps)
+    if dp > 1:  # real steps of the deeper model: its gradients all-reduced and not, and under ZeRO-3
+        sub = dataclasses.replace(request, model=dataclasses.replace(spec, layers=hi),
+                                  layout=Layout(dp=dp, zero=3, mbs=1),
+                                  training=dataclasses.replace(request.training, global_batch=dp))
+        built["zero3"] = build_rank_model(sub, device)
+        step("zero3", 1, True)
+        steps["step_nosync_s"], steps["step_sync_s"], steps["step_zero3_s"] = _timed_together(
+            [lambda: (step(hi, 1), opt(hi)), lambda: (step(hi, 1, True), opt(hi)),
+             lambda: (step("zero3", 1, True), opt("zero3"))], device, 3 * target, min_reps=layer_reps)
     return row, steps

@@ -3,6 +3,7 @@ over api.probes.service; a probe is measured by ``meshtune probe`` or by a sweep
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter
@@ -20,16 +21,16 @@ ProbeId = path_id("Probe id.")
 
 
 class ProbeOut(BaseModel):
-    id: int
+    id: int = Field(description="Probe id.")
     key: str = Field(description="What it measured: the cluster's hardware, the model's shapes, dtype, backend, workload.")
     env_fingerprint: str = Field(description="The environment it ran in (device, driver, torch, CUDA, NCCL, backend).")
-    backend: str
-    dtype: str
-    created_at: Any
-    wall_s: float
-    cluster: dict[str, Any]
-    model: dict[str, Any]
-    env: dict[str, Any]
+    backend: str = Field(description="The backend whose rank processes it ran on.")
+    dtype: str = Field(description="The dtype the compute figures were measured in.")
+    created_at: datetime = Field(description="When it finished (it is stored only once finished).")
+    wall_s: float = Field(description="Seconds it took, the rank processes' start included.")
+    cluster: dict[str, Any] = Field(description="The cluster's hardware as probed (a ClusterSpec).")
+    model: dict[str, Any] = Field(description="The model whose shapes the compute figures were measured at.")
+    env: dict[str, Any] = Field(description="Rank 0's environment fingerprint (workers/env.py).")
     summary: str = Field(description="How many figures are probed; which tiers of links were, which fell back to the datasheet.")
     figures: dict[str, Any] = Field(description="tuner.ProbedFigures: what the time and memory models read.")
     rows: list[dict[str, Any]] = Field(description="Each figure: datasheet, probed, ratio, which one the models use.")
