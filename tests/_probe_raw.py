@@ -21,7 +21,7 @@ def truth(*, layers: tuple[LayerFigure, ...] = (), step_s: float = 0.004, step_l
           link: tuple[float, float] = (1e9, 3e-4)) -> ProbedFigures:
     """Figures of a made-up CPU cluster: every collective on the node at ``link`` (bw, latency)."""
     bw, lat = link
-    return ProbedFigures(matmul_flops=1.2e11, attention_flops=1.5e10,
+    return ProbedFigures(matmul_flops=1.2e11, attention_flops=1.5e10, compute_sharing=2.0,
                          links=tuple(LinkFigure("intra", op, bw * (1 + i / 10), lat * (1 + i), 4)
                                      for i, op in enumerate(OPS)),
                          layers=layers or (LayerFigure(1, False, 0.006, 0.0015, 0.003, 0.0005),
@@ -41,7 +41,7 @@ def raw_of(figures: ProbedFigures, *, model: Any, cluster: Any, training: Any, s
                           for s in SIZES]} for x in figures.links]
     gemm_flops, attn_flops = 1.0e9, 2.0e8
     base = dataclasses.replace(figures, layers=(), step_s=None, step_layer_s=None, dp_overlap=None,
-                               grad_sync_unit_s=None, fsdp_unit_s=None)
+                               grad_sync_unit_s=None, fsdp_unit_s=None, compute_sharing=None)
     probed = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
@@ -68,7 +68,8 @@ def raw_of(figures: ProbedFigures, *, model: Any, cluster: Any, training: Any, s
     return {"version": 1, "dtype": figures.dtype, "world": world, "device": "cpu", "notes": [],
             "memory": {"baseline_bytes": figures.memory_overhead_bytes, "live_bytes": live,
                        "held_bytes": int(live * (1 + figures.allocator_overhead))},
-            "links": links, "gemm": {"flops": gemm_flops, "time_s": gemm_flops / figures.matmul_flops},
+            "links": links, "gemm": {"flops": gemm_flops, "time_s": gemm_flops / figures.matmul_flops,
+                                     "busy_s": 0.05 * (figures.compute_sharing or 1), "alone_s": 0.05},
             "attention": {"flops": attn_flops, "time_s": attn_flops / figures.attention_flops},
             "layers": rows, "steps": steps, "wall_s": 1.5, "env": dict(ENV)}
 

@@ -44,6 +44,7 @@ def test_derive_reads_back_the_figures_that_made_the_timings():
     got = derive(raw_of(want, model=MODEL, cluster=CLUSTER, training=TRAINING), model=MODEL, cluster=CLUSTER,
                  training=TRAINING)
     assert got.matmul_flops == pytest.approx(want.matmul_flops) and got.attention_flops == pytest.approx(want.attention_flops)
+    assert got.compute_sharing == pytest.approx(want.compute_sharing)
     for w, g in zip(want.links, got.links, strict=True):
         assert (g.tier, g.op) == (w.tier, w.op)
         assert g.bandwidth == pytest.approx(w.bandwidth, rel=1e-6) and g.latency == pytest.approx(w.latency, rel=1e-6)
@@ -95,6 +96,22 @@ def test_a_pipeline_splits_the_ends_overhead_by_their_flops_and_the_optimiser_by
     last = 0.01 / (1 + tuner.EMBEDDING_COST)  # the head and loss's share: the slowest stage
     m = tuner.microbatches(layout, TRAINING)
     assert est.step_time_s - base.step_time_s == pytest.approx((m + 1) * last + 0.002 + 2 * 0.001, rel=1e-6)
+
+
+def test_stages_idle_in_the_bubble_lend_their_share_of_shared_cores_but_the_work_still_takes_its_time():
+    layer = LayerFigure(1, False, layer_s=0.02, layer_per_seq_s=0.0, ends_s=0.0, ends_per_seq_s=0.0)
+    for pp, m_bs in ((4, 4), (2, 1)):
+        layout = Layout(pp=pp, dp=4 // pp, mbs=m_bs, schedule="1f1b")
+        own = estimate_time(layout, model=MODEL, cluster=_probed(layers=(layer,)), training=TRAINING).breakdown
+        shared = estimate_time(layout, model=MODEL, cluster=_probed(layers=(layer,), compute_sharing=2.0),
+                               training=TRAINING).breakdown
+        m = tuner.microbatches(layout, TRAINING)
+        busy = own["compute"]
+        assert own["pp_bubble"] == pytest.approx(busy * (pp - 1) / m)  # idle stages: the bubble as it is
+        assert shared["pp_bubble"] == pytest.approx(max(0.0, (busy + own["pp_bubble"]) / 2 - busy))
+    assert estimate_time(Layout(dp=4), model=MODEL, cluster=_probed(compute_sharing=2.0), training=TRAINING
+                         ).step_time_s == estimate_time(Layout(dp=4), model=MODEL, cluster=_probed(),
+                                                        training=TRAINING).step_time_s  # nobody idles
 
 
 def test_sequence_parallelism_is_costed_on_the_probed_all_gather_and_reduce_scatter():

@@ -12,6 +12,9 @@ What a figure means:
 - ``matmul_flops`` / ``attention_flops``: achieved FLOP/s of the layer's GEMMs (forward and both
   backward GEMMs of q/k/v/o and the MLP at one sequence's tokens) and of SDPA forward+backward at the
   model's shapes: they replace ``peak_flops x compute_efficiency`` (and the attention's efficiency);
+- ``compute_sharing``: how many times slower a device computes when every device of its node does
+  than alone (1 for devices of their own; about ranks / cores for CPU ranks): a pipeline stage idle
+  in the bubble lends the others its share (tuner/_timing.py);
 - a ``LinkFigure`` per (tier, collective): the bandwidth and per-message latency of the ring/pairwise
   formulas of tuner/_formulas.py fitted to timings at three payloads on a group of that tier;
 - a ``LayerFigure`` per (tp, sp): what one layer's (and the embedding/head/loss's) forward+backward
@@ -101,6 +104,7 @@ class ProbedFigures:
 
     matmul_flops: float | None = None
     attention_flops: float | None = None
+    compute_sharing: float | None = None  # >= 1: a device's compute when all of its node's compute vs alone
     links: tuple[LinkFigure, ...] = ()
     layers: tuple[LayerFigure, ...] = ()
     step_s: float | None = None
@@ -117,6 +121,10 @@ class ProbedFigures:
         for f in ("matmul_flops", "attention_flops"):
             if getattr(self, f) is not None:
                 _positive(f"probed.{f}", getattr(self, f))
+        if self.compute_sharing is not None:
+            _positive("probed.compute_sharing", self.compute_sharing)
+            if self.compute_sharing < 1:
+                raise SpecError(f"probed.compute_sharing must be at least 1, got {self.compute_sharing!r}")
         for f in ("step_s", "step_layer_s", "allocator_overhead", "grad_sync_unit_s", "fsdp_unit_s"):
             if getattr(self, f) is not None:
                 _non_negative(f"probed.{f}", getattr(self, f))
@@ -225,12 +233,15 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
     notes = list(raw.get("notes", []))
     gemm, attn = raw.get("gemm") or {}, raw.get("attention") or {}
     matmul = gemm["flops"] / gemm["time_s"] if gemm.get("time_s") else None
+    sharing = None
+    if gemm.get("alone_s") and gemm.get("busy_s") and int(raw.get("world", 1)) > 1:
+        sharing = min(float(cluster.devices_per_node), max(1.0, gemm["busy_s"] / gemm["alone_s"]))
     attention = attn["flops"] / attn["time_s"] if attn.get("time_s") else None
     links = []
     for x in raw.get("links", []):
         bw, lat = fit_link(x["op"], int(x["group"]), x["sizes"], x["times_s"])
         links.append(LinkFigure(tier=x["tier"], op=x["op"], bandwidth=bw, latency=lat, group=int(x["group"])))
-    base = ProbedFigures(matmul_flops=matmul, attention_flops=attention, links=tuple(links))
+    base = ProbedFigures(matmul_flops=matmul, attention_flops=attention, links=tuple(links))  # what layers read
     probed_cluster = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
@@ -284,7 +295,8 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
     alloc = None
     if mem.get("live_bytes"):
         alloc = max(0.0, (mem["held_bytes"] - mem["live_bytes"]) / mem["live_bytes"])
-    return dataclasses.replace(base, layers=tuple(layer_figs), step_s=step_s, step_layer_s=step_layer,
+    return dataclasses.replace(base, compute_sharing=sharing, layers=tuple(layer_figs), step_s=step_s,
+                               step_layer_s=step_layer,
                                dp_overlap=overlap, grad_sync_unit_s=unit, fsdp_unit_s=fsdp,
                                memory_overhead_bytes=overhead, allocator_overhead=alloc,
                                dtype=str(raw.get("dtype", "")), notes=tuple(notes))
@@ -337,6 +349,8 @@ def figure_rows(cluster: Any, probed: ProbedFigures | None = None) -> list[Figur
 
     row("matmul FLOP/s per device", "FLOP/s", cluster.peak_flops * f.compute_efficiency, p and p.matmul_flops,
         f"datasheet: peak x compute efficiency {f.compute_efficiency:g}")
+    row("compute slowdown when all of a node's devices compute", "x", 1.0, p and p.compute_sharing,
+        "datasheet: devices of their own")
     row("attention FLOP/s per device", "FLOP/s", cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency),
         p and p.attention_flops, f"datasheet: peak x attention efficiency {f.attention_efficiency:g}")
     sheet = {"intra": (cluster.intra_node_bandwidth * f.intra_bw_efficiency, cluster.intra_node_latency),

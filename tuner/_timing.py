@@ -322,6 +322,7 @@ class MeshTime:
         if probed is not None and probed.step_s is not None:
             self.step_fixed = probed.step_s + (probed.step_layer_s or 0.0) * max(rp.layers)
         self.dp_overlap = probed.dp_overlap if probed is not None and probed.dp_overlap is not None else f.dp_overlap
+        self.sharing = probed.compute_sharing or 1.0 if probed is not None else 1.0
         self.tokens = training.global_batch * seq
         self.world = world
         self.peak = world * cluster.peak_flops
@@ -339,6 +340,11 @@ class MeshTime:
         t_mb = compute + tp_t + cp_t + ep_t
         busy = m * t_mb
         bubble = t_mb * (self.pp - 1) / self.vpp  # (p-1)/(v m) of the ideal time (Narayanan 2021)
+        if self.sharing > 1.0:
+            # Devices sharing their host's cores (CPU ranks, probed): a stage idle in the bubble
+            # lends its share, so the critical path runs up to that much faster, never faster than
+            # the node can do the work of every stage.
+            bubble = max(0.0, (busy + bubble) / self.sharing - busy)
         p1, p0 = self.p2p[sp]
         p2p = m * (mbs * p1 + p0)
         hidable, fixed, per_mb = self.dp[zero]

@@ -13,7 +13,8 @@ runs it on processes of its own. In order, each phase only if the budget has roo
    per domain), all-reduce, all-gather, reduce-scatter, all-to-all and a send/recv ping-pong at
    three payloads: the slowest member's median;
 3. compute: forward and both backward GEMMs of the layer's projections at one sequence's tokens,
-   and SDPA forward+backward, in the training dtype, on every rank at once (as in training);
+   and SDPA forward+backward, in the training dtype, on every rank at once (as in training); the
+   GEMMs again on rank 0 alone (how much the ranks slow each other down when all compute);
 4. layers: for each (tp, sp) the layouts use, the real model cut to a few layers, built by the
    workers' own code (``build_rank_model``: TP/SP, replicate hooks) and run forward+backward on
    one micro-batch of 1 and of 2 sequences, gradient sync off;
@@ -49,6 +50,7 @@ SIZES = {"cpu": (256, 256 * 1024, 2 * 1024 * 1024), "cuda": (4096, 8 * 2**20, 64
 DEFAULT_BUDGET_S = 45.0
 TARGET_S = 0.15  # seconds of repetitions per measurement (each at least MIN_REPS)
 MIN_REPS, MAX_REPS = 3, 20
+SHARING_SPAN_S = 0.05  # one run of the compute-sharing measurement
 LAYER_REPS = 5  # a real layer's time is the noisiest figure on a shared host: more repetitions
 
 
@@ -284,6 +286,18 @@ def _compute(spec: Any, device: torch.device, dtype: torch.dtype, target: float)
 
     flops = float(sum(3 * 2 * t * i * o for t, i, o in shapes))
     gemm = {"flops": flops, "time_s": _timed(gemms, device, target)}
+    # Long runs of them on every rank, then on rank 0 alone, every other rank waiting (blocked, not
+    # spinning) in a collective: how much of each other's compute the devices of one host take when
+    # all of them compute (CPU ranks sharing cores: about ranks / cores; devices of their own: 1).
+    # Each run spans several scheduler time slices (SHARING_SPAN_S), or short bursts never meet.
+    n = max(1, int(SHARING_SPAN_S / max(gemm["time_s"], 1e-6)))
+
+    def run() -> None:
+        for _ in range(n):
+            gemms()
+
+    gemm["busy_s"] = _timed(run, device, 0.0)
+    gemm["alone_s"] = _timed(run, device, 0.0, member=dist.get_rank() == 0)
     q = torch.randn(1, spec.heads, s, spec.head_dim, generator=g).to(device, dtype).requires_grad_()
     k = torch.randn(1, spec.heads, s, spec.head_dim, generator=g).to(device, dtype).requires_grad_()
     v = torch.randn(1, spec.heads, s, spec.head_dim, generator=g).to(device, dtype).requires_grad_()

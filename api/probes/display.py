@@ -23,6 +23,8 @@ def value(v: float | None, unit: str, *, dash: str = fmt.DASH) -> str:
             if abs(v) >= scale:
                 return f"{fmt._fixed(v / scale, 3)} {prefix}{unit}"
         return f"{fmt._fixed(v, 3)} {unit}"
+    if unit == "x":
+        return f"{fmt._fixed(v, 3)}x"
     return fmt.pct(v)
 
 
