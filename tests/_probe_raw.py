@@ -27,6 +27,7 @@ def truth(*, layers: tuple[LayerFigure, ...] = (), step_s: float = 0.004, step_l
                          layers=layers or (LayerFigure(1, False, 0.006, 0.0015, 0.003, 0.0005),
                                            LayerFigure(2, False, 0.02, 0.002, 0.01, 0.001),
                                            LayerFigure(2, True, 0.03, 0.001, 0.012, 0.0)),
+                         recompute=(("full", 1.8),),
                          step_s=step_s, step_layer_s=step_layer_s, dp_overlap=0.25, fsdp_unit_s=0.002,
                          memory_overhead_bytes=300 * 2**20, allocator_overhead=0.05, dtype="float32")
 
@@ -41,21 +42,25 @@ def raw_of(figures: ProbedFigures, *, model: Any, cluster: Any, training: Any, s
                           for s in SIZES]} for x in figures.links]
     gemm_flops, attn_flops = 1.0e9, 2.0e8
     base = dataclasses.replace(figures, layers=(), step_s=None, step_layer_s=None, dp_overlap=None,
-                               grad_sync_unit_s=None, fsdp_unit_s=None, compute_sharing=None)
+                               grad_sync_unit_s=None, fsdp_unit_s=None, compute_sharing=None, recompute=())
     probed = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
-    def modelled(layers: int, tp: int, dp: int, sp: bool, n: int) -> tuple[float, float, float]:
+    def modelled(layers: int, tp: int, dp: int, sp: bool, n: int, ac: str = "none") -> tuple[float, float, float]:
         mt = mesh_time(dataclasses.replace(model, layers=layers), probed, training, f, tp, 1, 1, dp, 1, 1)
-        (c1, c0), (t1, t0), _, _ = mt.per_mb["none", sp]
+        (c1, c0), (t1, t0), _, _ = mt.per_mb[ac, sp]
         return n * (c1 + t1) + c0 + t0, mt.dp[0][0], mt.dp[3][2]
 
     rows = []
     for x in figures.layers:
         dp = world // x.tp
-        fb = [[modelled(d, x.tp, dp, x.sp, n)[0] + d * (x.layer_s + n * x.layer_per_seq_s) + x.ends_s
-               + n * x.ends_per_seq_s for d in depths] for n in seqs]
-        rows.append({"tp": x.tp, "dp": dp, "sp": x.sp, "layers": list(depths), "seqs": list(seqs), "fb_s": fb})
+        def fb(ac: str, factor: float, x: LayerFigure = x, dp: int = dp) -> list[list[float]]:
+            return [[modelled(d, x.tp, dp, x.sp, n, ac)[0] + d * (x.layer_s + n * x.layer_per_seq_s) * factor
+                     + x.ends_s + n * x.ends_per_seq_s for d in depths] for n in seqs]
+
+        rows.append({"tp": x.tp, "dp": dp, "sp": x.sp, "layers": list(depths), "seqs": list(seqs), "fb_s": fb("none", 1)})
+        if (x.tp, x.sp) == (1, False):
+            rows[-1]["recompute_fb_s"] = {ac: fb(ac, r) for ac, r in figures.recompute}
     lo, hi = depths
     _, sync, zero3 = modelled(hi, 1, world, False, 1)
     nosync, hidden = 0.05, 1 - figures.dp_overlap

@@ -53,6 +53,7 @@ def test_derive_reads_back_the_figures_that_made_the_timings():
         for f in ("layer_s", "layer_per_seq_s", "ends_s", "ends_per_seq_s"):
             assert getattr(g, f) == pytest.approx(getattr(w, f), abs=1e-9), f
     assert got.step_s == pytest.approx(want.step_s) and got.step_layer_s == pytest.approx(want.step_layer_s)
+    assert [ac for ac, _ in got.recompute] == ["full"] and got.recompute[0][1] == pytest.approx(1.8)
     assert got.dp_overlap == pytest.approx(want.dp_overlap) and got.fsdp_unit_s == pytest.approx(want.fsdp_unit_s)
     assert got.grad_sync_unit_s == 0.0
     assert got.memory_overhead_bytes == want.memory_overhead_bytes
@@ -85,6 +86,9 @@ def test_layer_overheads_count_per_micro_batch_and_layer_and_recompute_repeats_t
     full = estimate_time(Layout(dp=4, ac="full"), model=MODEL, cluster=_probed(layers=(layer,)), training=TRAINING)
     base_full = estimate_time(Layout(dp=4, ac="full"), model=MODEL, cluster=_probed(), training=TRAINING)
     assert full.step_time_s - base_full.step_time_s == pytest.approx(4 * (4 * 0.012 * (1 + 1 / 3) + 0.004), rel=1e-6)
+    probed = estimate_time(Layout(dp=4, ac="full"), model=MODEL, training=TRAINING,
+                           cluster=_probed(layers=(layer,), recompute=(("full", 2.0),)))
+    assert probed.step_time_s - base_full.step_time_s == pytest.approx(4 * (4 * 0.012 * 2.0 + 0.004), rel=1e-6)
 
 
 def test_a_pipeline_splits_the_ends_overhead_by_their_flops_and_the_optimiser_by_the_stage_s_layers():

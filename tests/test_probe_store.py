@@ -67,10 +67,10 @@ def test_a_probe_runs_once_then_is_found_by_its_cluster_model_and_environment(db
     _, sessions = db
     backend = SweepingBackend()
     first = _ensure(sessions, backend)
-    assert not first.reused and backend.calls == ["environment_rank", "probe_rank"]
+    assert not first.reused and backend.calls == ["probe_rank"]  # nothing stored: nothing to compare with
     assert probes.figures_of(first.row).matmul_flops == pytest.approx(truth().matmul_flops)
     again = _ensure(sessions, backend)
-    assert again.reused and again.row.id == first.row.id and backend.calls[2:] == ["environment_rank"]
+    assert again.reused and again.row.id == first.row.id and backend.calls[1:] == ["environment_rank"]
     assert _count(sessions) == 1
 
 
@@ -120,7 +120,7 @@ def test_a_sweep_probes_before_its_first_trial_predicts_with_the_figures_and_the
     one = _sweep(settings, sessions, backend)
     probe = one.calibration["probe"]
     assert one.status == "completed" and not probe["reused"] and probe["figures"] and probe["id"] == 1
-    assert backend.calls == ["environment_rank", "probe_rank"]  # before any trial
+    assert backend.calls == ["probe_rank"]  # before any trial
     probed = cluster_under(one.calibration, CLUSTER)
     assert probed.probed == tuner.ProbedFigures.from_dict(probe["figures"])
     with sessions() as s:

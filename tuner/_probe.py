@@ -20,6 +20,8 @@ What a figure means:
 - a ``LayerFigure`` per (tp, sp): what one layer's (and the embedding/head/loss's) forward+backward
   of a real micro-batch takes beyond its modelled matmuls, attention and TP collectives (dispatch,
   elementwise kernels, DTensor bookkeeping): a constant per micro-batch plus a part per sequence;
+- ``recompute``: per activation checkpointing, how many times a layer's extra (above) it takes
+  (the checkpoint's own machinery and the repeated forward; the repeated FLOPs are modelled);
 - ``step_s`` + ``step_layer_s`` x layers: the optimiser step and zeroing of a step, beyond the
   micro-batches; ``dp_overlap``: the share of the modelled gradient all-reduce a real step hid;
   ``grad_sync_unit_s``: what a real step's gradient sync took beyond the modelled all-reduces (none
@@ -110,6 +112,7 @@ class ProbedFigures:
     step_s: float | None = None
     step_layer_s: float | None = None
     dp_overlap: float | None = None
+    recompute: tuple[tuple[str, float], ...] = ()  # (ac, what a layer's extra takes under it / without it)
     grad_sync_unit_s: float | None = None  # ZeRO-0 (replicate): a unit's all-reduce beyond the modelled one
     fsdp_unit_s: float | None = None  # ZeRO>=1: a unit's all-gather or reduce-scatter beyond the modelled one
     memory_overhead_bytes: int | None = None
@@ -135,6 +138,12 @@ class ProbedFigures:
         object.__setattr__(self, "links", tuple(_as(LinkFigure, x, "probed.links") for x in self.links))
         object.__setattr__(self, "layers", tuple(_as(LayerFigure, x, "probed.layers") for x in self.layers))
         object.__setattr__(self, "notes", tuple(str(x) for x in self.notes))
+        recompute = tuple((str(ac), float(r)) for ac, r in (self.recompute or ()))
+        for ac, r in recompute:
+            if ac not in ("selective", "full"):
+                raise SpecError(f"probed.recompute: {ac!r} is not an activation checkpointing (selective, full)")
+            _positive(f"probed.recompute.{ac}", r)
+        object.__setattr__(self, "recompute", recompute)
 
     def link(self, tier: str, op: str) -> LinkFigure | None:
         for x in self.links:
@@ -167,7 +176,7 @@ def _as(cls: type, value: Any, where: str) -> Any:
     if unknown:
         raise SpecError(f"{where}.{unknown[0]} is not a known field (known: {', '.join(sorted(names))})")
     data = dict(value)
-    for key in ("links", "layers", "notes"):
+    for key in ("links", "layers", "notes", "recompute"):
         if key in data and isinstance(data[key], list):
             data[key] = tuple(data[key])
     try:
@@ -245,28 +254,39 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
     probed_cluster = dataclasses.replace(cluster, probed=base)
     f = CalibrationFactors()
 
-    def modelled(layers: int, tp: int, dp: int, sp: bool, seqs: int) -> float:
+    def modelled(layers: int, tp: int, dp: int, sp: bool, seqs: int, ac: str = "none") -> float:
         """Compute + TP collectives of one micro-batch of ``seqs`` sequences of the model cut to
         ``layers`` layers under (tp, dp) on one stage, as the time model costs them."""
         mt = mesh_time(dataclasses.replace(model, layers=layers), probed_cluster, training, f, tp, 1, 1, dp, 1, 1)
-        (c1, c0), (t1, t0), _, _ = mt.per_mb["none", sp]
+        (c1, c0), (t1, t0), _, _ = mt.per_mb[ac, sp]
         return seqs * (c1 + t1) + c0 + t0
 
-    layer_figs = []
+    def extra(fb: list[list[float]], seqs: list[int], tp: int, dp: int, sp: bool, lo: int, hi: int,
+              ac: str = "none") -> dict[int, tuple[float, float]]:
+        """Per micro-batch size: (a layer's, the ends') time beyond the model's, from two depths."""
+        out = {}
+        for n, (t_lo, t_hi) in zip(seqs, fb, strict=True):
+            m_lo, m_hi = modelled(lo, tp, dp, sp, n, ac), modelled(hi, tp, dp, sp, n, ac)
+            layer = max(0.0, ((t_hi - m_hi) - (t_lo - m_lo)) / (hi - lo))
+            out[int(n)] = (layer, max(0.0, (t_lo - m_lo) - lo * layer))
+        return out
+
+    layer_figs, recompute = [], []
     for x in raw.get("layers", []):
         tp, dp, sp = int(x["tp"]), int(x["dp"]), bool(x["sp"])
         lo, hi = int(x["layers"][0]), int(x["layers"][1])
-        per_seq: dict[int, tuple[float, float]] = {}
-        for seqs, (t_lo, t_hi) in zip(x["seqs"], x["fb_s"], strict=True):
-            m_lo, m_hi = modelled(lo, tp, dp, sp, seqs), modelled(hi, tp, dp, sp, seqs)
-            layer = max(0.0, ((t_hi - m_hi) - (t_lo - m_lo)) / (hi - lo))
-            ends = max(0.0, (t_lo - m_lo) - lo * layer)
-            per_seq[int(seqs)] = (layer, ends)
+        per_seq = extra(x["fb_s"], x["seqs"], tp, dp, sp, lo, hi)
         (s1, (l1, e1)), (s2, (l2, e2)) = sorted(per_seq.items())[0], sorted(per_seq.items())[-1]
         dl = max(0.0, (l2 - l1) / (s2 - s1)) if s2 > s1 else 0.0
         de = max(0.0, (e2 - e1) / (s2 - s1)) if s2 > s1 else 0.0
         layer_figs.append(LayerFigure(tp=tp, sp=sp and tp > 1, layer_s=max(0.0, l1 - dl * s1), layer_per_seq_s=dl,
                                       ends_s=max(0.0, e1 - de * s1), ends_per_seq_s=de))
+        for ac, fb in (x.get("recompute_fb_s") or {}).items():
+            # a layer's extra under checkpointing against without, over the micro-batch sizes probed
+            under = extra(fb, x["seqs"], tp, dp, sp, lo, hi, ac)
+            plain = sum(per_seq[n][0] for n in under)
+            if plain > 0:
+                recompute.append((ac, max(1.0, sum(v[0] for v in under.values()) / plain)))
 
     step_s = step_layer = overlap = unit = fsdp = None
     st = raw.get("steps")
@@ -295,7 +315,8 @@ def derive(raw: Mapping[str, Any], *, model: Any, cluster: Any, training: Any) -
     alloc = None
     if mem.get("live_bytes"):
         alloc = max(0.0, (mem["held_bytes"] - mem["live_bytes"]) / mem["live_bytes"])
-    return dataclasses.replace(base, compute_sharing=sharing, layers=tuple(layer_figs), step_s=step_s,
+    return dataclasses.replace(base, compute_sharing=sharing, layers=tuple(layer_figs), recompute=tuple(recompute),
+                               step_s=step_s,
                                step_layer_s=step_layer,
                                dp_overlap=overlap, grad_sync_unit_s=unit, fsdp_unit_s=fsdp,
                                memory_overhead_bytes=overhead, allocator_overhead=alloc,
@@ -371,6 +392,11 @@ def figure_rows(cluster: Any, probed: ProbedFigures | None = None) -> list[Figur
         row(f"layer fwd+bwd beyond the model, per sequence ({what})", "s", 0.0, x.layer_per_seq_s)
         row(f"embedding+head+loss beyond the model, per micro-batch ({what})", "s", 0.0, x.ends_s)
         row(f"embedding+head+loss beyond the model, per sequence ({what})", "s", 0.0, x.ends_per_seq_s)
+    for ac in ("selective", "full"):
+        got = dict(p.recompute).get(ac) if p else None
+        if got is not None:
+            row(f"layer's extra under ac={ac}, vs without", "x", None, got,
+                "datasheet: 1 + the repeated forward's share of the FLOPs")
     row("optimiser step, fixed per step", "s", 0.0, p and p.step_s)
     row("optimiser step, per layer", "s", 0.0, p and p.step_layer_s)
     row("data-parallel overlap", "", f.dp_overlap, p and p.dp_overlap)

@@ -247,8 +247,10 @@ class MeshTime:
                     a2a = elt * seq_local * model.top_k * h
                     ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
                 # What a probed layer takes beyond the above (dispatch, elementwise work): recompute
-                # repeats the forward's share of it, as it repeats the forward's FLOPs.
-                redo = 1.0 + (re_matmul + re_core) / (matmul + core)
+                # repeats the forward's share of it, as it repeats the forward's FLOPs, or what a
+                # probe of the checkpointed layer measured.
+                redo = dict(probed.recompute).get(ac) if probed is not None else None
+                redo = redo or 1.0 + (re_matmul + re_core) / (matmul + core)
                 lay1, lay0 = (over.layer_per_seq_s * redo, over.layer_s * redo) if over else (0.0, 0.0)
                 stages = []
                 for r, n_layers in enumerate(rp.layers):

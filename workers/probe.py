@@ -55,8 +55,9 @@ LAYER_REPS = 5  # a real layer's time is the noisiest figure on a shared host: m
 
 
 def probe_request(model: Any, cluster: Any, training: TrainingSpec, *, tp_sp: list[tuple[int, bool]],
-                  max_mbs: int = 4, budget_s: float = DEFAULT_BUDGET_S, target_s: float = TARGET_S, workload: str = "builtin",
-                  trial_id: str | None = None, layer_reps: int = LAYER_REPS) -> TrialRequest:
+                  max_mbs: int = 4, recompute: tuple[str, ...] = (), budget_s: float = DEFAULT_BUDGET_S,
+                  target_s: float = TARGET_S, workload: str = "builtin", trial_id: str | None = None,
+                  layer_reps: int = LAYER_REPS) -> TrialRequest:
     """The request a backend's ``run_program`` runs ``probe_rank`` with: a data-parallel layout of the
     cluster's world size (the gang every layout of that size reuses), what to measure in its options.
     The cluster is stripped of earlier probed figures: a probe measures, it reads none."""
@@ -68,7 +69,8 @@ def probe_request(model: Any, cluster: Any, training: TrainingSpec, *, tp_sp: li
     # per-sequence part of a layer is read across that span, not extrapolated beyond it.
     seqs = [1, min(4, max(2, int(max_mbs)))]
     options = {"probe": {"tiers": targets.tiers, "layers": [list(x) for x in targets.layers], "seqs": seqs,
-                         "budget_s": budget_s, "target_s": target_s, "layer_reps": layer_reps}}
+                         "recompute": [ac for ac in recompute if ac != "none"], "budget_s": budget_s,
+                         "target_s": target_s, "layer_reps": layer_reps}}
     return TrialRequest(model=model, cluster=cluster, training=training, layout=Layout(dp=world),
                         warmup_steps=0, measure_steps=1, step_timeout_s=max(60.0, 2 * budget_s), options=options,
                         workload=workload, trial_id=trial_id)
@@ -343,7 +345,8 @@ def _layers(request: TrialRequest, device: torch.device, opts: dict[str, Any], t
             notes.append(f"layers tp={tp}{' sp' if sp else ''}: skipped, over the probe's budget")
             continue
         row, stepped = _layer_config(request, device, int(tp), bool(sp), (lo, hi), seqs, batch, target,
-                                     int(opts.get("layer_reps", LAYER_REPS)))
+                                     int(opts.get("layer_reps", LAYER_REPS)),
+                                     list(opts.get("recompute") or []) if (tp, sp) == (1, False) else [])
         out.append(row)
         steps = steps or stepped
         gc.collect()
@@ -352,10 +355,11 @@ def _layers(request: TrialRequest, device: torch.device, opts: dict[str, Any], t
 
 def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool, depths: tuple[int, int],
                   seqs: list[int], batch: tuple[torch.Tensor, torch.Tensor], target: float,
-                  layer_reps: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                  layer_reps: int, recompute: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One (tp, sp): the model at both depths built at once (their layers are timed in turns), one
-    micro-batch of each size forward+backward, gradient sync off; for tp=1 also the optimiser and
-    a real step of the deeper model with and without its gradient all-reduce."""
+    micro-batch of each size forward+backward, gradient sync off; for tp=1 also each activation
+    checkpointing of ``recompute`` (timed in turns with the plain layers), the optimiser and real
+    steps of the deeper model with and without its gradient all-reduce, and under ZeRO-3."""
     from workers._data_parallel import zero1_micro_batch
     from workers.rank_model import build_rank_model
 
@@ -363,14 +367,15 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
     dp, (lo, hi) = world // tp, depths
     tokens, targets = batch
     positions = torch.arange(spec.seq_len, device=device)
-    built = {}
-    for depth in depths:
-        sub = dataclasses.replace(request, model=dataclasses.replace(spec, layers=depth),
-                                  layout=Layout(tp=tp, dp=dp, sp=sp, mbs=1),
-                                  training=dataclasses.replace(request.training, global_batch=dp))
-        built[depth] = build_rank_model(sub, device)
+    built: dict[Any, Any] = {}
+    for ac in ("none", *recompute):
+        for depth in depths:
+            sub = dataclasses.replace(request, model=dataclasses.replace(spec, layers=depth),
+                                      layout=Layout(tp=tp, dp=dp, sp=sp, mbs=1, ac=ac),  # type: ignore[arg-type]
+                                      training=dataclasses.replace(request.training, global_batch=dp))
+            built[depth if ac == "none" else (ac, depth)] = build_rank_model(sub, device)
 
-    def step(depth: int, n: int, sync: bool = False) -> None:
+    def step(depth: Any, n: int, sync: bool = False) -> None:
         rm = built[depth]
         zero1_micro_batch(rm.par.chunks, last=sync)
         with torch.autocast(device.type, dtype=rm.dtype, enabled=rm.autocast), rm.par.loss_context():
@@ -381,11 +386,16 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
         built[depth].optimizer.step()
         built[depth].optimizer.zero_grad(set_to_none=False)  # the next repetition steps them all again
 
-    combos = [(d, n) for n in seqs for d in depths]
-    times = _timed_together([functools.partial(step, d, n) for d, n in combos], device, target * len(combos),
-                            min_reps=layer_reps)
-    row = {"tp": tp, "dp": dp, "sp": sp, "layers": [lo, hi], "seqs": seqs,
-           "fb_s": [[t for (_, m), t in zip(combos, times, strict=True) if m == n] for n in seqs]}
+    combos = [(k, d, n) for k in ("none", *recompute) for n in seqs for d in depths]
+    times = _timed_together([functools.partial(step, d if k == "none" else (k, d), n) for k, d, n in combos], device,
+                            target * len(combos), min_reps=layer_reps)
+
+    def fb(kind: str) -> list[list[float]]:
+        return [[t for (k, _, m), t in zip(combos, times, strict=True) if k == kind and m == n] for n in seqs]
+
+    row: dict[str, Any] = {"tp": tp, "dp": dp, "sp": sp, "layers": [lo, hi], "seqs": seqs, "fb_s": fb("none")}
+    if recompute:
+        row["recompute_fb_s"] = {ac: fb(ac) for ac in recompute}
     if (tp, sp) != (1, False):
         return row, None
     for depth in depths:

@@ -98,8 +98,10 @@ def _request(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, 
              target_s: float | None = None, layer_reps: int | None = None) -> Any:
     from workers.probe import DEFAULT_BUDGET_S, LAYER_REPS, TARGET_S, probe_request
 
+    layouts = list(layouts)
     tp_sp, max_mbs = targets_of(layouts)
-    return probe_request(model, cluster, training, tp_sp=tp_sp, max_mbs=max_mbs, workload=workload,
+    recompute = tuple(sorted({lay.ac for lay in layouts} - {"none"}))
+    return probe_request(model, cluster, training, tp_sp=tp_sp, max_mbs=max_mbs, recompute=recompute, workload=workload,
                          budget_s=budget_s or DEFAULT_BUDGET_S, target_s=target_s or TARGET_S, trial_id=trial_id,
                          layer_reps=layer_reps or LAYER_REPS)
 
@@ -173,7 +175,10 @@ def ensure(sessions: Any, backend: Any, *, model: ModelSpec, cluster: ClusterSpe
 
     name = getattr(backend, "name", "?")
     key = probe_key(cluster=cluster, model=model, training=training, backend=name, workload=workload)
-    if not force:
+    layouts = list(layouts)
+    with sessions() as s:
+        any_stored = latest(s, key=key) is not None
+    if any_stored and not force:  # is one of them of the ranks' environment? (else nothing to ask)
         env = environment(backend, model=model, cluster=cluster, training=training, workload=workload)
         fp = fingerprint(env, name) or ""
         tp_sp, _ = targets_of(layouts)
