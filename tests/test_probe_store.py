@@ -203,3 +203,10 @@ def test_the_api_and_the_dashboard_show_probed_beside_datasheet(db):
         page = c.get(f"/sweeps/{sweep.id}").text
     assert 'id="probe-panel"' in page and "probed / datasheet" in page and "matmul FLOP/s per device" in page
     assert "4x" in page
+
+
+def test_a_degree_the_probe_s_budget_skipped_does_not_make_every_later_sweep_probe_again():
+    layer = {"tp": 1, "sp": False}
+    row = types.SimpleNamespace(figures={"layers": [layer]}, raw={"requested_layers": [[1, False], [4, False]]})
+    assert probes.covers(row, [(1, False), (4, False)])  # asked for, skipped on a busy host: the nearest stands in
+    assert not probes.covers(row, [(2, True)])  # never asked for: probed again

@@ -203,7 +203,10 @@ class MeshTime:
         # Per ac and sp: (compute, tp, cp, ep) of one micro-batch on the slowest stage, as (per
         # sequence, constant) pairs: the pipeline runs at its slowest stage.
         self.per_mb: dict[tuple[str, bool], tuple[tuple[float, float], ...]] = {}
-        tp_links = {op: link("tp", op) for op in ("all_reduce", "all_gather", "reduce_scatter")} if tp > 1 else {}
+        tp_links = {}
+        if tp > 1:
+            tp_links = (dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), link("tp", "all_reduce"))
+                        if probed is None else {op: link("tp", op) for op in ("all_reduce", "all_gather", "reduce_scatter")})
         for sp in (False, True):
             sp = sp and tp > 1
             ends_tp = [0.0] * pp
@@ -263,7 +266,7 @@ class MeshTime:
                              (n_layers * cp_l[0], n_layers * cp_l[1]), (n_layers * ep_l[0], n_layers * ep_l[1]))
                     stages.append((sum(a + b for a, b in parts), parts))
                 self.per_mb[ac, sp] = max(stages, key=lambda x: x[0])[1]
-            if tp == 1:
+            if tp == 1 or probed is None:  # no TP, or one link for every collective: sp costs the same
                 break
         for ac in ("none", "selective", "full"):  # sp without TP is no sequence parallelism
             self.per_mb.setdefault((ac, True), self.per_mb[ac, False])
@@ -306,7 +309,11 @@ class MeshTime:
         ag = rs = ar = 0.0
         for psi, nd, axes in ((max(rp.dense), dp * ep * cp, ("dp", "ep", "cp")), (max(rp.expert), dp * cp, ("dp", "cp"))):
             if nd > 1 and psi > 0:
-                links = {op: _link(placement, axes, cluster, f, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+                if probed is None:  # the datasheet has one link per tier for every collective
+                    one = _link(placement, axes, cluster, f)
+                    links = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), one)
+                else:
+                    links = {op: _link(placement, axes, cluster, f, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
                 ag += allgather_time(pbytes * psi, nd, links["all_gather"][0], 0.0) + units * (allgather_time(
                     0.0, nd, *links["all_gather"]) + unit_fsdp)
                 rs += allgather_time(REDUCE_BYTES * psi, nd, links["reduce_scatter"][0], 0.0) + units * (allgather_time(

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -47,11 +48,11 @@ from workers._contract import TrialRequest
 
 # Payload bytes per collective: a latency point, and two to read the bandwidth from.
 SIZES = {"cpu": (256, 256 * 1024, 2 * 1024 * 1024), "cuda": (4096, 8 * 2**20, 64 * 2**20)}
-DEFAULT_BUDGET_S = 45.0
+DEFAULT_BUDGET_S = 60.0
 TARGET_S = 0.15  # seconds of repetitions per measurement (each at least MIN_REPS)
 MIN_REPS, MAX_REPS = 3, 20
 SHARING_SPAN_S = 0.05  # one run of the compute-sharing measurement
-LAYER_REPS = 5  # a real layer's time is the noisiest figure on a shared host: more repetitions
+LAYER_REPS = 4  # a real layer's time is the noisiest figure on a shared host: more repetitions
 
 
 def probe_request(model: Any, cluster: Any, training: TrainingSpec, *, tp_sp: list[tuple[int, bool]],
@@ -140,7 +141,8 @@ def probe_rank(request: TrialRequest, *, device: torch.device) -> dict[str, Any]
     notes: list[str] = []
     dtype = _precision(request.training, device, notes, dict(request.options))
     raw: dict[str, Any] = {"version": PROBE_VERSION, "dtype": str(dtype).removeprefix("torch."),
-                           "world": dist.get_world_size(), "device": device.type, "notes": notes}
+                           "world": dist.get_world_size(), "device": device.type, "notes": notes,
+                           "requested_layers": [list(x) for x in opts.get("layers") or []]}
     phases: dict[str, float] = {}
 
     def phase(name: str, fn: Callable[[], Any]) -> Any:
@@ -155,6 +157,8 @@ def probe_rank(request: TrialRequest, *, device: torch.device) -> dict[str, Any]
     raw["gemm"], raw["attention"] = phase("compute", lambda: _compute(request.model, device, dtype, target))
     raw["layers"], raw["steps"] = phase("layers", lambda: _layers(request, device, opts, target, clock, notes))
     raw["wall_s"], raw["phases_s"] = time.monotonic() - clock.t0, phases
+    with contextlib.suppress(OSError):  # a shared host's load is part of what was measured: say what it was
+        raw["host_load"] = list(os.getloadavg())
     raw["env"] = fingerprint(device.type)
     return raw
 
@@ -341,8 +345,9 @@ def _layers(request: TrialRequest, device: torch.device, opts: dict[str, Any], t
     seqs = [int(x) for x in opts.get("seqs") or (1, 2)]
     batch = tuple(torch.randint(0, spec.vocab, (max(seqs), spec.seq_len), generator=g).to(device) for _ in range(2))
     for tp, sp in [tuple(x) for x in opts.get("layers") or [(1, False)]]:
-        if clock.left() < 0.15 * clock.budget_s:
-            notes.append(f"layers tp={tp}{' sp' if sp else ''}: skipped, over the probe's budget")
+        if clock.left() < 0.1 * clock.budget_s:
+            notes.append(f"layers tp={tp}{' sp' if sp else ''}: skipped, over the probe's budget (the nearest "
+                         "probed tp stands in)")
             continue
         row, stepped = _layer_config(request, device, int(tp), bool(sp), (lo, hi), seqs, batch, target,
                                      int(opts.get("layer_reps", LAYER_REPS)),

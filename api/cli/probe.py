@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, default=None, metavar="N", help="sequences per step (default 8)")
     p.add_argument("--backend", default=None, metavar="NAME", help="ray or module:attr (default: the spec's, else settings)")
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
-                   help="the probe's own time budget on the ranks (default 45; phases past it are skipped)")
+                   help="the probe's own time budget on the ranks (default 60; phases past it are skipped)")
     p.add_argument("--show", action="store_true", help="print the stored probe of this cluster and model; run nothing")
     p.add_argument("--json", action="store_true", help="print the probe as JSON")
     p.set_defaults(func=probe_cmd)
@@ -120,7 +120,8 @@ def print_probe(outcome: Any, cluster: Any, model: Any, *, as_json: bool = False
     console.print(f"probe #{row.id} of {cluster.name} ({cluster.nodes}x{cluster.devices_per_node} {cluster.device_kind}) "
                   f"for {model.name} in {row.dtype}, {fmt.when(row.created_at)}, "
                   f"{'stored' if outcome.reused else 'measured and stored'}; took {row.wall_s:.1f} s "
-                  f"(on the ranks {(row.raw or {}).get('wall_s', 0):.1f} s)")
+                  f"(on the ranks {(row.raw or {}).get('wall_s', 0):.1f} s)"
+                  + (f"; host load average {row.raw['host_load'][0]:.1f}" if (row.raw or {}).get("host_load") else ""))
     console.print(f"environment: {env.get('device_name')}, torch {env.get('torch')}"
                   + (f", CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, driver {env.get('driver')}" if env.get("cuda") else ""))
     table = Table(title=f"probed vs datasheet: {summary(hw, figures)}")

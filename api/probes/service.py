@@ -197,10 +197,13 @@ def ensure(sessions: Any, backend: Any, *, model: ModelSpec, cluster: ClusterSpe
 
 
 def covers(row: ClusterProbe, tp_sp: Iterable[tuple[int, bool]]) -> bool:
-    """Whether the probe measured a layer under every (tp, sp) of ``tp_sp`` (or measured no layer at
-    all, as for a one-layer model): a layout of another tensor-parallel degree is probed again."""
-    measured = {(int(x["tp"]), bool(x["sp"])) for x in (row.figures or {}).get("layers", [])}
-    return not (row.figures or {}).get("layers") or set(tp_sp) <= measured
+    """Whether the probe was asked to measure a layer under every (tp, sp) of ``tp_sp`` (or measured no
+    layer at all, as for a one-layer model): a layout of another tensor-parallel degree is probed
+    again. One its budget skipped counts as asked (the nearest probed tp stands in, and its notes
+    say so): probing again on a host as busy would skip it again."""
+    asked = (row.raw or {}).get("requested_layers") or (row.figures or {}).get("layers", [])
+    wanted = {(int(x["tp"]), bool(x["sp"])) if isinstance(x, dict) else (int(x[0]), bool(x[1])) for x in asked}
+    return not (row.figures or {}).get("layers") or set(tp_sp) <= wanted
 
 
 def figures_of(row: ClusterProbe) -> ProbedFigures:
