@@ -382,6 +382,9 @@ def _layer_config(request: TrialRequest, device: torch.device, tp: int, sp: bool
 
     def step(depth: Any, n: int, sync: bool = False) -> None:
         rm = built[depth]
+        # As the training loop leaves them (workers/rank_model.py ``train_step``): no gradient
+        # tensors, so the backward allocates them, as every real step's does.
+        rm.optimizer.zero_grad(set_to_none=True)
         zero1_micro_batch(rm.par.chunks, last=sync)
         with torch.autocast(device.type, dtype=rm.dtype, enabled=rm.autocast), rm.par.loss_context():
             loss = rm.par.loss_fn(rm.par.chunks[0][1](tokens[:n], positions), targets[:n])
