@@ -14,7 +14,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     owner_device_hours_per_day: Annotated[dict[str, float], NoDecode] = Field(
         default_factory=dict, description="owner -> device-hours its trials may hold in any 24 h")
     max_concurrent_sweeps: int = Field(default=8, ge=1, description="Sweeps one coordinator runs at once.")
+    probe: Literal["auto", "off"] = Field(
+        default="auto", description="auto: a sweep whose cluster, model and environment have no stored probe "
+        "probes it before its first trial (api/probes); off: sweeps model the cluster from its datasheet.")
     # Proxies whose X-Forwarded-For is believed ("10.0.0.5,192.168.0.0/16"): IP literals or CIDRs.
     # Empty: the peer's own address is the client's, whatever the header says (api/_http.client_address).
     trusted_proxies: Annotated[tuple[IPNetwork, ...], NoDecode] = Field(
