@@ -23,6 +23,7 @@ from api.confirm import routes as confirm_routes
 from api.dashboard import confirm_page, plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.memory import routes as memory_routes
+from api.probes import routes as probes
 from api.reshard import routes as reshard
 from api.routes import health, metrics, plan, presets
 from api.schedules import routes as schedules
@@ -142,7 +143,7 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).
     for module in (sweeps, confirm_routes, memory_routes, export_routes, plan, presets, health, metrics, schedules,
-                   reshard, dashboard, sweep_pages, confirm_page, trends, plan_page):
+                   reshard, probes, dashboard, sweep_pages, confirm_page, trends, plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.
     app.add_middleware(_http.AllowedMethods)

@@ -15,7 +15,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     # takes per second of the run it simulates (0: answer at once).
     simulate_devices: int | None = Field(default=None, ge=1, description="Devices of the simulated cluster.")
     simulate_pace: float = Field(default=0.0, ge=0, le=1000, description="Wall seconds per simulated second.")
+    probe: Literal["auto", "off"] = Field(
+        default="auto", description="auto: a sweep whose cluster, model and environment have no stored probe "
+        "probes it before its first trial (api/probes); off: sweeps model the cluster from its datasheet.")
     # Proxies whose X-Forwarded-For is believed ("10.0.0.5,192.168.0.0/16"): IP literals or CIDRs.
     # Empty: the peer's own address is the client's, whatever the header says (api/_http.client_address).
     trusted_proxies: Annotated[tuple[IPNetwork, ...], NoDecode] = Field(

@@ -8,6 +8,11 @@ the tuner's prediction, plus the CUDA paths CI never runs. Written for a lent si
 What runs, in order, under one hard time budget (``--budget-s``; whatever would start past it is
 skipped and listed as skipped, never silently dropped):
 
+0. the cluster probe (workers/probe.py, as ``meshtune probe`` runs it, on ``--devices`` fresh rank
+   processes): GEMM and attention FLOP/s at the model's shapes in bf16, collectives between the
+   GPUs (with two or more), real layers and steps, the allocator; its figures (tuner/_probe.py)
+   are printed beside the datasheet's and the predictions below are made with them (the
+   datasheet's prediction is kept beside each);
 1. the CUDA chunk-attention test of context parallelism (``pytest tests/test_cp_ep.py -k cuda``);
 2. world-size-1 layouts of the model (bf16 on CUDA, seq = the preset's, 2048 for ``llama3-1b``)
    with different micro-batch sizes and activation checkpointing. ZeRO is not varied at world
@@ -23,8 +28,9 @@ Every trial is the workers' real rank program, ``workers._launch.run_rank`` -> `
 itself (rank 0 hosts the TCP store): neither Ray nor the API's packages are needed, so it runs on a
 bare image that has torch. A trial that hangs is killed at its timeout (only its own processes).
 
-Printed: one table, measured beside predicted (``tuner.estimate_time`` / ``estimate_memory``):
-tokens/s, tokens/s per device, MFU (model FLOPs / the cluster preset's peak), peak memory allocated
+Printed: the probe's figures beside the datasheet's, then one table, measured beside predicted
+(``tuner.estimate_time`` / ``estimate_memory``; "pred" with the probed figures, "sheet" the
+datasheet's tokens/s): tokens/s, tokens/s per device, MFU (model FLOPs / the cluster preset's peak), peak memory allocated
 and reserved (CUDA caching allocator; CPU: VmHWM), status; then the checks, PASS/FAIL. ``--out``
 gets all of it as JSON. Exit status 0 when every check passed and nothing was skipped for the
 budget, 1 when a check failed, 3 when all that ran passed but the budget cut the run short.
@@ -54,9 +60,11 @@ from tuner import (  # noqa: E402
     cluster_spec,
     estimate_memory,
     estimate_time,
+    figure_rows,
     model_spec,
     training_spec,
 )
+from tuner._probe import summary as probe_summary  # noqa: E402
 from workers._contract import TrialError, TrialRequest, TrialResult  # noqa: E402
 
 GiB = 2**30
@@ -105,14 +113,19 @@ def _free_port() -> int:
 
 
 def _rank_main(request_path: str, out_dir: str) -> int:
-    """A rank process: ``run_rank`` on the rendezvous env this script set, outcome -> rank<r>.json."""
+    """A rank process: ``run_rank`` on the rendezvous env this script set, outcome -> rank<r>.json.
+    A request with ``options["probe"]`` runs the probe's rank program instead of a trial's."""
     from workers._launch import run_rank
 
     request = TrialRequest.from_dict(json.loads(Path(request_path).read_text()))
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = f"cuda:{local}" if request.cluster.device_kind == "cuda" else "cpu"
+    program = None
+    if "probe" in request.options:
+        from workers.probe import probe_rank as program
     outcome = run_rank(request, rank=rank, world_size=world, local_rank=local, master_addr="127.0.0.1",
-                       master_port=int(os.environ["MASTER_PORT"]), device=device, init_timeout_s=60.0)
+                       master_port=int(os.environ["MASTER_PORT"]), device=device, init_timeout_s=60.0,
+                       program=program)
     tmp = Path(out_dir) / f".rank{rank}.json"
     tmp.write_text(json.dumps(outcome))
     tmp.rename(Path(out_dir) / f"rank{rank}.json")
@@ -123,6 +136,36 @@ def run_trial(request: TrialRequest, *, timeout_s: float, work: Path) -> TrialRe
     """Start one process per rank, wait at most ``timeout_s``, merge the outcomes (workers.aggregate)."""
     from workers.aggregate import aggregate
 
+    outcomes, wall, error = _run_ranks(request, timeout_s=timeout_s, work=work)
+    world = request.layout.world_size
+    if error is None:
+        return aggregate([outcomes[r]["report"] for r in range(world)], request, backend="gpu_layouts", wall_s=wall)
+    return TrialResult(status=error.kind, backend="gpu_layouts", error=error, wall_s=wall, device_seconds=wall * world)
+
+
+def run_probe(model: Any, cluster: Any, training: Any, cases: list[Case], *, timeout_s: float, budget_s: float,
+              work: Path) -> dict[str, Any]:
+    """The cluster probe on ``cluster.devices`` fresh processes (workers/probe.py), its figures read by
+    tuner/_probe.py: ``{"figures", "raw", "wall_s"}``, or ``{"error"}``."""
+    from tuner import ProbedFigures
+    from tuner._probe import derive
+    from workers.probe import probe_request
+
+    tp_sp = sorted({(c.layout.tp, c.layout.sp) for c in cases if c.layout.world_size == cluster.devices})
+    request = probe_request(model, cluster, training, tp_sp=tp_sp, max_mbs=max(c.layout.mbs for c in cases),
+                            budget_s=budget_s)
+    outcomes, wall, error = _run_ranks(request, timeout_s=timeout_s, work=work)
+    if error is not None:
+        return {"error": f"{error.kind}: {error.message}", "wall_s": wall}
+    raw = dict(outcomes[0]["report"])
+    env = raw.pop("env", {})
+    figures: ProbedFigures = derive(raw, model=model, cluster=cluster, training=training)
+    return {"figures": figures, "raw": raw, "env": env, "wall_s": wall}
+
+
+def _run_ranks(request: TrialRequest, *, timeout_s: float, work: Path) -> tuple[dict[int, Any], float, TrialError | None]:
+    """Start one process per rank, wait at most ``timeout_s``: (outcome per rank, wall seconds, the
+    error that explains a failure or None)."""
     world = request.layout.world_size
     work.mkdir(parents=True, exist_ok=True)
     (work / "request.json").write_text(json.dumps(request.to_dict()))
@@ -150,7 +193,7 @@ def run_trial(request: TrialRequest, *, timeout_s: float, work: Path) -> TrialRe
     outcomes = {r: json.loads((work / f"rank{r}.json").read_text())
                 for r in range(world) if (work / f"rank{r}.json").exists()}
     if len(outcomes) == world and all("report" in o for o in outcomes.values()):
-        return aggregate([outcomes[r]["report"] for r in range(world)], request, backend="gpu_layouts", wall_s=wall)
+        return outcomes, wall, None
     errors = [(o.get("in_collective", False), r, TrialError(**o["error"])) for r, o in outcomes.items() if "error" in o]
     if errors:  # a rank's own failure before its peers' consequences inside collectives
         error = sorted(errors, key=lambda e: (e[2].kind not in ("oom", "nan"), e[0], e[1]))[0][2]
@@ -159,13 +202,18 @@ def run_trial(request: TrialRequest, *, timeout_s: float, work: Path) -> TrialRe
     else:
         tail = (work / "rank0.log").read_text(errors="replace")[-2000:]
         error = TrialError(kind="crash", message="a rank exited without an outcome", traceback_tail=tail)
-    return TrialResult(status=error.kind, backend="gpu_layouts", error=error, wall_s=wall, device_seconds=wall * world)
+    return outcomes, wall, error
 
 
 # --- the run ---------------------------------------------------------------------------------------
 
 
-def _prediction(request: TrialRequest) -> dict[str, Any]:
+def _prediction(request: TrialRequest, probed: Any = None) -> dict[str, Any]:
+    """The tuner's prediction of the trial, with the probe's figures when there are some (the
+    datasheet's beside it, as ``datasheet``)."""
+    if probed is not None:
+        out = _prediction(replace(request, cluster=replace(request.cluster, probed=probed)))
+        return {**out, "figures": "probed", "datasheet": _prediction(request)}
     kw = {"model": request.model, "cluster": request.cluster, "training": request.training}
     try:
         mem = estimate_memory(request.layout, **kw)
@@ -201,8 +249,16 @@ def _fmt(v: Any, spec: str) -> str:
     return "-".rjust(width) if v is None else format(v, spec)
 
 
+def print_probe(cluster: Any, probed: Any) -> None:
+    """The probe's figures beside the datasheet's (as ``meshtune probe`` prints them)."""
+    print(f"  {'figure':<64} {'datasheet':>12} {'probed':>12} {'ratio':>8}")
+    for r in figure_rows(cluster, probed):
+        ratio = "-" if r.ratio is None else f"{r.ratio:.3g}x"
+        print(f"  {r.name:<64} {_fmt(r.datasheet, '12.4g')} {_fmt(r.probed, '12.4g')} {ratio:>8}")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'case':<24} {'layout':<44} {'status':<10} {'tok/s':>9} {'pred':>9} {'tok/s/dev':>9} "
+    head = (f"{'case':<24} {'layout':<44} {'status':<10} {'tok/s':>9} {'pred':>9} {'sheet':>9} {'tok/s/dev':>9} "
             f"{'MFU':>6} {'pred':>6} {'alloc GiB':>9} {'resv GiB':>8} {'pred GiB':>8} {'step s':>7}")
     print(head)
     print("-" * len(head))
@@ -212,6 +268,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                for x in (r.get("peak_memory_bytes"), r.get("peak_reserved_bytes"), p.get("peak_memory_bytes"))]
         print(f"{row['case']:<24} {row['layout']:<44} {row['status']:<10} "
               f"{_fmt(r.get('tokens_per_s'), '9.0f')} {_fmt(p.get('tokens_per_s'), '9.0f')} "
+              f"{_fmt((p.get('datasheet') or p).get('tokens_per_s'), '9.0f')} "
               f"{_fmt(r.get('tokens_per_s_per_device'), '9.0f')} {_fmt(r.get('mfu'), '6.3f')} {_fmt(p.get('mfu'), '6.3f')} "
               f"{_fmt(gib[0], '9.2f')} {_fmt(gib[1], '8.2f')} {_fmt(gib[2], '8.2f')} {_fmt(r.get('step_time_s'), '7.3f')}")
 
@@ -231,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trial-timeout-s", type=float, default=150.0, help="per trial, start-up included")
     ap.add_argument("--cases", default=None, help="comma-separated case names to run (default: all planned)")
     ap.add_argument("--skip-pytest", action="store_true", help="skip the CUDA CP attention test")
+    ap.add_argument("--skip-probe", action="store_true", help="skip the cluster probe (predictions from the datasheet)")
+    ap.add_argument("--probe-budget-s", type=float, default=60.0, help="the probe's own budget on the ranks (default 60)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -280,7 +339,31 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cases = [c for c in cases if c.name in wanted]
     rows: list[dict[str, Any]] = []
+    probed = None
     with tempfile.TemporaryDirectory(prefix="meshtune-gpu-") as tmp:
+        # 0. The probe first: the predictions of the trials are made with its figures.
+        probe_cluster = replace(base_cluster, nodes=1, devices_per_node=devices)
+        if args.skip_probe:
+            report["skipped"].append("probe: --skip-probe")
+        elif left() < START_MARGIN_S + args.probe_budget_s:
+            report["skipped"].append(f"probe: skipped, over the {args.budget_s:.0f} s budget")
+            report["over_budget"].append("probe")
+            print(f"  probe: skipped, over the {args.budget_s:.0f} s budget")
+        else:
+            probe = run_probe(model, probe_cluster, training, cases or plan_cases(devices, cuda, args.global_batch),
+                              timeout_s=min(left(), 2 * args.probe_budget_s + 60), budget_s=args.probe_budget_s,
+                              work=Path(tmp) / "probe")
+            probed = probe.get("figures")
+            report["probe"] = {k: (v.to_dict() if k == "figures" else v) for k, v in probe.items()}
+            if probed is not None:
+                report["probe"]["rows"] = [r.to_dict() for r in figure_rows(probe_cluster, probed)]
+                report["probe"]["summary"] = probe_summary(probe_cluster, probed)
+            ok = probed is not None
+            check("cluster probe (figures for the predictions)", ok,
+                  f"{probe_summary(probe_cluster, probed)} in {probe['wall_s']:.1f} s" if ok else probe["error"])
+            if ok:
+                print_probe(probe_cluster, probed)
+            _write(args.out, report)
         for i, case in enumerate(cases):
             if left() < START_MARGIN_S:
                 reason = f"{case.name}: skipped, over the {args.budget_s:.0f} s budget"
@@ -304,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result = run_trial(request, timeout_s=min(args.trial_timeout_s, left()), work=Path(tmp) / str(i))
             row = {"case": case.name, "layout": case.layout.key, "status": result.status, "expect": case.expect,
-                   "options": options, "result": result.to_dict(), "prediction": _prediction(request)}
+                   "options": options, "result": result.to_dict(), "prediction": _prediction(request, probed)}
             rows.append(row)
             report["trials"].append(row)
             if result.env.get("device_name") and "env" not in report:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from alembic import context
 
+import api.probes.models  # noqa: E402,F401 - registers the cluster-probe table on Base
 import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base (issue 8)
 import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
 from api.store._db import VERSION_TABLE, create_engine

@@ -40,8 +40,9 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]
     return proc, json.loads(out.read_text())
 
 
-def test_smoke_mode_measures_a_layout_and_classifies_a_real_oom(tmp_path):
-    proc, report = _run(tmp_path, "--cases", "ws1-mbs2-ac_none,oom-huge-alloc", "--warmup", "1", "--measure", "2")
+def test_smoke_mode_probes_first_measures_a_layout_and_classifies_a_real_oom(tmp_path):
+    proc, report = _run(tmp_path, "--cases", "ws1-mbs2-ac_none,oom-huge-alloc", "--warmup", "1", "--measure", "2",
+                        "--probe-budget-s", "20")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trial, oom = report["trials"]
     assert (trial["case"], trial["status"]) == ("ws1-mbs2-ac_none", "completed")
@@ -51,10 +52,18 @@ def test_smoke_mode_measures_a_layout_and_classifies_a_real_oom(tmp_path):
     assert result["peak_memory_bytes"] > 50 * 2**20 and result["memory_measure"] == "cpu.VmHWM"
     assert result["mfu"] is None  # CPU: no meaningful peak
     assert trial["prediction"]["tokens_per_s"] > 0 and trial["prediction"]["peak_memory_bytes"] > 0
+    # The probe ran first (the rank program of `meshtune probe`, on a fresh process) and the
+    # predictions read its figures; the datasheet's prediction is kept beside them.
+    probe = report["probe"]
+    assert probe["figures"]["matmul_flops"] > 0 and [x["tp"] for x in probe["figures"]["layers"]] == [1]
+    assert "figures probed" in probe["summary"] and any(r["source"] == "probed" for r in probe["rows"])
+    assert trial["prediction"]["figures"] == "probed" and trial["prediction"]["datasheet"]["tokens_per_s"] > 0
+    assert trial["prediction"]["tokens_per_s"] != trial["prediction"]["datasheet"]["tokens_per_s"]
     assert oom["status"] == "oom" and oom["result"]["error"]["bytes_requested"] == 2**50
-    assert [c["ok"] for c in report["checks"]] == [True, True]
+    assert [c["ok"] for c in report["checks"]] == [True, True, True]
     assert any("cp cuda pytest" in s for s in report["skipped"]) and report["over_budget"] == []
-    assert "tok/s" in proc.stdout and "ws1-mbs2-ac_none" in proc.stdout and "2/2 checks passed" in proc.stdout
+    assert "tok/s" in proc.stdout and "ws1-mbs2-ac_none" in proc.stdout and "3/3 checks passed" in proc.stdout
+    assert "matmul FLOP/s per device" in proc.stdout  # the probed figures beside the datasheet's
 
 
 def test_budget_skips_the_rest_and_says_so(tmp_path):
@@ -62,4 +71,5 @@ def test_budget_skips_the_rest_and_says_so(tmp_path):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert report["trials"] == [] and report["checks"] == []
     assert "ws1-mbs1-ac_none" in report["over_budget"] and "oom-huge-alloc" in report["over_budget"]
+    assert "probe" in report["over_budget"]
     assert "skipped, over the 0 s budget" in proc.stdout

@@ -53,6 +53,25 @@ def test_tp2_dp2_trial_is_measured_and_rank_processes_are_reused(ray_backend) ->
     assert _pids() == pids  # the same processes: torch was imported once
     assert again.losses[0] == pytest.approx(result.losses[0], rel=1e-4)  # same model, same first batch
 
+    # The cluster probe (workers/probe.py) on the same gang, cut short (few repetitions): every
+    # collective on the node's link, compute, layers of tp=1 and tp=2 with sp, a real step, memory.
+    from api.probes import service as probes
+    from tuner import ProbedFigures
+    from tuner._probe import OPS
+
+    probe = probes.measure(ray_backend, model=model_spec("tiny"), cluster=cluster_spec("cpu-local"),
+                           training=training_spec({"global_batch": 8}), target_s=0.002, layer_reps=2,
+                           layouts=[Layout(dp=4, ac="full"), Layout(tp=2, dp=2, sp=True)])
+    assert _pids() == pids  # the trials' own rank processes
+    fig = ProbedFigures.from_dict(probe["figures"])
+    assert [(x.tier, x.op, x.group) for x in fig.links] == [("intra", op, 2 if op == "send_recv" else 4) for op in OPS]
+    assert fig.matmul_flops > 1e8 and fig.attention_flops > 1e7 and fig.dtype == "float32"
+    assert [(x.tp, x.sp) for x in fig.layers] == [(1, False), (2, True)] and not any("skipped" in n for n in fig.notes)
+    assert fig.step_s is not None and fig.step_layer_s is not None and fig.dp_overlap is not None
+    assert set(probe["raw"]["layers"][0]["recompute_fb_s"]) == {"full"} and fig.compute_sharing is not None
+    assert fig.memory_overhead_bytes > 50 * 2**20 and 0 <= fig.allocator_overhead < 1
+    assert probe["env"]["device_kind"] == "cpu" and probe["env_fingerprint"] and probe["raw"]["world"] == 4
+
 
 def _no_process_may_start(monkeypatch) -> None:
     import workers._gangs as gangs

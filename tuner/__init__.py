@@ -54,6 +54,7 @@ from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, 
 from tuner._placement import AxisPlacement, Placement, place
 from tuner._plan import R_MEMORY, R_TP_NODES, Plan, PlannedLayout, plan, plan_one
 from tuner._presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_spec, model_spec, training_spec
+from tuner._probe import FigureRow, LayerFigure, LinkFigure, ProbedFigures, figure_rows, with_probe
 from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts
 from tuner._specfile import Problem, load_problem, problem_from_mapping, read_spec_file
@@ -86,8 +87,11 @@ __all__ = [
     "ConflictError",
     "Enumeration",
     "Export",
+    "FigureRow",
     "Layout",
+    "LayerFigure",
     "LayoutError",
+    "LinkFigure",
     "MemoryEstimate",
     "MeshtuneError",
     "ModelSpec",
@@ -95,6 +99,7 @@ __all__ = [
     "Placement",
     "Plan",
     "PlannedLayout",
+    "ProbedFigures",
     "Problem",
     "ReferenceLayout",
     "SearchSpace",
@@ -115,6 +120,7 @@ __all__ = [
     "estimate_memory",
     "estimate_time",
     "export_layout",
+    "figure_rows",
     "korthikanti_layer_activation_bytes",
     "layer_activation_bytes",
     "layout_violation",
@@ -138,5 +144,6 @@ __all__ = [
     "twin_note",
     "usable_memory",
     "useful_fraction",
+    "with_probe",
     "zero_model_state_bytes",
 ]

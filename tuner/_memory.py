@@ -295,7 +295,11 @@ class MeshMemory:
         self.model, self.cluster, self.training, self.eager = model, cluster, training, eager
         self.degrees = dict(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
+        probed = cluster.probed  # measured on the cluster (tuner/_probe.py): the process's baseline, the allocator's share
+        if overhead is None and probed is not None and probed.memory_overhead_bytes is not None:
+            overhead = probed.memory_overhead_bytes
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
+        self.allocator = probed.allocator_overhead or 0.0 if probed is not None else 0.0
         self.rp = rp = rank_params(model, tp, ep, pp, vpp)
         self.ranks = candidate_ranks(rp)
         self.layers = [rp.layers[r] for r in self.ranks]
@@ -394,16 +398,20 @@ class MeshMemory:
         return self.peak(zero, self.activations(ac, sp, mbs, schedule, m))
 
     @staticmethod
-    def whole_bytes(est: MemoryParts) -> int | np.ndarray:
-        """What MemoryEstimate.total adds up, without the overhead: whole bytes per part."""
-        return (_whole(est.params) + _whole(est.grads) + _whole(est.optimizer) + _whole(est.activations)
-                + _whole(est.buffers))
+    def whole_bytes(est: MemoryParts, allocator: Num = 0.0) -> int | np.ndarray:
+        """What MemoryEstimate.total adds up, without the fixed overhead: whole bytes per part, and
+        what the allocator holds beyond them (``allocator``: a probed share of them), elementwise."""
+        tensors = (_whole(est.params) + _whole(est.grads) + _whole(est.optimizer) + _whole(est.activations)
+                   + _whole(est.buffers))
+        return tensors + _whole(allocator * tensors)
 
     def wrap(self, est: MemoryParts) -> MemoryEstimate:
         p, g, o, a, b = int(est.params), int(est.grads), int(est.optimizer), int(est.activations), int(est.buffers)
+        whole = self.whole_bytes(est, self.allocator)
+        overhead = self.overhead + whole - (p + g + o + a + b)  # the fixed overhead and the allocator's share
         obj = object.__new__(MemoryEstimate)  # the values are checked by construction; skip __init__
-        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, buffers=b, overhead=self.overhead,
-                            total=p + g + o + a + b + self.overhead, stage=est.stage,
+        obj.__dict__.update(params=p, grads=g, optimizer=o, activations=a, buffers=b, overhead=overhead,
+                            total=whole + self.overhead, stage=est.stage,
                             device_memory=self.device_memory)
         return obj
 

@@ -293,8 +293,9 @@ class _Groups:
         act = np.array([[[t[a, s] for s in (False, True)] for a in CHECKPOINTING] for t in tables.values()])
         act = act[np.array([table_of[id(mm.act)] for mm in self.mems])[mesh][:, None], ac, sp]  # (group, knob, 3)
         layer, working, logits = (act[:, :, j, None] for j in range(3))
-        layer_const, rope, n_cand, overhead, device_memory = np.array([
-            (mm.layer_const, mm.rope, len(mm.ranks), mm.overhead, mm.device_memory) for mm in self.mems]).T
+        layer_const, rope, n_cand, overhead, allocator, device_memory = np.array([
+            (mm.layer_const, mm.rope, len(mm.ranks), mm.overhead, mm.allocator, mm.device_memory)
+            for mm in self.mems]).T
         rank_of = _table([mm.ranks for mm in self.mems], 0)
         width_r = rank_of.shape[1]
         acts = rank_activation_bytes(layer, working, logits * _table(self.logits, 0)[:, None, :],
@@ -315,19 +316,21 @@ class _Groups:
         memory = MemoryParts(p[at], gr[at], o[at], acts[at], total[at], rank_of[gm, best], b[at])
         # Judge exactly what MemoryEstimate.fits and .tight will: its total of whole bytes per part,
         # overhead included; roomy = fits with the headroom (tuner._memory.MEMORY_HEADROOM) left free.
-        whole = MeshMemory.whole_bytes(memory) + overhead[gm]
+        whole = MeshMemory.whole_bytes(memory, allocator[gm]) + overhead[gm]
         fits = fits_device(whole, device_memory[gm])
         roomy = fits_device(whole, usable_memory(device_memory[gm]))
 
-        # Time: the mesh's terms per micro-batch by ac, pipeline sends by sp, data parallel by zero.
-        per_mb = np.array([[mt.per_mb[a] for a in CHECKPOINTING] for mt in self.times])  # (mesh, ac, 4, 2)
-        per_mb = per_mb[mesh[:, None], ac].reshape(-1, 4, 2)[gk]
+        # Time: the mesh's terms per micro-batch by ac and sp, pipeline sends by sp, data parallel by zero.
+        per_mb = np.array([[[mt.per_mb[a, s] for s in (False, True)] for a in CHECKPOINTING]
+                           for mt in self.times])  # (mesh, ac, sp, 4, 2)
+        per_mb = per_mb[mesh[:, None], ac, sp].reshape(-1, 4, 2)[gk]
         p2p = np.array([[mt.p2p[s] for s in (False, True)] for mt in self.times])[mesh[:, None], sp]
         p2p = p2p.reshape(-1, 2)[gk]
         dp = np.array([[mt.dp[z] for z in range(4)] for mt in self.times])[mesh[:, None], zero].reshape(-1, 3)[gz]
-        pp, vpp, overlap = np.array([(mt.pp, mt.vpp, mt.dp_overlap) for mt in self.times])[gm].T
+        pp, vpp, overlap, sharing, step_fixed = np.array([(mt.pp, mt.vpp, mt.dp_overlap, mt.sharing, mt.step_fixed)
+                                                          for mt in self.times])[gm].T
         step = step_time(tuple((per_mb[:, j, 0], per_mb[:, j, 1]) for j in range(4)), (p2p[:, 0], p2p[:, 1]),
-                         (dp[:, 0], dp[:, 1], dp[:, 2]), mbs[g], m[g], pp, vpp, overlap)
+                         (dp[:, 0], dp[:, 1], dp[:, 2]), mbs[g], m[g], pp, vpp, overlap, sharing, step_fixed)
         return _Costs(self, g, zi * n_knobs[g] + ki, gm, ac[g, ki], memory, step), fits, roomy
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tuner._errors import SpecError, require_positive_int, require_positive_number
+
+if TYPE_CHECKING:
+    from tuner._probe import ProbedFigures
 
 GiB = 2**30
 
@@ -213,6 +216,8 @@ class ClusterSpec:
     nodes sharing a scale-up fabric, e.g. GB200 NVL72's NVLink over 18 trays of 4), and the network.
     ``fast_domain_devices=None`` makes the domain the node, so a spec without it has two tiers.
     ``price_per_device_hour`` (any currency; None = unknown) prices device time and training runs.
+    ``probed``: figures measured on the cluster (``meshtune probe``, tuner/_probe.py); the time and
+    memory models use each one in place of the datasheet's.
     """
 
     name: str
@@ -229,8 +234,13 @@ class ClusterSpec:
     fast_domain_bandwidth: float | None = None  # None: the node's (one scale-up fabric, as NVL72)
     fast_domain_latency: float | None = None  # None: the node's
     price_per_device_hour: float | None = None
+    probed: ProbedFigures | None = None
 
     def __post_init__(self) -> None:
+        if self.probed is not None:  # imported here: tuner/_probe.py reads the formulas, which read this module
+            from tuner._probe import ProbedFigures
+
+            object.__setattr__(self, "probed", ProbedFigures.from_dict(self.probed))
         for f in ("nodes", "devices_per_node", "device_memory"):
             require_positive_int(f"cluster.{f}", getattr(self, f))
         for f in ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth"):

@@ -104,17 +104,40 @@ RECOMPUTE_COLLECTIVES = {"none": (0, 0, 0), "selective": (1, 1, 0), "full": (2, 
 # --- the model -----------------------------------------------------------------------------------
 
 
-def _link(placement: Placement, axes: tuple[str, ...], cluster: ClusterSpec, f: CalibrationFactors) -> tuple[float, float]:
-    """(bandwidth, latency) for a group spanning ``axes``, at the slowest tier any of them reaches:
-    the node's link, the fast domain's (NVL72's NVLink across trays), else the network. Strides
-    multiply outward, so groups of axes that each stay in a node (domain) stay in one together.
-    The fast domain is a scale-up fabric like the node's, so it takes the node's efficiency."""
+def _link(placement: Placement, axes: tuple[str, ...], cluster: ClusterSpec, f: CalibrationFactors,
+          op: str = "all_reduce") -> tuple[float, float]:
+    """(bandwidth, latency) of collective ``op`` for a group spanning ``axes``, at the slowest tier any
+    of them reaches: the node's link, the fast domain's (NVL72's NVLink across trays), else the
+    network. Strides multiply outward, so groups of axes that each stay in a node (domain) stay in
+    one together. The fast domain is a scale-up fabric like the node's, so it takes the node's
+    efficiency. A probed figure of that tier and collective (tuner/_probe.py) is used as measured."""
     used = [placement.axes[a] for a in axes if placement.axes[a].size > 1]
     if all(ax.intra_node for ax in used):
+        tier = "intra"
+    elif all(ax.in_domain for ax in used):
+        tier = "domain"
+    else:
+        tier = "inter"
+    probed = cluster.probed.link(tier, op) if cluster.probed is not None else None
+    if probed is not None:
+        return probed.bandwidth, probed.latency
+    if tier == "intra":
         return cluster.intra_node_bandwidth * f.intra_bw_efficiency, cluster.intra_node_latency * f.latency_scale
-    if all(ax.in_domain for ax in used):
+    if tier == "domain":
         return cluster.domain_bandwidth * f.intra_bw_efficiency, cluster.domain_latency * f.latency_scale
     return cluster.inter_node_bandwidth * f.inter_bw_efficiency, cluster.inter_node_latency * f.latency_scale
+
+
+def _tp_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]], sp: bool, *, latency: bool) -> float:
+    """One TP reduction of a ``nbytes`` whole over ``tp`` ranks: an all-reduce, or under sequence
+    parallelism an all-gather + reduce-scatter pair of the same volume (Korthikanti et al. 2022
+    Sec. 4.2.2), each on its own link; ``latency=False`` leaves the per-message latencies out."""
+    if sp:
+        (gb, gl), (rb, rl) = links["all_gather"], links["reduce_scatter"]
+        return (allgather_time(nbytes, tp, gb, gl if latency else 0.0)
+                + allgather_time(nbytes, tp, rb, rl if latency else 0.0))
+    bw, lat = links["all_reduce"]
+    return allreduce_time(nbytes, tp, bw, lat if latency else 0.0)
 
 
 # Bytes per gradient element in the data-parallel reduction: the workers reduce in fp32.
@@ -141,27 +164,42 @@ def _lesser(a: Num, b: Num) -> Num:
     return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
 
 
+def _greater(a: Num, b: Num) -> Num:
+    """The larger, elementwise for arrays."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def _where(cond: bool | np.ndarray, a: Num, b: Num) -> Num:
+    """``a`` where ``cond`` holds, else ``b``, elementwise for arrays."""
+    return np.where(cond, a, b) if isinstance(cond, np.ndarray) else (a if cond else b)
+
+
 def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tuple[Num, Num, Num], mbs: Num, m: Num,
-              pp: Num, vpp: Num, dp_overlap: Num) -> StepTime:
+              pp: Num, vpp: Num, dp_overlap: Num, sharing: Num = 1.0, step_fixed: Num = 0.0) -> StepTime:
     """Seconds per optimiser step, by part, of ``m`` micro-batches of ``mbs`` sequences on a mesh whose
     terms ``MeshTime`` prepared: ``per_mb`` the slowest stage's (compute, tp, cp, ep) seconds of one
     micro-batch as (per sequence, constant) pairs, ``p2p`` the pipeline sends' pair, ``dp`` the
     data-parallel (hidable once, exposed once, hidable per micro-batch) seconds. The bubble is
     (p-1)/(v m) of the ideal time (Narayanan et al. 2021 Sec. 2.2); overlap hides data-parallel
-    traffic behind at most the compute. Numbers or numpy arrays alike (``plan`` costs every layout of
-    a problem at once)."""
+    traffic behind at most the compute. ``sharing`` (probed, > 1 where devices share their host's
+    cores) lets a stage idle in the bubble lend its share; ``step_fixed`` is the optimiser's measured
+    seconds per step, counted as compute. Numbers or numpy arrays alike (``plan`` costs every layout
+    of a problem at once)."""
     (c1, c0), (t1, t0), (k1, k0), (e1, e0) = per_mb
     compute, tp_t, cp_t, ep_t = mbs * c1 + c0, mbs * t1 + t0, mbs * k1 + k0, mbs * e1 + e0
     t_mb = compute + tp_t + cp_t + ep_t
     busy = m * t_mb
     bubble = t_mb * (pp - 1) / vpp
+    # Devices sharing their host's cores (CPU ranks, probed): the critical path runs up to that much
+    # faster, never faster than the node can do the work of every stage.
+    bubble = _where(sharing > 1.0, _greater(0.0, (busy + bubble) / sharing - busy), bubble)
     p1, p0 = p2p
     p2p_t = m * (mbs * p1 + p0)
     hidable, fixed, per_mb_dp = dp
     t_dp = hidable + m * per_mb_dp
     exposed = fixed + t_dp - _lesser(t_dp * dp_overlap, busy)  # overlap cannot hide more than the compute
-    return StepTime(busy + bubble + p2p_t + exposed, m * compute, m * tp_t, m * cp_t, m * ep_t, exposed, bubble,
-                    p2p_t)
+    return StepTime(busy + bubble + p2p_t + exposed + step_fixed, m * compute + step_fixed, m * tp_t, m * cp_t,
+                    m * ep_t, exposed, bubble, p2p_t)
 
 
 @lru_cache(maxsize=256)
@@ -199,83 +237,120 @@ class MeshTime:
         elt = 2 if training.precision == "bf16" else 4
         seq, h = model.seq_len, model.hidden
         seq_local = seq // cp  # tokens of one sequence on this device (before TP)
-        rate = cluster.peak_flops * f.compute_efficiency
+        probed = cluster.probed
+        # Measured GEMM and attention rates (tuner/_probe.py) replace peak x efficiency.
+        rate = (probed.matmul_flops if probed is not None and probed.matmul_flops
+                else cluster.peak_flops * f.compute_efficiency)
         # A flash kernel runs at its own efficiency; a materialised-scores path (flash=False) is two
         # batched GEMMs at the matmuls' (its softmax's memory traffic is not modelled).
         attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
+        if flash and probed is not None and probed.attention_flops:
+            attn_rate = probed.attention_flops
         rp = rank_params(model, tp, ep, pp, vpp)
         matmul, core, head, recompute, self.model_flops, self.hw_flops = _flop_counts(model, flash)
         emb = EMBEDDING_COST * head
 
-        tp_link = _link(placement, ("tp",), cluster, f) if tp > 1 else None
-        cp_link = _link(placement, ("cp",), cluster, f) if cp > 1 else None
-        ep_link = _link(placement, ("ep",), cluster, f) if ep > 1 else None
-        # TP collectives at the model's ends, per micro-batch: the vocab-parallel embedding's output
-        # reduction (first stage) and the head's input-gradient reduction (last stage), each one
-        # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
-        ends_tp = [0.0] * pp
-        ends_tp_lat = [0.0] * pp
-        if tp_link:
-            bw, lat = tp_link
-            ends_tp[0] += allreduce_time(elt * seq_local * h, tp, bw, 0.0)
-            ends_tp[-1] += allreduce_time(elt * seq_local * h, tp, bw, 0.0)
-            ends_tp_lat[0] += allreduce_time(0.0, tp, bw, lat)
-            ends_tp_lat[-1] += allreduce_time(0.0, tp, bw, lat)
-            if loss_parallel:
-                ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, bw, 0.0)
-                ends_tp_lat[-1] += 3 * allreduce_time(0.0, tp, bw, lat)
-            else:  # ColwiseParallel(output_layouts=Replicate()): the forward all-gathers V/tp shards
-                ends_tp[-1] += allgather_time(elt * seq_local * model.vocab, tp, bw, 0.0)
-                ends_tp_lat[-1] += allgather_time(0.0, tp, bw, lat)
-        # Per ac: (compute, tp, cp, ep) of one micro-batch on the slowest stage, as (per sequence,
-        # constant) pairs: the pipeline runs at its slowest stage.
-        self.per_mb: dict[str, tuple[tuple[float, float], ...]] = {}
-        # Ranks alike in layers and ends cost alike: the first of each kind stands for them (max keeps
+        def link(axis: str, op: str) -> tuple[float, float]:
+            return _link(placement, (axis,), cluster, f, op)
+
+        # Per ac and sp: (compute, tp, cp, ep) of one micro-batch on the slowest stage, as (per
+        # sequence, constant) pairs: the pipeline runs at its slowest stage.
+        self.per_mb: dict[tuple[str, bool], tuple[tuple[float, float], ...]] = {}
+        # Ranks alike in layers and ends cost alike (the ends' measured extra too: it goes by whether
+        # the rank holds the embedding or the head): the first of each kind stands for them (max keeps
         # the first of equals, so the slowest stage found is the one every rank gives).
         kinds: dict[tuple[int, bool, bool], int] = {}
         for r, n_layers in enumerate(rp.layers):
             kinds.setdefault((n_layers, r == 0, r == pp - 1), r)
         distinct = sorted(kinds.values())
-        for ac in ("none", "selective", "full"):
-            re_matmul, re_core = recompute[ac]
-            layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
-            tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
-            tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
-            if tp_link:
-                # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
-                # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
-                bw, lat = tp_link
-                n = (4 + tp_extra) * (1 - f.tp_overlap)
-                tp_l = (n * allreduce_time(elt * seq_local * h, tp, bw, 0.0), n * allreduce_time(0.0, tp, bw, lat))
-            if cp_link:
-                # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
-                # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
-                bw, lat = cp_link
-                kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
-                n = (2 + cp_extra) * (1 - f.cp_overlap)
-                cp_l = (n * allgather_time(kv, cp, bw, 0.0), n * allgather_time(0.0, cp, bw, lat))
-            if ep_link:
-                # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
-                bw, lat = ep_link
-                n = (4 + ep_extra) * (1 - f.ep_overlap)
-                a2a = elt * seq_local * model.top_k * h
-                ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
-            stages = []
-            for r in distinct:
-                n_layers = rp.layers[r]
-                ends = (emb if r == 0 else 0.0) + (head if r == pp - 1 else 0.0)
-                parts = ((n_layers * layer_s + ends * seq_local / (tp * rate), 0.0),
-                         (n_layers * tp_l[0] + ends_tp[r], n_layers * tp_l[1] + ends_tp_lat[r]),
-                         (n_layers * cp_l[0], n_layers * cp_l[1]), (n_layers * ep_l[0], n_layers * ep_l[1]))
-                (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
-                stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
-            self.per_mb[ac] = max(stages, key=lambda x: x[0])[1]
+        tp_links = {}
+        if tp > 1:
+            tp_links = (dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter"), link("tp", "all_reduce"))
+                        if probed is None else {op: link("tp", op) for op in ("all_reduce", "all_gather", "reduce_scatter")})
+        cp_links = (link("cp", "all_gather"), link("cp", "reduce_scatter")) if cp > 1 else None
+        ep_link = link("ep", "all_to_all") if ep > 1 else None
+        for sp in (False, True):
+            sp = sp and tp > 1
+            # TP collectives at the model's ends, per micro-batch: the vocab-parallel embedding's output
+            # reduction (first stage) and the head's input-gradient reduction (last stage), each one
+            # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
+            ends_tp = [0.0] * pp
+            ends_tp_lat = [0.0] * pp
+            if tp > 1:
+                # one reduction of a micro-batch's activations (bandwidth part, latency part)
+                red1 = _tp_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False)
+                red0 = _tp_reduction(0.0, tp, tp_links, sp, latency=True)
+                for r in (0, -1):  # pp == 1: one stage, both reductions
+                    ends_tp[r] += red1
+                    ends_tp_lat[r] += red0
+                (ar_bw, ar_lat), (ag_bw, ag_lat) = tp_links["all_reduce"], tp_links["all_gather"]
+                if loss_parallel:
+                    ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, ar_bw, 0.0)
+                    ends_tp_lat[-1] += 3 * allreduce_time(0.0, tp, ar_bw, ar_lat)
+                else:  # ColwiseParallel(output_layouts=Replicate()): the forward all-gathers V/tp shards
+                    ends_tp[-1] += allgather_time(elt * seq_local * model.vocab, tp, ag_bw, 0.0)
+                    ends_tp_lat[-1] += allgather_time(0.0, tp, ag_bw, ag_lat)
+            over = probed.layer(tp, sp) if probed is not None else None
+            for ac in ("none", "selective", "full"):
+                re_matmul, re_core = recompute[ac]
+                layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
+                tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
+                tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
+                if tp > 1:
+                    # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
+                    # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
+                    n = (4 + tp_extra) * (1 - f.tp_overlap)
+                    tp_l = (n * red1, n * red0)
+                if cp > 1:
+                    # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
+                    # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
+                    # Of the n, k are the reduce-scatter, on its own link: written as n all-gathers and k
+                    # times the difference, so one link for both is the all-gathers' n exactly.
+                    (agb, agl), (rsb, rsl) = cp_links
+                    kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
+                    n = (2 + cp_extra) * (1 - f.cp_overlap)
+                    k = 1 - f.cp_overlap
+                    ag1, ag0 = allgather_time(kv, cp, agb, 0.0), allgather_time(0.0, cp, agb, agl)
+                    cp_l = (n * ag1 + k * (allgather_time(kv, cp, rsb, 0.0) - ag1),
+                            n * ag0 + k * (allgather_time(0.0, cp, rsb, rsl) - ag0))
+                if ep > 1:
+                    # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
+                    bw, lat = ep_link
+                    n = (4 + ep_extra) * (1 - f.ep_overlap)
+                    a2a = elt * seq_local * model.top_k * h
+                    ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
+                # What a probed layer takes beyond the above (dispatch, elementwise work): recompute
+                # repeats the forward's share of it, as it repeats the forward's FLOPs, or what a
+                # probe of the checkpointed layer measured.
+                lay1 = lay0 = 0.0
+                if over:
+                    redo = dict(probed.recompute).get(ac) or 1.0 + (re_matmul + re_core) / (matmul + core)
+                    lay1, lay0 = over.layer_per_seq_s * redo, over.layer_s * redo
+                stages = []
+                for r in distinct:
+                    n_layers = rp.layers[r]
+                    ends = (emb if r == 0 else 0.0) + (head if r == pp - 1 else 0.0)
+                    end1 = end0 = 0.0
+                    if over:
+                        share = ends / (emb + head)  # the ends' measured extra, split as their FLOPs are
+                        end1, end0 = over.ends_per_seq_s * share, over.ends_s * share
+                    parts = ((n_layers * (layer_s + lay1) + ends * seq_local / (tp * rate) + end1,
+                              n_layers * lay0 + end0),
+                             (n_layers * tp_l[0] + ends_tp[r], n_layers * tp_l[1] + ends_tp_lat[r]),
+                             (n_layers * cp_l[0], n_layers * cp_l[1]), (n_layers * ep_l[0], n_layers * ep_l[1]))
+                    (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
+                    stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
+                self.per_mb[ac, sp] = max(stages, key=lambda x: x[0])[1]
+            if tp == 1 or probed is None:  # no TP, or one link for every collective: sp costs the same
+                break
+        for ac in ("none", "selective", "full"):  # sp without TP is no sequence parallelism
+            self.per_mb.setdefault((ac, True), self.per_mb[ac, False])
 
         # Pipeline p2p: activations cross 2v stage boundaries per micro-batch (forward + backward);
         # Megatron's scatter-gather sends 1/t of them under sequence parallelism.
         self.p2p: dict[bool, tuple[float, float]] = {False: (0.0, 0.0), True: (0.0, 0.0)}
         if pp > 1:
-            bw, lat = _link(placement, ("pp",), cluster, f)
+            bw, lat = link("pp", "send_recv")
             for sp in (False, True):
                 act = elt * seq_local * h / (tp if sp else 1)
                 self.p2p[sp] = (2 * vpp * act / bw, 2 * vpp * lat)
@@ -300,20 +375,39 @@ class MeshTime:
         #     and each backward that follows a forward: m + 1 gathers per step whatever the schedule
         #     (a run of k forwards costs k, or k - 1 after a backward, plus the backward after it).
         pbytes = 2 if training.precision == "bf16" else 4
+        # The workers issue each of these once per FSDP unit (a block, and each chunk's root:
+        # workers/_data_parallel.py); a probed cluster pays their measured latency per unit, while
+        # datasheet figures cost one latency per collective.
+        units = max(rp.layers) + vpp if workers and probed is not None else 1
+        # What a real step's sync took per unit beyond the modelled collective (tuner/_probe.py).
+        unit_ar = (probed.grad_sync_unit_s or 0.0) if probed is not None and workers else 0.0
+        unit_fsdp = (probed.fsdp_unit_s or 0.0) if probed is not None and workers else 0.0
         ag = rs = ar = 0.0
         for psi, nd, axes in ((max(rp.dense), dp * ep * cp, ("dp", "ep", "cp")), (max(rp.expert), dp * cp, ("dp", "cp"))):
             if nd > 1 and psi > 0:
-                bw, lat = _link(placement, axes, cluster, f)
-                ag += allgather_time(pbytes * psi, nd, bw, lat)
-                rs += allgather_time(REDUCE_BYTES * psi, nd, bw, lat)
-                ar += allreduce_time(REDUCE_BYTES * psi, nd, bw, lat)
+                if probed is None:  # the datasheet has one link per tier for every collective
+                    one = _link(placement, axes, cluster, f)
+                    links = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), one)
+                else:
+                    links = {op: _link(placement, axes, cluster, f, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+                ag += allgather_time(pbytes * psi, nd, links["all_gather"][0], 0.0) + units * (allgather_time(
+                    0.0, nd, *links["all_gather"]) + unit_fsdp)
+                rs += allgather_time(REDUCE_BYTES * psi, nd, links["reduce_scatter"][0], 0.0) + units * (allgather_time(
+                    0.0, nd, *links["reduce_scatter"]) + unit_fsdp)
+                ar += allreduce_time(REDUCE_BYTES * psi, nd, links["all_reduce"][0], 0.0) + units * (allreduce_time(
+                    0.0, nd, *links["all_reduce"]) + unit_ar)
         if workers:
             self.dp = {0: (ar, 0.0, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
         elif pp == 1:
             self.dp = {0: (0.0, ar, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
         else:
             self.dp = {0: (0.0, ar, 0.0), 1: (ag, rs, 0.0), 2: (ag, rs, 0.0), 3: (ag, rs, ag)}
-        self.dp_overlap = f.dp_overlap
+        # The optimiser step and zeroing, measured (per step, and per layer of this rank's stages).
+        self.step_fixed = 0.0
+        if probed is not None and probed.step_s is not None:
+            self.step_fixed = probed.step_s + (probed.step_layer_s or 0.0) * max(rp.layers)
+        self.dp_overlap = probed.dp_overlap if probed is not None and probed.dp_overlap is not None else f.dp_overlap
+        self.sharing = probed.compute_sharing or 1.0 if probed is not None else 1.0
         self.tokens = training.global_batch * seq
         self.world = world
         self.peak = world * cluster.peak_flops
@@ -321,7 +415,8 @@ class MeshTime:
 
     def estimate(self, zero: int, mbs: int, ac: str, sp: bool, m: int) -> StepTime:
         """Seconds per optimiser step, by part."""
-        return step_time(self.per_mb[ac], self.p2p[sp], self.dp[zero], mbs, m, self.pp, self.vpp, self.dp_overlap)
+        return step_time(self.per_mb[ac, sp], self.p2p[sp], self.dp[zero], mbs, m, self.pp, self.vpp, self.dp_overlap,
+                         self.sharing, self.step_fixed)
 
     def wrap(self, est: StepTime, ac: str) -> TimeEstimate:
         step = est[0]

@@ -22,6 +22,7 @@ from tuner import MeshtuneError, NotFoundError
 COMMANDS = (
     "api.cli.plan",
     "api.cli.run_trial",
+    "api.cli.probe",
     "api.cli.sweep",
     "api.cli.confirm",
     "api.cli.export",

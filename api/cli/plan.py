@@ -73,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, metavar="N", help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (memory in bytes)")
     p.add_argument("--allow-tp-across-nodes", action="store_true", help="let TP groups span nodes")
+    p.add_argument("--datasheet", action="store_true",
+                   help="model the cluster from its datasheet even where a probe of it is stored (`meshtune probe`)")
     p.set_defaults(func=run)
 
 
@@ -161,14 +163,42 @@ def run(args: argparse.Namespace) -> int:
             f"no valid layout of model {model.name} on {cluster.devices} devices with "
             f"training.global_batch={training.global_batch}: {reasons or 'the space is empty'}"
         )
+    cluster, figures = _figures(args, model, cluster, training, enum)
     result = plan(model=model, cluster=cluster, training=training, space=space,
                   allow_tp_across_nodes=args.allow_tp_across_nodes, enumeration=enum)
     if args.json:
-        json.dump(result.to_dict(top=args.top), sys.stdout, indent=2)
+        json.dump({**result.to_dict(top=args.top), "figures": figures}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print(result, args.top)
+        Console(width=None if sys.stdout.isatty() else 200).print(figures["text"], highlight=False)
     return 0
+
+
+def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, enum: Any) -> tuple[Any, dict]:
+    """The cluster with the stored probe's figures (api/probes), and what the plan says of them (the
+    enumeration's layouts are made only where a probe is stored, to see which degrees it covers)."""
+    from api.probes import service as probes
+    from api.settings import get_settings
+    from tuner import with_probe
+    from tuner._probe import summary
+
+    if args.datasheet:
+        return cluster, {"source": "datasheet", "text": "cluster figures: datasheet (--datasheet)"}
+    workload = "builtin"
+    if args.spec_file:
+        workload = read_spec_file(args.spec_file).get("workload", "builtin")
+    row, note = probes.stored(model=model, cluster=cluster, training=training, backend=get_settings().backend,
+                              workload=workload)
+    if row is None:
+        return cluster, {"source": "datasheet",
+                         "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
+    figures = probes.figures_of(row)
+    tp_sp, _ = probes.targets_of(enum.valid)
+    gaps = "" if probes.covers(row, tp_sp) else "; some tensor-parallel degrees here were not probed (nearest used)"
+    text = (f"cluster figures: probe #{row.id} of {fmt.when(row.created_at)} ({summary(probes.hardware(cluster), figures)}"
+            f"{gaps}; `meshtune probe --show` lists them, --datasheet ignores them)")
+    return with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
 
 
 def _count(n: float) -> str:

@@ -222,10 +222,20 @@ def calibration_lines(calibration: dict | None) -> list[str]:
     return describe(calibration)
 
 
+def model_lines(sweep: Any, ranking: Any) -> list[str]:
+    """Which figures the sweep modelled its cluster with, and how far its step times were predicted."""
+    from api.probes.service import probe_line
+    from api.sweeps import accuracy
+
+    line = probe_line(sweep.calibration, sweep.backend)
+    return ([line] if line else []) + accuracy.lines(sweep, ranking)
+
+
 def print_report(console: Any, sweep: Any, ranking: Any, front: list[Any], *, top: int = 20) -> None:
     """What ``meshtune show`` and the end of ``meshtune sweep`` print alike: the sweep line, the
     ranking, the Pareto front, then the calibration, memory-model and host-noise lines (a noise too
-    high to trust the ranking is said here, not only by ``show``)."""
+    high to trust the ranking is said here, not only by ``show``), and which figures modelled the
+    cluster (probed or datasheet) with how far its step times were predicted."""
     from api import format as fmt
 
     print_sweep(console, sweep)
@@ -236,6 +246,8 @@ def print_report(console: Any, sweep: Any, ranking: Any, front: list[Any], *, to
             f"{fmt.layout_text(p.layout)} ({num_cell(p.tokens_per_s_per_device)}, {bytes_cell(p.peak_memory_bytes)})"
             for p in on_front))
     for line in calibration_lines(sweep.calibration):
+        console.print(line)
+    for line in model_lines(sweep, ranking):
         console.print(line)
 
 

@@ -23,11 +23,13 @@ from api.dashboard import live, views
 from api.dashboard.state import LIVE_STATUSES, assemble, microbatches_of
 from api.engine._calibrate import describe
 from api.paging import MAX_PAGE
+from api.probes import display
+from api.probes.service import hardware, probe_line
 from api.reshard import service as reshard_service
 from api.routes._cache import sweep_version
 from api.spec import SweepSpec
 from api.sweeps import service
-from tuner import TrainingSpec
+from tuner import ProbedFigures, TrainingSpec
 from tuner._stats import relative_error
 
 GiB = views.GiB
@@ -154,6 +156,23 @@ def all_trials(session: Session, *, sweep_id: int) -> list[Any]:
             return rows
 
 
+def probe_panel(sweep: Any) -> dict[str, Any] | None:
+    """The cluster figures the sweep modelled with (api/probes): its line, and each figure probed vs
+    datasheet with the ratio; from the calibration's record of the probe (no query)."""
+    line = probe_line(sweep.calibration, sweep.backend)
+    if line is None:
+        return None
+    figures = ((sweep.calibration or {}).get("probe") or {}).get("figures")
+    rows: list[dict[str, str]] = []
+    if figures:
+        try:
+            _, cluster, _ = SweepSpec.model_validate(sweep.spec).to_problem()
+            rows = display.rows(hardware(cluster), ProbedFigures.from_dict(figures))
+        except ValueError:  # a spec (or probe) this version no longer reads: the line alone
+            rows = []
+    return {"line": line, "rows": rows, "probed": bool(figures)}
+
+
 def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": sweep.id, "name": sweep.name, "status": sweep.status, "owner": sweep.owner,
@@ -165,6 +184,7 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
         # the calibration's held-out Spearman vs the prior, the memory error, the earlier sweeps it
         # learned from and the host's noise: the lines `meshtune show` prints (api.engine._calibrate)
         "calibration_lines": describe(sweep.calibration),
+        "probe": probe_panel(sweep),
         "priority": sweep.priority, "queue_position": sweep.queue_position, "running_trials": sweep.running_trials,
     }
 

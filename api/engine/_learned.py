@@ -27,6 +27,7 @@ import numpy as np
 
 from api import store
 from api.engine import _calibrate as cal
+from api.engine._prediction import cluster_under
 from api.spec import SweepSpec
 from tuner import Layout
 
@@ -44,13 +45,18 @@ def fingerprint(env: dict[str, Any] | None, backend: str) -> str | None:
     return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def earlier(session: Any, *, fingerprint: str, sweep_id: int, scaled: Any) -> list[dict[str, Any]]:
-    """Per earlier sweep on ``fingerprint``: id, calibration and (scaled features, residual) pairs;
-    ``scaled(layout)`` maps a layout to the new sweep's feature space."""
+def earlier(session: Any, *, fingerprint: str, sweep_id: int, scaled: Any,
+            probe_id: int | None = None) -> list[dict[str, Any]]:
+    """Per earlier sweep on ``fingerprint`` that modelled the cluster with probe ``probe_id`` (None:
+    the datasheet; a calibration is relative to the figures it was fitted on): id, calibration and
+    (scaled features, residual) pairs; ``scaled(layout)`` maps a layout to the new sweep's feature space."""
     out = []
     for sw in store.sweeps_on_fingerprint(session, fingerprint=fingerprint, before_id=sweep_id, limit=LIMIT):
+        if ((sw.calibration or {}).get("probe") or {}).get("id") != probe_id:
+            continue
         try:
             model, cluster, training = SweepSpec.model_validate(sw.spec).to_problem()
+            cluster = cluster_under(sw.calibration, cluster)
         except Exception as exc:  # an old spec this version no longer reads: skip it, say so
             log.warning("sweep %s: earlier sweep %s not learned from (%s)", sweep_id, sw.id, exc)
             continue

@@ -55,7 +55,8 @@ class Learning:
             self.inherited_fp = fp
             if fp is not None:
                 scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
+                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler,
+                                                     probe_id=self.problem.probe_id))
 
     def _note_fingerprint(self, row: store.Trial) -> None:
         """The first measurement names the sweep's cluster; a wrong provisional guess is undone."""
@@ -72,7 +73,8 @@ class Learning:
             self.inherited_fp = fp
             with self.r.sessions() as s:
                 scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler))
+                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler,
+                                                     probe_id=self.problem.probe_id))
 
     def _update_noise(self) -> None:
         """The host's run-to-run noise, pooled over every repeated layout (tuner._stats)."""

@@ -26,6 +26,7 @@ from api.engine._learning import Learning
 from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
 from api.engine._model import Problem
 from api.engine._outage import Outages
+from api.engine._probing import Probing
 from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
@@ -59,7 +60,7 @@ class Ticket:
     cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
-class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages):
+class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, Probing):
     def __init__(self, runner: SweepRunner, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         self.r = runner
         self.sweep_id = sweep_id
@@ -141,6 +142,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages):
             self._beat()
             self.slots = self._slots()
             self.ledger = self.r.ledger_for(self.r.cluster_of(self.backend), self.capacity)
+            self._probe_cluster()  # before any trial: the model of this cluster is its measured figures
             self.pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix=f"sweep{self.sweep_id}")
             try:
                 # Re-runs of a restart go first, each once the ledger grants its devices.

@@ -20,6 +20,7 @@ A prediction's record, the prior weights and re-prediction under a stored calibr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -29,7 +30,7 @@ import numpy as np
 
 import tuner
 from api.engine import _calibrate as cal
-from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction
+from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction, cluster_under
 from api.engine._prediction import predict_under as predict_under  # re-exported: callers import it from here
 from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
 from api.engine._space import LayoutSpace
@@ -167,6 +168,7 @@ class Problem:
     def load(self, calibration: dict[str, Any]) -> None:
         """Resume under a stored calibration (the measurements are replayed through ``observe``)."""
         self.calibration = dict(calibration)
+        self.cluster = cluster_under(calibration, self.cluster)  # the probed figures it started from
         if "time" in calibration:
             self.time_w = np.array([calibration["time"]["weights"][k] for k in cal.TIME_PARTS])
             self._fitted_at = int(calibration["time"].get("n", 0))
@@ -174,6 +176,21 @@ class Problem:
             self.mem_w = np.array([calibration["memory"]["weights"][k] for k in cal.MEMORY_PARTS])
         self.memory_sigma = float(calibration.get("memory_sigma", MEMORY_SIGMA))
         self.learned_from = list(calibration.get("learned_from", []))
+
+    def use_probe(self, record: dict[str, Any] | None, *, note: str | None = None) -> dict[str, Any]:
+        """Model the cluster with a probe's figures (``record``: api/probes/service.py ``record_of``),
+        or say why it is modelled from the datasheet (``record=None`` and ``note``): the prior, the
+        memory model and every prediction from now on read them. Returns the calibration to store."""
+        if record is None:  # the datasheet's figures stay: no prediction changes, no new version
+            self.calibration = {**self.calibration, "probe": {"figures": None, "note": note}}
+            return self.calibration
+        self.cluster = cluster_under({"probe": record}, dataclasses.replace(self.cluster, probed=None))
+        self._arrays = None  # every layout's parts again, under the new figures
+        return self._store(probe=record)
+
+    @property
+    def probe_id(self) -> int | None:
+        return (self.calibration.get("probe") or {}).get("id")
 
     # --- the analytical model's parts --------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """What the analytical model predicts for a layout under a calibration's weights: the prior's (all
 parts weighted 1, no per-step constant) or those a stored calibration recorded as in force
-(api.engine._model.Problem fits them; api.engine._calibrate names the parts). ``predict_under``
-re-predicts stored rows under one calibration, so a ranking's errors never mix versions.
+(api.engine._model.Problem fits them; api.engine._calibrate names the parts), on the cluster with
+the probed figures the sweep used (``cluster_under``). ``predict_under`` re-predicts stored rows
+under one calibration, so a ranking's errors never mix versions.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def weights_in_force(calibration: dict[str, Any] | None) -> tuple[np.ndarray, np
     return time_w, mem_w
 
 
+def cluster_under(calibration: dict[str, Any] | None, cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` with the figures of the probe the calibration's sweep used (``calibration["probe"]``,
+    api/probes/service.py ``record_of``); as it is when the sweep used the datasheet."""
+    figures = ((calibration or {}).get("probe") or {}).get("figures")
+    return tuner.with_probe(cluster, figures) if figures else cluster
+
+
 def predict_under(calibration: dict[str, Any] | None, layouts: dict[str, Layout], *, model: ModelSpec,
                   cluster: ClusterSpec, training: TrainingSpec) -> dict[str, tuple[float | None, int | None]]:
     """key -> (predicted tokens/s per device, predicted peak bytes per device) of each layout under one stored
@@ -57,6 +65,7 @@ def predict_under(calibration: dict[str, Any] | None, layouts: dict[str, Layout]
     calibrations (the rows' own stored predictions were made under whichever version was in force
     when each trial started)."""
     time_w, mem_w = weights_in_force(calibration)
+    cluster = cluster_under(calibration, cluster)
     tokens = training.global_batch * model.seq_len
     out: dict[str, tuple[float | None, int | None]] = {}
     for key, layout in layouts.items():
