@@ -80,7 +80,7 @@ class Probing:
                     return future.result(timeout=1.0)
                 except FutureTimeout:
                     self._beat()
-                    self.ledger.beat()
+                    self.ledger.flush()  # the member beat keeps this coordinator's leases alive
 
     def _use_probe(self, record: dict[str, Any] | None, note: str | None) -> None:
         self.problem.use_probe(record, note=note)
