@@ -95,10 +95,7 @@ MFU_TOLERANCE = 0.10
 def reference_estimates(ref):
     placement = place(ref.layout, ref.cluster)
     kw = dict(model=ref.model, cluster=ref.cluster, training=ref.training)
-    return (estimate_memory(ref.layout, flash_attention=ref.flash_attention, fused_swiglu=ref.fused_swiglu,
-                            eager=ref.eager, **kw),
-            estimate_time(ref.layout, placement=placement, flash_attention=ref.flash_attention,
-                          workers=ref.eager, **kw))
+    return estimate_memory(ref.layout, **kw), estimate_time(ref.layout, placement=placement, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_LAYOUTS))
