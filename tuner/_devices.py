@@ -23,6 +23,8 @@ from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 from tuner._timing import CalibrationFactors
 
 MAX_DEVICE_TYPES = 8  # device types one comparison may name
+# One colour per device type in both panels of the figure (plotly's default qualitative sequence).
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
 def _type_names(value: Any, field: str) -> list[str]:
@@ -154,9 +156,11 @@ def devices_figure(points: Sequence[DevicePoint], *, title: str) -> dict[str, An
     types = list(dict.fromkeys(p.device for p in points))
     ok = [p for p in points if p.size.tokens_per_s]
     data: list[dict[str, Any]] = []
+    colour = {t: COLOURS[i % len(COLOURS)] for i, t in enumerate(types)}
     for t in types:
         mine = [p for p in ok if p.device == t]
         data.append({"type": "scatter", "mode": "lines+markers", "name": t, "legendgroup": t,
+                     "line": {"color": colour[t]}, "marker": {"color": colour[t]},
                      "x": [p.size.devices for p in mine], "y": [p.size.tokens_per_s for p in mine],
                      "text": [f"{p.size.nodes} nodes: {p.size.layout_key}" for p in mine]})
     layout: dict[str, Any] = {
@@ -173,7 +177,7 @@ def devices_figure(points: Sequence[DevicePoint], *, title: str) -> dict[str, An
             if not mine:
                 continue
             data.append({"type": "scatter", "mode": "markers", "name": f"{t} cost", "legendgroup": t,
-                         "showlegend": False, "xaxis": "x2", "yaxis": "y2",
+                         "showlegend": False, "xaxis": "x2", "yaxis": "y2", "marker": {"color": colour[t], "size": 9},
                          "x": [_days(p) if budgeted else p.size.tokens_per_s for p in mine],
                          "y": [p.size.budget.cost if budgeted else p.size.budget.cost_per_token * 1e6  # type: ignore[union-attr]
                                for p in mine],
@@ -184,9 +188,11 @@ def devices_figure(points: Sequence[DevicePoint], *, title: str) -> dict[str, An
                             "rangemode": "tozero"}
     marks = [(p, label) for p in ok for label, on in (("fastest", p.fastest), ("cheapest", p.cheapest)) if on]
     if marks:
+        widest = max(p.size.devices for p in ok)
         data.append({"type": "scatter", "mode": "markers+text", "name": "fastest / cheapest", "showlegend": False,
                      "x": [p.size.devices for p, _ in marks], "y": [p.size.tokens_per_s for p, _ in marks],
-                     "text": [f"{label}: {p.device}" for p, label in marks], "textposition": "top center",
+                     "text": [f"{label}: {p.device}" for p, label in marks],
+                     "textposition": ["top left" if p.size.devices == widest else "top right" for p, _ in marks],
                      "marker": {"symbol": "star", "size": 14, "color": "black"}})
     return {"data": data, "layout": layout}
 
