@@ -25,6 +25,7 @@ from api import format as fmt
 from tuner import (
     MEMORY_HEADROOM,
     PRECISIONS,
+    REFERENCE_LAYOUTS,
     LayoutError,
     Plan,
     SearchSpace,
@@ -56,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and rank the rest by predicted tokens/s per device.",
     )
     p.add_argument("spec_file", nargs="?", metavar="SPEC_FILE", help="YAML/TOML/JSON spec (model, cluster, training, space)")
+    p.add_argument("--reference", metavar="NAME", help="plan the problem of a published run (tuner.REFERENCE_LAYOUTS: "
+                   f"{', '.join(sorted(REFERENCE_LAYOUTS))}) and say how its published layout compares")
     p.add_argument("--model", metavar="PRESET|hf:PATH",
                    help=f"model preset, or hf:PATH of a Hugging Face config.json (default {DEFAULT_MODEL})")
     p.add_argument("--cluster", metavar="PRESET[,PRESET...]",
@@ -108,6 +111,12 @@ def _train_tokens(text: str) -> float:
 def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace, Any]:
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
+    if args.reference is not None:  # the published run's problem: flags still override it
+        if args.spec_file:
+            raise SpecError(f"--reference={args.reference} and a spec file ({args.spec_file}): give one of them")
+        ref = _reference(args.reference)
+        data = {"model": to_dict(ref.model), "cluster": to_dict(ref.cluster), "training": to_dict(ref.training)}
+        data["model"].pop("hf_config", None)
     try:
         model_data = model_arg(args.model) if args.model is not None else data.get("model", DEFAULT_MODEL)
         cluster_data = args.cluster if args.cluster is not None else data.get("cluster", DEFAULT_CLUSTER)
@@ -169,6 +178,13 @@ def _price(text: str) -> float | str:
         return text
 
 
+def _reference(name: str) -> Any:
+    if name not in REFERENCE_LAYOUTS:
+        raise SpecError(f"--reference={name!r} is not a published run meshtune knows (known: "
+                        f"{', '.join(sorted(REFERENCE_LAYOUTS))})")
+    return REFERENCE_LAYOUTS[name]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
@@ -188,12 +204,58 @@ def run(args: argparse.Namespace) -> int:
         )
     result = plan(model=model, cluster=cluster, training=training, space=space,
                   allow_tp_across_nodes=args.allow_tp_across_nodes, enumeration=enum)
+    published = _published(result, _reference(args.reference)) if args.reference is not None else None
     if args.json:
-        json.dump(result.to_dict(top=args.top), sys.stdout, indent=2)
+        json.dump({**result.to_dict(top=args.top), **({"published": published} if published else {})},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print(result, args.top)
+        if published:
+            _print_published(published)
     return 0
+
+
+def _published(result: Plan, ref: Any) -> dict[str, Any]:
+    """How a published run compares with the plan of its problem: the model's prediction for the
+    published layout itself, the plan's best layout on the published mesh, and where that ranks."""
+    from tuner import estimate_memory, estimate_time, place
+
+    def util(t: Any) -> float:
+        return t.hfu if ref.mfu_kind == "hardware" else t.mfu
+
+    kw = dict(model=result.model, cluster=result.cluster, training=result.training)
+    mesh = (ref.layout.tp, ref.layout.cp, ref.layout.ep, ref.layout.dp, ref.layout.pp)
+    at = next((i for i, e in enumerate(result.entries)
+               if (e.layout.tp, e.layout.cp, e.layout.ep, e.layout.dp, e.layout.pp) == mesh), None)
+    exact_t = estimate_time(ref.layout, placement=place(ref.layout, result.cluster), **kw)
+    exact_m = estimate_memory(ref.layout, **kw)
+    out: dict[str, Any] = {
+        "name": ref.name, "source": ref.source, "notes": ref.notes, "layout": ref.layout.key,
+        "mfu_kind": ref.mfu_kind, "reported": ref.reported_mfu, "predicted": util(exact_t),
+        "predicted_fits": exact_m.fits, "predicted_memory_bytes": exact_m.total,
+        "feasible": len(result.entries), "mesh_rank": None, "mesh_best": None, "mesh_best_predicted": None,
+    }
+    if at is not None:
+        out.update(mesh_rank=at + 1, mesh_best=result.entries[at].layout.key,
+                   mesh_best_predicted=util(result.entries[at].time))
+    return out
+
+
+def _print_published(p: dict[str, Any]) -> None:
+    console = Console(width=200) if not sys.stdout.isatty() else Console()
+    kind = "HFU (Megatron's count, recompute included)" if p["mfu_kind"] == "hardware" else "MFU (PaLM's count)"
+    console.print(f"[bold]published[/]: {p['source']}: {p['layout']}, reported {kind} {p['reported']:.0%}")
+    fits = "" if p["predicted_fits"] else f" (predicted {fmt.bytes_text(p['predicted_memory_bytes'])}: does not fit)"
+    console.print(f"  the published layout, predicted: {p['predicted']:.1%} ({p['predicted'] / p['reported'] - 1:+.1%})"
+                  f"{fits}")
+    if p["mesh_rank"] is None:
+        console.print("  no feasible layout of the published mesh in this plan")
+    else:
+        console.print(f"  the plan's best on the published mesh: {p['mesh_best']}, {p['mesh_best_predicted']:.1%} "
+                      f"({p['mesh_best_predicted'] / p['reported'] - 1:+.1%}), ranked #{p['mesh_rank']:,} of "
+                      f"{p['feasible']:,} ({p['mesh_rank'] / p['feasible']:.2%})")
+    console.print(f"  what the paper states and what is assumed: {p['notes']}", style="dim")
 
 
 def _count(n: float) -> str:
