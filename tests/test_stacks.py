@@ -122,3 +122,25 @@ def test_megatron_ranks_layouts_otherwise_than_the_workers():
     theirs = plan(training=training_spec({**training, "stack": "megatron"}, seq_len=MODEL.seq_len), **kw)
     assert len(theirs.entries) > len(ours.entries)
     assert theirs.best.layout != ours.best.layout and theirs.best.time.mfu > ours.best.time.mfu
+
+
+@pytest.mark.parametrize("name", ["megatron-145b-1536-a100", "megatron-530b-2520-a100", "megatron-1t-3072-a100"])
+def test_plan_of_megatrons_published_runs_reproduces_them(name, capsys):
+    """`meshtune plan --reference NAME --stack megatron`, nothing else set: the plan's best layout on
+    the published mesh within 10% of Narayanan et al. 2021's Table 1, that mesh in the top 1%."""
+    from api.cli import main
+
+    assert main(["plan", "--reference", name, "--stack", "megatron", "--top", "1", "--json"]) == 0
+    published = __import__("json").loads(capsys.readouterr().out)["published"]
+    assert abs(published["predicted"] / published["reported"] - 1) <= 0.10
+    assert abs(published["mesh_best_predicted"] / published["reported"] - 1) <= 0.10
+    assert published["mesh_rank"] <= 0.01 * published["feasible"], published
+
+
+def test_plan_reference_refusals_are_one_line(capsys):
+    from api.cli import main
+
+    assert main(["plan", "--reference", "gpt-4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--reference='gpt-4' is not a published run meshtune knows (known: bloom-176b-384-a100," in err
+    assert len(err.splitlines()) == 1

@@ -62,8 +62,8 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
     measured = (f"rank {row.rank} of {len(rows)}: {row.tokens_per_s_per_device:.6g} tokens/s per device, "
                 f"median of {row.n} run(s)" + (" (simulated, not measured)" if row.simulated else ""))
-    header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *target_lines(sweep, row, format=format),
-              *how_sure(row, rows, sweep_id=sweep_id)]
+    header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *how_sure(row, rows, sweep_id=sweep_id),
+              *target_lines(sweep, row, format=format)]
     if getattr(sweep, "diagnostic", False):
         header.append("diagnostic sweep: trial options injected failures or sleeps")
     out = export_layout(layout_from_mapping(dict(row.layout)), model=model, cluster=cluster, training=training,

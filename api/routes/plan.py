@@ -264,24 +264,9 @@ def get_plan_sizes(
     counts = check_node_counts(nodes, field="nodes")
     m, c, t = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    key = (m, c, t, counts, scale_batch)
-    with _CACHE_LOCK:
-        answer = _SIZES.get(key)
-    if answer is None:
-        cost = 0
-        for n in counts:
-            size = cluster_spec({**to_dict(c), "nodes": n})
-            _check_devices(size)
-            cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                        remedy="plan it with `meshtune plan`, which has no such limit")
-        _charge(request, caller, cost)
-        started = time.perf_counter()
-        points = plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch)
-        answer = (points, time.perf_counter() - started)
-        with _CACHE_LOCK:
-            _SIZES[key] = answer
-            while len(_SIZES) > _CACHE_SIZE:
-                _SIZES.popitem(last=False)
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
+    answer = _bounded(_SIZES, (m, c, t, counts, scale_batch), request, caller, m, sizes,
+                      lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
     points, seconds = answer
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
     return PlanSizesOut(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
@@ -337,27 +322,35 @@ def post_plan_devices(request: Request, caller: ReaderDep, body: PlanDevicesRequ
 def _devices_answer(request: Request, caller: Any, m: ModelSpec, clusters: list[ClusterSpec], t: TrainingSpec,
                     counts: tuple[int, ...] | None, scale_batch: bool) -> PlanDevicesOut:
     """The cached comparison, or a new one bounded and charged as /api/plan/sizes is."""
-    key = (m, tuple(clusters), t, counts, scale_batch)
-    with _CACHE_LOCK:
-        answer = _DEVICES.get(key)
-    if answer is None:
-        cost = 0
-        for c in clusters:
-            for n in counts if counts is not None else (c.nodes,):
-                size = cluster_spec({**to_dict(c), "nodes": n})
-                _check_devices(size)
-                cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                            remedy="plan it with `meshtune plan`, which has no such limit")
-        _charge(request, caller, cost)
-        started = time.perf_counter()
-        points = compare_devices(model=m, clusters=clusters, training=t, nodes=counts, scale_batch=scale_batch)
-        answer = (points, time.perf_counter() - started)
-        with _CACHE_LOCK:
-            _DEVICES[key] = answer
-            while len(_DEVICES) > _CACHE_SIZE:
-                _DEVICES.popitem(last=False)
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
+    answer = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), request, caller, m, sizes,
+                      lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
+                                              scale_batch=scale_batch))
     points, seconds = answer
     title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
     return PlanDevicesOut(model=to_dict(m), clusters=[to_dict(c) for c in clusters], training=to_dict(t),
                           stack=stack_of(t).to_dict(), scale_batch=scale_batch, devices=[p.to_dict() for p in points],
                           figure=devices_figure(points, title=title), seconds=round(seconds, 4))
+
+
+def _bounded(cache: OrderedDict[tuple[Any, ...], tuple[Any, float]], key: tuple[Any, ...], request: Request,
+             caller: Any, m: ModelSpec, sizes: list[ClusterSpec], compute: Callable[[], Any]) -> tuple[Any, float]:
+    """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
+    cluster size (devices, candidate layouts) and charged to an anonymous caller's budget."""
+    with _CACHE_LOCK:
+        answer = cache.get(key)
+    if answer is not None:
+        return answer
+    cost = 0
+    for size in sizes:
+        _check_devices(size)
+        cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
+                                    remedy="plan it with `meshtune plan`, which has no such limit")
+    _charge(request, caller, cost)
+    started = time.perf_counter()
+    answer = (compute(), time.perf_counter() - started)
+    with _CACHE_LOCK:
+        cache[key] = answer
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    return answer
