@@ -148,6 +148,19 @@ class PlanSizesOut(ResponseModel):
     seconds: float = Field(description="Time the analytical planner took, seconds.")
 
 
+class PlanDevicesOut(ResponseModel):
+    model: dict[str, Any] = Field(description="The resolved model spec.")
+    clusters: list[dict[str, Any]] = Field(description="The resolved cluster spec of each device type (with its price).")
+    training: dict[str, Any] = Field(description="The resolved training spec (the first size's batch).")
+    stack: dict[str, Any] = Field(description="The training stack predicted for (training.stack) and its properties.")
+    scale_batch: bool = Field(description="Whether the global batch grows with the device count.")
+    devices: list[dict[str, Any]] = Field(
+        description="Per (device type, node count): device, nodes, devices, the best predicted layout (null when none "
+        "fits, with why), tokens_per_s, mfu, budget (time_to_train_s, cost, cost_per_token), fastest, cheapest.")
+    figure: dict[str, Any] = Field(description="The comparison as a plotly figure (data and layout) for plotly.js.")
+    seconds: float = Field(description="Time the analytical planner took, seconds.")
+
+
 class PlanOut(ResponseModel):
     model: dict[str, Any] = Field(description="The resolved model spec.")
     cluster: dict[str, Any] = Field(description="The resolved cluster spec.")

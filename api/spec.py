@@ -270,6 +270,10 @@ class SweepSpec(RequestModel):
     @model_validator(mode="after")
     def _check_problem(self) -> SweepSpec:
         model, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        if training.stack != "meshtune":
+            raise SpecError(f"training.stack={training.stack!r}: a sweep measures meshtune's own workers (stack "
+                            "meshtune); predict another stack with `meshtune plan --stack`, `meshtune show SWEEP "
+                            "--stack` or `meshtune export`")
         self.workload_capabilities()  # imports and checks a workload's contract (WorkloadError naming it)
         if cluster.devices > MAX_DEVICES:
             raise SpecError(
@@ -415,3 +419,24 @@ class PlanRequest(RequestModel):
     def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
         model = model_spec(self.model, allow_path=False)
         return model, cluster_spec(self.cluster), training_spec(self.training, seq_len=model.seq_len)
+
+
+class PlanDevicesRequest(RequestModel):
+    """``POST /api/plan/devices``: device types side by side. ``cluster.preset`` is a list of presets
+    (the section's other fields apply to each) and ``cluster.price_per_device_hour`` a price per type
+    (or one for all); a list that mixes a preset with an inline cluster mapping is refused."""
+
+    model: str | dict[str, Any] = Field(description="Model preset name, mapping, or {'hf_config': {...}} (never a path).")
+    cluster: str | list[Any] | dict[str, Any] = Field(
+        description="Device types: a list of cluster presets, or {'preset': [...], 'price_per_device_hour': "
+        "{type: price}, ...overrides of every type}.")
+    training: dict[str, Any] = Field(description="global_batch or global_batch_tokens, train_tokens, stack, ...")
+    nodes: list[int] | None = Field(None, max_length=32, description="Node counts to compare (default: each "
+                                    "preset's own).")
+    scale_batch: bool = Field(False, description="Grow the global batch with the devices from the first size's.")
+
+    def to_problem(self) -> tuple[ModelSpec, list[ClusterSpec], TrainingSpec]:
+        from tuner._devices import cluster_types
+
+        model = model_spec(self.model, allow_path=False)
+        return model, cluster_types(self.cluster), training_spec(self.training, seq_len=model.seq_len)

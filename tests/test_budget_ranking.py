@@ -166,3 +166,83 @@ def test_ranking_csv_ends_with_time_and_cost_to_train(stored):
     for row, js in zip(rows, body["rows"], strict=True):
         assert float(row["time_to_train_s"]) == pytest.approx(js["budget"]["time_to_train_s"])
         assert float(row["cost_to_train"]) == pytest.approx(js["budget"]["cost"])
+
+
+def test_ranking_transfer_reranks_for_a_stack_api_and_cli(stored, monkeypatch, capsys):
+    """The measured layouts re-ranked by the target stack's prediction under the sweep's calibration
+    (api/sweeps/transfer.py): every measured layout once, its measured rank beside, the move marked."""
+    c = stored["client"]
+    ranking = c.get(f"/api/sweeps/{stored['sid']}/ranking").json()["rows"]
+    body = c.get(f"/api/sweeps/{stored['sid']}/transfer", params={"stack": "megatron"}).json()
+    assert body["stack"]["name"] == "megatron" and body["simulated"] is True
+    rows = body["rows"]
+    assert sorted(r["measured_rank"] for r in rows) == [r["rank"] for r in ranking]
+    assert [r["target_rank"] for r in rows] == list(range(1, len(rows) + 1))
+    fitting = [r for r in rows if r["target_fits"]]
+    assert [r["target_tokens_per_s_per_device"] for r in fitting] == sorted(
+        (r["target_tokens_per_s_per_device"] for r in fitting), reverse=True)
+    assert all(r["moved"] == r["measured_rank"] - r["target_rank"] for r in rows)
+    assert body["reordered"] == sum(r["moved"] != 0 for r in rows)
+    assert body["same_winner"] == (rows[0]["measured_rank"] == 1)
+    # Megatron's fused kernels keep less than the workers' eager torch on the same layouts.
+    by_key = {r["layout_key"]: r for r in ranking}
+    assert all(r["target_memory_bytes"] < by_key[r["layout_key"]]["predicted_memory_bytes"] for r in rows)
+    bad = c.get(f"/api/sweeps/{stored['sid']}/transfer", params={"stack": "jax"})
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("stack='jax' is not a known stack")
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
+    assert main(["show", str(stored["sid"]), "--stack", "megatron"]) == 0
+    out = capsys.readouterr().out
+    assert f"sweep {stored['sid']} re-ranked for stack megatron" in out and "measured #" in out
+    assert ("also the predicted winner on megatron" in out) == body["same_winner"]
+
+
+def test_export_prints_the_target_stacks_prediction_beside_the_measurement(stored):
+    r = stored["client"].get(f"/api/sweeps/{stored['sid']}/export", params={"format": "megatron"})
+    notes = json.loads(r.headers["X-Meshtune-Notes"])
+    predicted = [n for n in notes if n.startswith("predicted for stack megatron")]
+    measured = [n for n in notes if n.startswith("measured on meshtune's own workers (stack meshtune, SIMULATED)")]
+    assert len(predicted) == 2 and len(measured) == 1, notes
+    assert "tokens/s per device, MFU" in predicted[0] and "peak memory" in predicted[0]
+    titan = json.loads(stored["client"].get(f"/api/sweeps/{stored['sid']}/export",
+                                            params={"format": "torchtitan"}).headers["X-Meshtune-Notes"])
+    assert any(n.startswith("predicted for stack torchtitan") for n in titan)
+    ds = json.loads(stored["client"].get(f"/api/sweeps/{stored['sid']}/export",
+                                         params={"format": "deepspeed"}).headers["X-Meshtune-Notes"])
+    assert any(n.startswith("no prediction for deepspeed") for n in ds)
+
+
+def test_api_plan_takes_a_stack_and_compares_device_types(stored):
+    c = stored["client"]
+    q = {"model": "llama3-8b", "cluster": "h100-sxm", "global_batch": 128, "top": 1}
+    ours, theirs = (c.get("/api/plan", params={**q, "stack": s}).json() for s in ("meshtune", "megatron"))
+    assert theirs["training"]["stack"] == "megatron" and theirs["entries"][0]["key"] != ours["entries"][0]["key"]
+    r = c.get("/api/plan/devices", params={"model": "llama3-8b", "cluster": "h100-sxm,b200,mi300x", "nodes": "1,2",
+                                           "global_batch": 128, "train_tokens": 1e12, "stack": "megatron",
+                                           "price_per_device_hour": "h100-sxm=2.5,b200=5,mi300x=1"})
+    assert r.status_code == 200, r.text
+    devices = r.json()["devices"]
+    assert [(d["device"], d["nodes"]) for d in devices] == [(t, n) for t in ("h100-sxm", "b200", "mi300x") for n in (1, 2)]
+    assert sum(d["fastest"] for d in devices) == sum(d["cheapest"] for d in devices) == 1
+    post = c.post("/api/plan/devices", json={
+        "model": "llama3-8b", "training": {"global_batch": 128, "train_tokens": 1e12, "stack": "megatron"},
+        "cluster": {"preset": ["h100-sxm", "b200", "mi300x"], "price_per_device_hour": {"h100-sxm": 2.5, "b200": 5,
+                                                                                      "mi300x": 1}}, "nodes": [1, 2]})
+    assert post.json()["devices"] == devices
+    for how, request, detail in (
+            ("post", {"model": "tiny", "cluster": ["cpu-local", {"preset": "h100-sxm"}], "training": {"global_batch": 16}},
+             "cluster[1]={'preset': 'h100-sxm'}: a list of device types names cluster presets only"),
+            ("post", {"model": "tiny", "cluster": {"preset": ["cpu-local", "b200"], "price_per_device_hour": {"b300": 1}},
+                      "training": {"global_batch": 16}},
+             "cluster.price_per_device_hour: b300=1 names a device type that is not compared (compared: cpu-local, b200)"),
+            ("get", {"model": "tiny", "cluster": "cpu-local", "global_batch": 16, "stack": "jax"},
+             "training.stack='jax' is not a known stack (known: megatron, meshtune, torchtitan)")):
+        r = c.post("/api/plan/devices", json=request) if how == "post" else c.get("/api/plan", params=request)
+        assert r.status_code == 422 and r.json()["detail"].startswith(detail), r.text
+    r = c.post("/api/plan", json={"model": "tiny", "cluster": {"preset": ["cpu-local", "b200"]},
+                                  "training": {"global_batch": 16}})
+    assert r.status_code == 422 and "cluster.preset must be a preset name" in r.json()["detail"]
+    r = c.post("/api/sweeps", json={"model": "tiny", "cluster": "cpu-local",
+                                    "training": {"global_batch": 16, "stack": "megatron"}},
+               headers={"Authorization": "Bearer tok-alice"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("training.stack='megatron': a sweep measures "
+                                                                  "meshtune's own workers")

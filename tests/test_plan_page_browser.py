@@ -39,3 +39,42 @@ def test_plan_page_draws_the_size_comparison(tmp_path, browser, artifacts_dir: P
             w.clean()
     finally:
         engine.dispose()
+
+
+def test_plan_page_compares_device_types(tmp_path, browser, artifacts_dir: Path):
+    """The device-type selector: tick two types, price them, pick the stack, submit the form; the table
+    has a row per (type, size), the fastest and the cheapest marked, and the figure a line per type."""
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, _ = store.open_store(url)
+    app = create_app(Settings(database_url=url, api_tokens={}, read_requires_auth=False), run_engine=False)
+    try:
+        with serve(app) as base, watched_page(browser, base, width=1280, height=1100) as w:
+            page = w.page
+            w.goto("/plan")
+            page.select_option("select[name=model]", "llama3-8b")
+            page.uncheck("#device-types input[value=h100-sxm]")
+            for device in ("h100-sxm", "b200", "mi300x"):
+                page.check(f"#device-types input[value={device}]")
+            page.fill("input[name=nodes]", "1,2")
+            page.fill("input[name=global_batch_tokens]", "1048576")
+            page.fill("input[name=train_tokens]", "1e12")
+            page.fill("input[name=price_per_device_hour]", "h100-sxm=2.5,b200=5.0,mi300x=2.8")
+            page.select_option("#stack", "megatron")
+            page.click("#plan-form button[type=submit]")
+            page.wait_for_selector("#plan-plot .main-svg")
+            rows = page.locator("#devices-table tbody tr")
+            assert rows.count() == 6
+            assert [rows.nth(i).get_attribute("data-device") for i in range(6)] == [  # the form's order
+                "b200", "b200", "h100-sxm", "h100-sxm", "mi300x", "mi300x"]
+            assert page.locator("#devices-table tr[data-fastest]").count() == 1
+            assert page.locator("#devices-table tr[data-cheapest]").count() == 1
+            assert page.locator("#devices-table tr[data-fastest] .badge", has_text="fastest").count() == 1
+            names = page.evaluate("() => document.getElementById('plan-plot').data.map(t => t.name)")
+            assert names[:3] == ["b200", "h100-sxm", "mi300x"] and "fastest / cheapest" in names
+            assert "stack megatron" in page.locator(".card .caption").first.inner_text()
+            assert page.locator("#stack").input_value() == "megatron"  # the form keeps what was asked
+            assert page.locator("#device-types input:checked").count() == 3
+            page.screenshot(path=str(artifacts_dir / "plan-devices.png"), full_page=True)
+            w.clean()
+    finally:
+        engine.dispose()

@@ -22,6 +22,7 @@ from tuner import (
 from tuner._memory import MeshMemory, rank_params, state_bytes
 from tuner._partition import partition_stages
 from tuner._realise import Realisation, StateSharding, realise
+from tuner._stack import STACKS
 
 
 @pytest.mark.parametrize(
@@ -203,13 +204,15 @@ def test_candidate_ranks_give_the_same_peak_as_every_rank() -> None:
     assert checked == 72
 
 
-def test_flash_attention_off_keeps_the_scores() -> None:
+def test_flash_attention_off_keeps_the_scores(monkeypatch) -> None:
+    # A stack whose attention materialises the scores (Megatron 2021's), else the workers'.
+    monkeypatch.setitem(STACKS, "scores", replace(STACKS["meshtune"], name="scores", attention="materialised"))
     model = model_spec("llama3-8b")
     cluster = cluster_spec({"preset": "h100-sxm", "nodes": 1})
     training = training_spec({"global_batch": 8})
     layout = Layout(tp=8, dp=1)
     flash = estimate_memory(layout, model=model, cluster=cluster, training=training)
-    eager = estimate_memory(layout, model=model, cluster=cluster, training=training, flash_attention=False)
+    eager = estimate_memory(layout, model=model, cluster=cluster, training=replace(training, stack="scores"))
     s, a = model.seq_len, model.heads
     extra = model.layers * (2 * a * s * s - 4 * a * s) / 8  # bf16 softmax output instead of the fp32 lse
     assert eager.activations - flash.activations == pytest.approx(extra, rel=1e-6)

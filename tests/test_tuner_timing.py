@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tuner import (
@@ -19,6 +21,7 @@ from tuner import (
 )
 from tuner._formulas import allgather_time, allreduce_time, recompute_flops_per_token_per_layer
 from tuner._memory import rank_params
+from tuner._stack import STACKS
 
 
 def test_collective_formulas() -> None:
@@ -95,15 +98,17 @@ def test_single_device_step_hand_computed(ac: str, step_s: float, recompute: int
     assert t.useful_tokens_per_s == pytest.approx(t.tokens_per_s / 2)  # B = B_crit: half is useful
 
 
-def test_causal_attention_halves_the_core_in_step_time_not_in_mfu() -> None:
+def test_causal_attention_halves_the_core_in_step_time_not_in_mfu(monkeypatch) -> None:
     # Long sequences: the attention core dominates. A flash (causal) kernel does half of PaLM's
-    # 12·L·h·s; a materialised-scores kernel (flash_attention=False) does all of it at the matmul rate.
+    # 12·L·h·s; a materialised-scores kernel (a stack with attention="materialised") does all of it
+    # at the matmul rate.
+    monkeypatch.setitem(STACKS, "scores", replace(STACKS["meshtune"], name="scores", attention="materialised"))
     model = model_spec({"preset": "small", "seq_len": 8192})
     cluster = cluster_spec({"preset": "cpu-local", "devices_per_node": 1})
     training = training_spec({"global_batch": 1})
     f = CalibrationFactors(compute_efficiency=0.5, attention_efficiency=0.5)
     flash = estimate_time(Layout(), model=model, cluster=cluster, training=training, factors=f)
-    full = estimate_time(Layout(), model=model, cluster=cluster, training=training, factors=f, flash_attention=False)
+    full = estimate_time(Layout(), model=model, cluster=cluster, training=replace(training, stack="scores"), factors=f)
     core = 8 * 12 * 256 * 8192 * 8192 / 2.5e10  # L·12·h·s per token x s tokens at 0.5 of 5e10
     assert full.step_time_s - flash.step_time_s == pytest.approx(core / 2, rel=1e-9)
     assert full.mfu * full.step_time_s == pytest.approx(flash.mfu * flash.step_time_s, rel=1e-12)  # one count
@@ -171,26 +176,42 @@ def test_data_parallel_traffic_under_pipelining_workers() -> None:
     assert dp[3] == pytest.approx(8 * (2 * ag + rs), rel=1e-9)
 
 
-def test_data_parallel_traffic_under_pipelining_published() -> None:
-    # pp=2 x dp=2 as a published run did it (workers=False): torch.distributed.pipelining runs every
-    # backward without gradient sync or reshard and reduce-scatters once after the last one
-    # (exposed); ZeRO-1/2 gather once per step, ZeRO-3 m + 1 times. The largest stage holds psi
-    # weights; over 2 ranks a ring moves 1/2.
+def test_data_parallel_traffic_under_pipelining_torchtitan() -> None:
+    # pp=2 x dp=2 as torchtitan runs it: torch.distributed.pipelining runs every backward without
+    # gradient sync or reshard and reduce-scatters once after the last one (exposed); ZeRO-1/2
+    # gather once per step, ZeRO-3 m + 1 times. The largest stage holds psi weights; over 2 ranks a
+    # ring moves 1/2.
     model, cluster = model_spec("small"), cluster_spec("cpu-local")
-    training = training_spec({"global_batch": 16})  # m = 16 / (2 · 1) = 8
+    training = training_spec({"global_batch": 16, "stack": "torchtitan"})  # m = 16 / (2 · 1) = 8
     psi = max(rank_params(model, 1, 1, 2, 1).dense)
     ag, rs = 0.5 * 2 * psi / 4e9, 0.5 * 4 * psi / 4e9
     f = CalibrationFactors(latency_scale=0.0, dp_overlap=0.0)
-    dp = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training, factors=f,
-                           workers=False).breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
+    dp = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training,
+                           factors=f).breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
     assert dp[0] == pytest.approx(2 * rs, rel=1e-9)  # fp32 all-reduce = 2 x the reduce-scatter
     assert dp[1] == dp[2] == pytest.approx(ag + rs, rel=1e-9)
     assert dp[3] == pytest.approx(9 * ag + rs, rel=1e-9)
     # Full overlap hides the gathers only: the final reduce-scatter waits for the last backward.
     hidden = CalibrationFactors(latency_scale=0.0, dp_overlap=1.0)
-    z3 = estimate_time(Layout(pp=2, dp=2, zero=3), model=model, cluster=cluster, training=training, factors=hidden,
-                       workers=False)
+    z3 = estimate_time(Layout(pp=2, dp=2, zero=3), model=model, cluster=cluster, training=training, factors=hidden)
     assert z3.breakdown["dp_comm_exposed"] == pytest.approx(rs, rel=1e-9)
+
+
+def test_data_parallel_traffic_of_megatron() -> None:
+    # The same mesh as Megatron-LM runs it (tuner/_stack.py MEGATRON), pipelined or not: DDP's one
+    # all-reduce and the distributed optimizer's reduce-scatter hidden in the last backward, its
+    # all-gather of the updated weights exposed; Megatron-FSDP's ZeRO-2 reduce-scatters every
+    # micro-batch and gathers the weights once, exposed; ZeRO-3 gathers twice per micro-batch.
+    model, cluster = model_spec("small"), cluster_spec("cpu-local")
+    training = training_spec({"global_batch": 16, "stack": "megatron"})  # m = 8
+    psi = max(rank_params(model, 1, 1, 2, 1).dense)
+    ag, rs = 0.5 * 2 * psi / 4e9, 0.5 * 4 * psi / 4e9
+    for overlap, want in ((0.0, {0: 2 * rs, 1: ag + rs, 2: ag + 8 * rs, 3: 8 * (2 * ag + rs)}),
+                          (1.0, {0: 0.0, 1: ag, 2: ag, 3: 0.0})):
+        f = CalibrationFactors(latency_scale=0.0, dp_overlap=overlap)
+        got = {z: estimate_time(Layout(pp=2, dp=2, zero=z), model=model, cluster=cluster, training=training,
+                                factors=f).breakdown["dp_comm_exposed"] for z in (0, 1, 2, 3)}
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15), overlap
 
 
 def test_tp_dp_pp_costs_follow_the_links() -> None:

@@ -59,6 +59,7 @@ from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts
 from tuner._specfile import Problem, load_problem, problem_from_mapping, read_spec_file
 from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict
+from tuner._stack import STACKS, Stack
 from tuner._timing import (
     CalibrationFactors,
     TimeEstimate,
@@ -79,6 +80,7 @@ __all__ = [
     "R_MEMORY",
     "R_TP_NODES",
     "SCHEDULES",
+    "STACKS",
     "SUPPORTED_MODEL_TYPES",
     "AxisPlacement",
     "BackendError",
@@ -103,6 +105,7 @@ __all__ = [
     "Problem",
     "ReferenceLayout",
     "SearchSpace",
+    "Stack",
     "SpecError",
     "StagePartition",
     "TimeEstimate",

@@ -27,6 +27,7 @@ from tuner._layout import Layout, microbatches
 from tuner._partition import partition_stages
 from tuner._realise import Holding, Realisation, holding, realise
 from tuner._specs import ClusterSpec, GiB, ModelSpec, TrainingSpec
+from tuner._stack import stack_of
 
 __all__ = ["MEMORY_HEADROOM", "OVERHEAD_BYTES", "MeshMemory", "MemoryEstimate", "estimate_memory",
            "layer_activation_bytes", "logits_bytes", "mesh_memory", "rank_params", "state_bytes", "usable_memory"]
@@ -55,10 +56,6 @@ def usable_memory(device_memory: int | np.ndarray) -> int | np.ndarray:
     usable = np.floor(np.asarray(device_memory) * (1.0 - MEMORY_HEADROOM))
     return usable if isinstance(device_memory, np.ndarray) else int(usable)
 
-
-# The workers' attention without CP (workers/model.py ``causal_sdpa``) repeats K and V to the query
-# heads before SDPA, which saves them so (measured by the harness). Not yet a Realisation field.
-LOCAL_ATTENTION_REPEATS_KV = True
 
 def logits_bytes(s: int, b: int, h: int, vocab: int, t: int, sp: bool, elt: int, *, sharded: bool = True,
                  eager_norm: bool = False) -> float:
@@ -257,20 +254,23 @@ def _whole(x: Num) -> int | np.ndarray:
 
 @lru_cache(maxsize=1024)
 def activation_table(model: ModelSpec, *, s: int, tp: int, cp: int, ep: int, elt: int, flash: bool, swiglu_saved: int,
-                     kv_repeated: bool, logits_sharded: bool, eager: bool) -> dict[tuple[str, bool], tuple[float, float, float]]:
+                     kv_repeated: bool, logits_sharded: bool, eager_norms: bool,
+                     gathered_inputs: bool) -> dict[tuple[str, bool], tuple[float, float, float]]:
     """Per (ac, sp), bytes per sequence of a micro-batch (everything is linear in mbs): one layer's
     activations, the working set its recompute re-materialises, and the last stage's logits, for
     ``s`` local tokens of a sequence (``seq_len / cp``) and the Realisation's choices (``MeshMemory``)."""
     common = dict(s=s, b=1, h=model.hidden, a=model.heads, kv_dim=model.kv_heads * model.head_dim,
                   ffn=model.expert_ffn if model.is_moe else model.ffn, mlp=model.mlp, t=tp, elt=elt,
                   flash=flash, moe_top_k=model.top_k, experts=model.experts, cp=cp, ep=ep,
-                  swiglu_saved=swiglu_saved, kv_repeated=kv_repeated, eager_norms=eager, gathered_inputs=eager,
+                  swiglu_saved=swiglu_saved, kv_repeated=kv_repeated, eager_norms=eager_norms,
+                  gathered_inputs=gathered_inputs,
                   head_dim=model.head_dim if tp > model.kv_heads else 0, q_dim=model.q_dim,
                   norms=model.norms_per_layer, qk_norm_head_dim=model.head_dim if model.qk_norm else 0,
                   shared_ffn=model.shared_expert_ffn)
     act: dict[tuple[str, bool], tuple[float, float, float]] = {}
     for sp in (False, True):
-        logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt, sharded=logits_sharded, eager_norm=eager)
+        logits = logits_bytes(s, 1, model.hidden, model.vocab, tp, sp, elt, sharded=logits_sharded,
+                              eager_norm=eager_norms)
         for ac in ("none", "selective", "full"):
             layer = layer_activation_bytes(sp=sp, ac=ac, **common)  # type: ignore[arg-type]
             # Recompute re-materialises, during one layer's backward, what it dropped: the whole
@@ -287,12 +287,12 @@ class MeshMemory:
     ``estimate_memory`` share them through ``mesh_memory`` (cached per mesh and problem). What each
     layout holds comes from its Realisation (tuner/_realise.py), not from rules of its own: the
     model states from its ``holding`` (per ZeRO level and micro-batch count), the activations' kernels
-    from the mesh's realisation."""
+    from the mesh's realisation and the training stack (``training.stack``, tuner/_stack.py)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, tp: int, cp: int,
-                 ep: int, dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
-                 swiglu_saved: int | None = None, eager: bool = True) -> None:
-        self.model, self.cluster, self.training, self.eager = model, cluster, training, eager
+                 ep: int, dp: int, pp: int, vpp: int, overhead: int | None = None) -> None:
+        self.model, self.cluster, self.training = model, cluster, training
+        self.stack = stack = stack_of(training)
         self.degrees = dict(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
         probed = cluster.probed  # measured on the cluster (tuner/_probe.py): the process's baseline, the allocator's share
@@ -309,11 +309,9 @@ class MeshMemory:
         base = self._realise(0, self._some_mbs(), "none", False, "1f1b")
         elt = base.compute_bytes
         s = model.seq_len // cp
-        swiglu = base.swiglu_saved if swiglu_saved is None else swiglu_saved
-        # Without CP the workers' attention (workers/model.py causal_sdpa) repeats K/V to the query
-        # heads before SDPA, and SDPA saves them so; under CP the Realisation says (``cp_kv``).
-        kv_repeated = eager and (base.cp_kv == "repeated" if cp > 1 else LOCAL_ATTENTION_REPEATS_KV)
-        logits_sharded = base.logits_sharded or not eager
+        # The stack's kernels: the attention, SwiGLU, norms and sequence parallelism. Under CP every
+        # stack's attention takes the kv_heads-sized K/V it gathered (the Realisation's ``cp_kv``).
+        kv_repeated = stack.repeats_kv and cp == 1
         # RoPE's cos/sin tables (fp32, s x head_dim/2 each), computed once per forward of a stage chunk.
         self.rope = 4 * s * model.head_dim
         # Per layer and micro-batch, whatever mbs: on CPU the CP chunk attention's boolean causal mask
@@ -322,8 +320,10 @@ class MeshMemory:
         c = s // 2
         self.layer_const = 4.0 * c * c * (2 * cp + 1) if cp > 1 and cluster.device_kind == "cpu" else 0.0
         # Per sequence of a micro-batch: (per layer, working set, logits), shared by the meshes alike in them.
-        self.act = activation_table(model, s=s, tp=tp, cp=cp, ep=ep, elt=elt, flash=flash, swiglu_saved=swiglu,
-                                    kv_repeated=kv_repeated, logits_sharded=logits_sharded, eager=eager)
+        self.act = activation_table(model, s=s, tp=tp, cp=cp, ep=ep, elt=elt, flash=stack.flash,
+                                    swiglu_saved=stack.swiglu_saved, kv_repeated=kv_repeated,
+                                    logits_sharded=base.logits_sharded, eager_norms=not stack.fused_norms,
+                                    gathered_inputs=stack.saves_gathered)
 
     def _some_mbs(self) -> int:
         """A micro-batch size valid for this mesh (the activations' realisation does not depend on it)."""
@@ -346,11 +346,7 @@ class MeshMemory:
         if got is None:
             d = self.degrees
             held = holding(d["tp"], d["cp"], d["ep"], d["dp"], zero, m, self.training.precision,
-                           self.cluster.device_kind, self.model.is_moe)
-            if not self.eager and zero >= 2:  # a published ZeRO-2/3 run reduce-scatters each micro-batch's
-                # gradients as they are produced (Rajbhandari et al. 2020 Sec. 5.2), whatever the
-                # workers do under pp > 1 today
-                held = held._replace(grads_held_unsharded=False)
+                           self.cluster.device_kind, self.model.is_moe, self.stack.data_parallel, self.pp > 1)
             # ``holding`` gives one object per distinct holding (cached): rows are kept by its identity,
             # beside the object itself so that the identity stays its own.
             kept = self._rows.get(id(held))
@@ -418,11 +414,9 @@ class MeshMemory:
 
 @lru_cache(maxsize=4096)
 def mesh_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, cp: int, ep: int,
-                dp: int, pp: int, vpp: int, flash: bool = True, overhead: int | None = None,
-                swiglu_saved: int | None = None, eager: bool = True) -> MeshMemory:
+                dp: int, pp: int, vpp: int, overhead: int | None = None) -> MeshMemory:
     """The prepared (and shared: never mutate it) memory model of one mesh of one problem."""
-    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
-                      swiglu_saved=swiglu_saved, overhead=overhead, eager=eager)
+    return MeshMemory(model, cluster, training, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, overhead=overhead)
 
 
 def estimate_memory(
@@ -432,18 +426,11 @@ def estimate_memory(
     cluster: ClusterSpec,
     training: TrainingSpec,
     overhead_bytes: int | None = None,
-    flash_attention: bool = True,
-    fused_swiglu: bool = False,
-    eager: bool = True,
 ) -> MemoryEstimate:
-    """Peak bytes per device of ``layout`` on its costliest pp rank (``overhead_bytes`` replaces the
-    framework allowance OVERHEAD_BYTES; ``flash_attention=False`` keeps the attention scores;
-    ``fused_swiglu`` keeps 3 ffn-wide tensors per token instead of eager torch's 4).
-
-    ``eager=False`` costs another stack's kernels instead of the workers' eager torch (a published
-    run's, tuner/_references.py): fused norms (input and 1/rms only), GQA attention without repeated
-    K/V, Megatron's sequence parallelism (the gathered inputs re-gathered in the backward, not
-    saved) and vocab-parallel cross-entropy."""
+    """Peak bytes per device of ``layout`` on its costliest pp rank, trained with ``training.stack``
+    (tuner/_stack.py: its attention kernel, SwiGLU, norms, sequence parallelism and how its
+    data-parallel program holds the model states); ``overhead_bytes`` replaces the framework
+    allowance OVERHEAD_BYTES."""
     m = microbatches(layout, training)
     if overhead_bytes is not None and (isinstance(overhead_bytes, bool) or not isinstance(overhead_bytes, int)
                                        or overhead_bytes < 0):
@@ -451,5 +438,5 @@ def estimate_memory(
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     mm = mesh_memory(model, cluster, training, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                     flash_attention, overhead_bytes, 3 if fused_swiglu else None, eager)
+                     overhead_bytes)
     return mm.wrap(mm.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, layout.schedule, m))

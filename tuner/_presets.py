@@ -108,6 +108,10 @@ def _build(cls: type[_T], section: str, value: Any, presets: Mapping[str, _T], *
     base: dict[str, Any] = {}
     preset = data.pop("preset", None)
     if preset is not None:
+        if not isinstance(preset, str):
+            several = " (device types are compared by `meshtune plan --cluster a,b` or /api/plan/devices)" if (
+                section == "cluster" and isinstance(preset, (list, tuple))) else ""
+            raise SpecError(f"{section}.preset must be a preset name, got {preset!r}{several}")
         if preset not in presets:
             raise UnknownPresetError(
                 f"{section}.preset={preset!r} is not a known preset (known: {', '.join(sorted(presets))})"

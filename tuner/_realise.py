@@ -277,12 +277,52 @@ class Holding(NamedTuple):
 
 
 def holding(tp: int, cp: int, ep: int, dp: int, zero: int, microbatches: int, precision: str, device_kind: str,
-            moe: bool) -> Holding:
+            moe: bool, data_parallel: str = "workers", pipelined: bool = False) -> Holding:
     """The model-state part of ``realise`` (the module docstring says what the workers do), for a
     mesh, ZeRO level and micro-batch count of a model (``moe``) trained in ``precision`` on
-    ``device_kind`` devices; the memory model reads it per (mesh, zero, micro-batches)."""
-    return _holding(tp, dp * cp * ep, dp * cp, zero, microbatches == 1, precision == "bf16" and device_kind == "cuda",
-                    moe)
+    ``device_kind`` devices; the memory model reads it per (mesh, zero, micro-batches).
+    ``data_parallel``: the stack's data-parallel program (tuner/_stack.py), whose collectives the time
+    model prices from the same tables: "workers" is the workers'; ``pipelined`` (pp > 1) matters
+    only to "fsdp2"."""
+    data, one, bf16 = dp * cp * ep, microbatches == 1, precision == "bf16" and device_kind == "cuda"
+    if data_parallel == "workers":
+        return _holding(tp, data, dp * cp, zero, one, bf16, moe)
+    return _stack_holding(tp, data, dp * cp, zero, one, bf16, moe, data_parallel,
+                          pipelined and data_parallel == "fsdp2")
+
+
+@lru_cache(maxsize=4096)
+def _stack_holding(tp: int, data: int, expert_data: int, zero: int, one_microbatch: bool, bf16: bool, moe: bool,
+                   program: str, pipelined: bool) -> Holding:
+    """``holding`` of another stack's data-parallel program, as the workers' holding it equals or as
+    what it changes there.
+
+    fsdp2 (torchtitan): without pipelining FSDP2 syncs after every micro-batch, so its ZeRO-1 holds
+    as ZeRO-2 does; under torch.distributed.pipelining with m > 1 the stage runs every backward
+    without sync and without reshard (torch/distributed/pipelining/stage.py), so every ZeRO level
+    holds unsharded fp32 gradients until the step's end and ZeRO-3 keeps each gathered weight after
+    its first backward (the whole stage, as ZeRO-1/2 do).
+    megatron: ZeRO-1 is the distributed optimizer: bf16 weights whole, the fp32 main-gradient buffer
+    whole, the fp32 master weights and AdamW state sharded (6 + 12/d bytes per parameter, Megatron-LM
+    docs/source/api-guide/dist_optimizer.md); ZeRO-0 (DDP: 18 bytes) and Megatron-FSDP's ZeRO-2/3
+    hold as the workers' do."""
+    if program == "fsdp2":
+        if not (pipelined and not one_microbatch):
+            return _holding(tp, data, expert_data, 2 if zero == 1 else zero, True, bf16, moe)
+        held = _holding(tp, data, expert_data, 1 if zero == 2 else zero, False, bf16, moe)
+        if held.data_parallel == "fsdp":
+            held = held._replace(grad_sync="last_microbatch", grads_held_unsharded=True, gathered="stage",
+                                 fsdp_buffer_units=0)
+        return held
+    held = _holding(tp, data, expert_data, zero, one_microbatch, bf16, moe)
+    if program == "megatron" and zero == 1 and data > 1:
+        dense = StateSharding(reduce_group=data, weights=data, grads=1, optimizer=data)
+        experts = None
+        if moe:
+            es = expert_data if expert_data > 1 else 1
+            experts = StateSharding(reduce_group=expert_data, weights=es, grads=1, optimizer=es)
+        held = held._replace(dense=dense, experts=experts, grad_sync="last_microbatch", grads_held_unsharded=False)
+    return held
 
 
 @lru_cache(maxsize=4096)

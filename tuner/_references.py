@@ -4,7 +4,11 @@ Usable as sweep seeds and to sanity-check the analytical model: it must find eac
 predict a utilisation near the reported one. ``mfu_kind`` says which utilisation a paper reports:
 "model" (PaLM-style model FLOPs, no recompute) or "hardware" (Megatron's formula, which counts the
 recomputed forward). Knobs a paper does not state (schedule, ZeRO stage, recompute) are marked as
-assumptions in ``notes``.
+assumptions in ``notes``. Each row is costed for the stack it names in ``training.stack``
+(tuner/_stack.py): ``megatron`` for all of them, the stack of Megatron-LM's fused kernels that these
+runs used (Megatron-LM itself; BLOOM's Megatron-DeepSpeed; Llama 3's own stack, whose fused SwiGLU,
+GQA attention and Megatron-style sequence parallelism it shares), so that ``meshtune plan --stack
+megatron`` plans them as they are checked here.
 """
 
 from __future__ import annotations
@@ -28,16 +32,6 @@ class ReferenceLayout:
     reported_tflops_per_device: float
     source: str
     notes: str = ""
-    # The run's attention kernel skips the causal mask's masked half (flash attention); Megatron 2021
-    # and Megatron-DeepSpeed's BLOOM materialised the scores (Narayanan 2021, BigScience 2022).
-    flash_attention: bool = True
-    # The run's SwiGLU is fused, keeping 3 ffn-wide tensors per token (Llama 3's stack; the workers'
-    # eager one keeps 4): estimate_memory(fused_swiglu=...).
-    fused_swiglu: bool = False
-    # The run's stack is not the workers' eager torch (Megatron-LM, Llama 3's): fused norms, GQA attention
-    # without repeated K/V, Megatron's sequence parallelism, vocab-parallel cross-entropy:
-    # estimate_memory(eager=...).
-    eager: bool = False
 
     @property
     def reported_tokens_per_s_per_device(self) -> float:
@@ -66,7 +60,10 @@ _NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Cl
 # The scatter/gather optimisation sends 1/t of each stage boundary's activation (Sec. 4.1), which is
 # what sequence parallelism's p2p costs here (sp=True stands for it; SP's TP traffic is the same volume).
 _MEGATRON_NOTES = ("stated (Sec. 5.1): interleaved schedule, scatter/gather (as sp); assumed: vpp 2 (the "
-                   "smallest interleaving), mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer)")
+                   "smallest interleaving), mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer); "
+                   "costed as today's Megatron-LM (stack megatron: flash attention, the gradient all-reduce "
+                   "overlapped), where the 2021 run materialised the scores and reduced after the pipeline flush")
+
 
 def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tflops: float, row: int,
             ac: str = "none") -> ReferenceLayout:
@@ -77,15 +74,16 @@ def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tf
         model=model_spec({"preset": "llama3-405b", "seq_len": seq}),
         # 8 H100 (80 GB, 700 W) per node, 400 Gb/s RoCE per GPU (Dubey et al. 2024, Sec. 3.3.1).
         cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": nodes}),
-        training=TrainingSpec(global_batch=16 * 2**20 // seq),
+        training=TrainingSpec(global_batch=16 * 2**20 // seq, stack="megatron"),
         layout=Layout(tp=8, cp=cp, pp=16, dp=dp, mbs=1, zero=2, sp=True, ac=ac, schedule="interleaved", vpp=7),
-        reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops, fused_swiglu=True,
+        reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops,
         source=f"Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row {row}: {nodes * 8:,} GPUs, seq {seq:,})",
         notes=("stated: tp8 pp16, the cp and dp of the row, 16M-token batch, no activation checkpointing at 8K "
                "(Sec. 3.3.2), the CP all-gather exposed; assumed: a fused SwiGLU, attention-block recompute "
                "at 128K (see tuner/_references.py), interleaved with vpp 7 (the paper's ~8 chunks "
                "per rank count the embedding and the head as chunks of their own), FSDP without resharding after "
-               "forward as ZeRO-2, sequence parallel"),
+               "forward as ZeRO-2 (stack megatron: Megatron-FSDP optim_grads, gradients reduce-scattered after every "
+               "micro-batch, the one program under which the 8K row fits without recompute), sequence parallel"),
     )
 
 
@@ -94,36 +92,45 @@ _REFS = (
         name="megatron-18b-256-a100",
         model=_gpt("gpt-18.4b", 40, 6144, 48),
         cluster=_selene(32),
-        training=TrainingSpec(global_batch=1024),
+        training=TrainingSpec(global_batch=1024, stack="megatron"),
         layout=Layout(tp=8, pp=1, dp=32, mbs=1, ac="full"),
         reported_mfu=0.43, mfu_kind="hardware", reported_tflops_per_device=135.0,
-        source=_NARAYANAN + ", 18.4B row", notes=_MEGATRON_NOTES, flash_attention=False,
+        source=_NARAYANAN + ", 18.4B row", notes=_MEGATRON_NOTES,
     ),
     ReferenceLayout(
         name="megatron-145b-1536-a100",
         model=_gpt("gpt-145.6b", 80, 12288, 96),
         cluster=_selene(192),
-        training=TrainingSpec(global_batch=2304),
+        training=TrainingSpec(global_batch=2304, stack="megatron"),
         layout=Layout(tp=8, pp=8, dp=24, mbs=1, ac="full", sp=True, schedule="interleaved", vpp=2),
         reported_mfu=0.47, mfu_kind="hardware", reported_tflops_per_device=148.0,
-        source=_NARAYANAN + ", 145.6B row", notes=_MEGATRON_NOTES, flash_attention=False,
+        source=_NARAYANAN + ", 145.6B row", notes=_MEGATRON_NOTES,
+    ),
+    ReferenceLayout(
+        name="megatron-530b-2520-a100",
+        model=_gpt("gpt-529.6b", 105, 20480, 128),
+        cluster=_selene(315),
+        training=TrainingSpec(global_batch=2520, stack="megatron"),
+        layout=Layout(tp=8, pp=35, dp=9, mbs=1, ac="full", sp=True, schedule="interleaved", vpp=2),
+        reported_mfu=0.52, mfu_kind="hardware", reported_tflops_per_device=163.0,
+        source=_NARAYANAN + ", 529.6B row", notes=_MEGATRON_NOTES,
     ),
     ReferenceLayout(
         name="megatron-1t-3072-a100",
         model=_gpt("gpt-1t", 128, 25600, 160),
         cluster=_selene(384),
-        training=TrainingSpec(global_batch=3072),
+        training=TrainingSpec(global_batch=3072, stack="megatron"),
         layout=Layout(tp=8, pp=64, dp=6, mbs=1, ac="full", sp=True, schedule="interleaved", vpp=2),
         reported_mfu=0.52, mfu_kind="hardware", reported_tflops_per_device=163.0,
-        source=_NARAYANAN + ", 1T row", notes=_MEGATRON_NOTES, flash_attention=False,
+        source=_NARAYANAN + ", 1T row", notes=_MEGATRON_NOTES,
     ),
     _llama3("llama3-405b-8k-h100", nodes=1024, dp=128 // 2, cp=1, seq=8192, mfu=0.43, tflops=430.0, row=1),
     _llama3("llama3-405b-16k-h100", nodes=2048, dp=128, cp=1, seq=8192, mfu=0.41, tflops=400.0, row=2),
     # 128K: the paper says no activation checkpointing only for 8K sequences (Sec. 3.3.2: "we could
     # pre-train Llama 3 on 8K sequences without activation checkpointing"). Without it the 128K row
-    # keeps each layer's all-gathered K/V as well and the memory model gives 79.3 of 80 GiB (no
-    # headroom), so attention-block recompute (ac=selective, the least there is) is ASSUMED; it
-    # decides this row: with ac=none the model predicts 48% MFU (+26%), the trend reversed.
+    # keeps each layer's all-gathered K/V as well and the memory model gives 83.4 GiB of 80, so
+    # attention-block recompute (ac=selective, the least there is) is ASSUMED; it decides this row:
+    # with ac=none the model predicts 45% MFU (+18%).
     _llama3("llama3-405b-128k-h100", nodes=2048, dp=8, cp=16, seq=131072, mfu=0.38, tflops=380.0, row=3,
             ac="selective"),
     ReferenceLayout(
@@ -132,12 +139,11 @@ _REFS = (
         # Jean Zay: 48 nodes of 8 A100 80GB with NVLink; 4 x 100 Gb/s Omni-Path per node = 6.25 GB/s per GPU.
         cluster=ClusterSpec("jean-zay", nodes=48, devices_per_node=8, device_memory=80 * GiB,
                             peak_flops=312e12, intra_node_bandwidth=300e9, inter_node_bandwidth=6.25e9),
-        training=TrainingSpec(global_batch=2048),
+        training=TrainingSpec(global_batch=2048, stack="megatron"),
         layout=Layout(tp=4, pp=12, dp=8, mbs=2, zero=1, ac="full"),
         reported_mfu=0.50, mfu_kind="hardware", reported_tflops_per_device=156.0,
         source="BigScience 2022, BLOOM (arXiv:2211.05100), Sec. 3.4: tp4 pp12 dp8, ZeRO-1, 156 TFLOP/s of 312",
         notes="assumed: 1F1B, mbs 2, full recompute (Megatron-DeepSpeed's FLOP count includes it)",
-        flash_attention=False,
     ),
 )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from tuner._errors import SpecError, require_positive_int, require_positive_number
+from tuner._stack import DEFAULT_STACK, check_stack
 
 if TYPE_CHECKING:
     from tuner._probe import ProbedFigures
@@ -290,7 +291,9 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class TrainingSpec:
     """What one optimiser step trains on. ``global_batch`` and ``critical_batch`` count sequences;
-    ``train_tokens`` is the token budget of the whole training run (None = not given)."""
+    ``train_tokens`` is the token budget of the whole training run (None = not given); ``stack`` the
+    runtime it is trained with (tuner/_stack.py: ``meshtune``'s workers, ``torchtitan``, ``megatron``),
+    which the memory and time models predict for."""
 
     global_batch: int
     critical_batch: int | None = None
@@ -299,9 +302,11 @@ class TrainingSpec:
     lr: float = 3e-4
     seed: int = 0
     train_tokens: float | None = None
+    stack: str = DEFAULT_STACK
 
     def __post_init__(self) -> None:
         require_positive_int("training.global_batch", self.global_batch)
+        check_stack(self.stack)
         if self.critical_batch is not None:
             require_positive_int("training.critical_batch", self.critical_batch)
         if self.precision not in PRECISIONS:

@@ -31,6 +31,7 @@ from tuner._memory import Num, rank_params
 from tuner._partition import EMBEDDING_COST
 from tuner._placement import Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+from tuner._stack import stack_of
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,6 @@ def _tp_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]],
     return allreduce_time(nbytes, tp, bw, lat if latency else 0.0)
 
 
-# Bytes per gradient element in the data-parallel reduction: the workers reduce in fp32.
-REDUCE_BYTES = 4
 
 BREAKDOWN = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p")
 
@@ -222,17 +221,21 @@ class MeshTime:
     its layouts (zero, mbs, ac, sp, m) costs a few float operations. Per micro-batch terms are
     ``mbs * per_sequence + per_message_latency``.
 
-    ``flash``: the attention kernel skips the causal mask's upper half (flash/SDPA kernels, and the
-    workers' chunked CP attention); False charges the full s² (a materialised-scores kernel such as
-    Megatron 2021's). ``loss_parallel``: under TP the logits stay vocab-sharded and the cross-entropy
-    all-reduces three floats per token (torch's loss_parallel: max, sum of exponentials, the target
-    logit); False all-gathers the whole logits to every tp rank.
+    What the training stack runs (``training.stack``, tuner/_stack.py) decides the attention kernel
+    (a flash kernel skips the causal mask's upper half, as the workers' chunked CP attention does; a
+    materialised-scores kernel, Megatron 2021's, computes all of s²), the data-parallel program per
+    ZeRO level and the bytes it reduces. ``loss_parallel``: under TP the logits stay vocab-sharded
+    and the cross-entropy all-reduces three floats per token (torch's loss_parallel: max, sum of
+    exponentials, the target logit; Megatron's vocab-parallel cross-entropy the same); False
+    all-gathers the whole logits to every tp rank.
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors,
                  placement: Placement, *, tp: int, cp: int, ep: int, dp: int, pp: int, vpp: int,
-                 flash: bool = True, loss_parallel: bool = True, workers: bool = True) -> None:
+                 loss_parallel: bool = True) -> None:
         self.pp, self.vpp = pp, vpp
+        stack = stack_of(training)
+        flash = stack.flash
         world = tp * cp * ep * dp * pp
         elt = 2 if training.precision == "bf16" else 4
         seq, h = model.seq_len, model.hidden
@@ -355,26 +358,14 @@ class MeshTime:
                 act = elt * seq_local * h / (tp if sp else 1)
                 self.p2p[sp] = (2 * vpp * act / bw, 2 * vpp * lat)
 
-        # DP: weights are all-gathered in the param dtype, gradients reduced in fp32 (FSDP2
-        # MixedPrecisionPolicy reduce_dtype=float32), the largest rank's dense weights over dp*ep*cp,
-        # its expert weights over dp*cp. Per zero stage: (hidable, exposed) seconds once per step, and
-        # hidable seconds per micro-batch. As the workers run it (tuner/_realise.py ``collectives``),
-        # the same with and without pipelining (their stage syncs FSDP as without it, decision 6):
-        #   ZeRO-0: torch's replicate, per-unit all-reduces overlapped with the last backward.
-        #   ZeRO-1: gradients accumulate unsharded, one reduce-scatter in the last backward, one
-        #     all-gather of the updated shards in the next forward.
-        #   ZeRO-2: reduce-scatter every backward, so every forward all-gathers again.
-        #   ZeRO-3: all-gather forward and backward, reduce-scatter, per micro-batch.
-        # ``workers=False`` costs a published run's program instead (tuner/_references.py): ZeRO-0's
-        # all-reduce after the pipeline flush, exposed (Narayanan et al. 2021); and under pp > 1
-        #   torch.distributed.pipelining driving FSDP itself (stage.py, torchtitan): every backward runs
-        #     without gradient sync and without reshard, and one reduce-scatter runs after the
-        #     schedule's last backward (``perform_reduce_grad``), nothing left to hide it behind.
-        #     ZeRO-1/2 (reshard_after_forward=False) then gather once per step; ZeRO-3 reshards after
-        #     each forward, and a module's gather is needed by each forward that follows a forward
-        #     and each backward that follows a forward: m + 1 gathers per step whatever the schedule
-        #     (a run of k forwards costs k, or k - 1 after a backward, plus the backward after it).
+        # DP: weights are all-gathered in the param dtype, gradients reduced in the stack's bytes (fp32
+        # for all three: FSDP2 MixedPrecisionPolicy reduce_dtype=float32, Megatron's fp32 main grads),
+        # the largest rank's dense weights over dp*ep*cp, its expert weights over dp*cp. Per zero
+        # stage: (hidable, exposed) seconds once per step, and hidable seconds per micro-batch, from the
+        # stack's program (tuner/_stack.py: which all-gathers, reduce-scatters and all-reduces run when).
         pbytes = 2 if training.precision == "bf16" else 4
+        reduce_bytes = stack.reduce_bytes
+        workers = stack.data_parallel == "workers"  # what the probe measured: meshtune's own workers
         # The workers issue each of these once per FSDP unit (a block, and each chunk's root:
         # workers/_data_parallel.py); a probed cluster pays their measured latency per unit, while
         # datasheet figures cost one latency per collective.
@@ -392,16 +383,11 @@ class MeshTime:
                     links = {op: _link(placement, axes, cluster, f, op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
                 ag += allgather_time(pbytes * psi, nd, links["all_gather"][0], 0.0) + units * (allgather_time(
                     0.0, nd, *links["all_gather"]) + unit_fsdp)
-                rs += allgather_time(REDUCE_BYTES * psi, nd, links["reduce_scatter"][0], 0.0) + units * (allgather_time(
+                rs += allgather_time(reduce_bytes * psi, nd, links["reduce_scatter"][0], 0.0) + units * (allgather_time(
                     0.0, nd, *links["reduce_scatter"]) + unit_fsdp)
-                ar += allreduce_time(REDUCE_BYTES * psi, nd, links["all_reduce"][0], 0.0) + units * (allreduce_time(
+                ar += allreduce_time(reduce_bytes * psi, nd, links["all_reduce"][0], 0.0) + units * (allreduce_time(
                     0.0, nd, *links["all_reduce"]) + unit_ar)
-        if workers:
-            self.dp = {0: (ar, 0.0, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
-        elif pp == 1:
-            self.dp = {0: (0.0, ar, 0.0), 1: (ag + rs, 0.0, 0.0), 2: (0.0, 0.0, ag + rs), 3: (0.0, 0.0, 2 * ag + rs)}
-        else:
-            self.dp = {0: (0.0, ar, 0.0), 1: (ag, rs, 0.0), 2: (ag, rs, 0.0), 3: (ag, rs, ag)}
+        self.dp = {z: tuple(_dp_seconds(slot, ag, rs, ar) for slot in stack.program(z, pp > 1)) for z in range(4)}
         # The optimiser step and zeroing, measured (per step, and per layer of this rank's stages).
         self.step_fixed = 0.0
         if probed is not None and probed.step_s is not None:
@@ -434,14 +420,20 @@ class MeshTime:
         return obj
 
 
+def _dp_seconds(counts: tuple[int, int, int], ag: float, rs: float, ar: float) -> float:
+    """Seconds of ``counts`` (all-gathers, reduce-scatters, all-reduces) of the data-parallel
+    collectives priced ``ag``, ``rs``, ``ar``: one slot of a stack's program (a count of 0 or 1
+    adds exactly nothing or the price, so the sums are those the programs were written with)."""
+    n_ag, n_rs, n_ar = counts
+    return n_ag * ag + n_rs * rs + n_ar * ar
+
+
 @lru_cache(maxsize=4096)
 def mesh_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, f: CalibrationFactors, tp: int,
-              cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES,
-              flash: bool = True, workers: bool = True) -> MeshTime:
+              cp: int, ep: int, dp: int, pp: int, vpp: int, order: tuple[str, ...] = AXES) -> MeshTime:
     """The prepared (and shared: never mutate it) time model of one mesh placed in ``order``."""
     placement = _place((tp, cp, ep, dp, pp), order, cluster.devices_per_node, cluster.domain_devices)
-    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp, flash=flash,
-                    workers=workers)
+    return MeshTime(model, cluster, training, f, placement, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
 
 
 def estimate_time(
@@ -452,20 +444,17 @@ def estimate_time(
     training: TrainingSpec,
     factors: CalibrationFactors | None = None,
     placement: Placement | None = None,
-    flash_attention: bool = True,
-    workers: bool = True,
 ) -> TimeEstimate:
-    """Predicted step time of ``layout`` and what follows from it (tokens/s, MFU, useful tokens/s).
+    """Predicted step time of ``layout`` and what follows from it (tokens/s, MFU, useful tokens/s),
+    trained with ``training.stack`` (tuner/_stack.py; see ``MeshTime``).
 
     ``placement`` (from ``place``) chooses the axis order; without it the default order is used
-    (TP across nodes allowed here: ``place``/``plan`` are where that is refused).
-    ``flash_attention=False`` charges the attention's masked half too; ``workers=False`` costs a
-    published run's data-parallel program instead of the workers' (see ``MeshTime``)."""
+    (TP across nodes allowed here: ``place``/``plan`` are where that is refused)."""
     f = factors or CalibrationFactors()
     m = microbatches(layout, training)
     if layout.world_size != cluster.devices:
         raise LayoutError(f"layout world size {layout.world_size} does not equal the device count {cluster.devices}")
     order = placement.order if placement is not None else AXES
     mt = mesh_time(model, cluster, training, f, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp,
-                   order, flash_attention, workers)
+                   order)
     return mt.wrap(mt.estimate(layout.zero, layout.mbs, layout.ac, layout.sp, m), layout.ac)

@@ -3,7 +3,10 @@
 The problem comes from a spec file (YAML/TOML/JSON with model, cluster, training and optional space
 sections) and/or flags; flags override the file. Without either it plans the tiny CPU preset.
 ``--nodes 4,8,16`` (or ``--plot FILE``) compares cluster sizes instead: the best layout at each, its
-tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget (tuner._scaling).
+tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget (tuner._scaling);
+``--cluster h100-sxm,b200`` compares device types at each size, priced per type
+(``--price-per-device-hour h100-sxm=2.5,b200=5.0``), the fastest and the cheapest marked
+(tuner._devices). ``--stack megatron`` predicts for the stack the model is trained with (tuner/_stack.py).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from api import format as fmt
 from tuner import (
     MEMORY_HEADROOM,
     PRECISIONS,
+    REFERENCE_LAYOUTS,
     LayoutError,
     Plan,
     SearchSpace,
     SpecError,
-    cluster_spec,
     enumerate_layouts,
     model_arg,
     model_spec,
@@ -35,8 +38,10 @@ from tuner import (
     to_dict,
     training_spec,
 )
+from tuner._devices import DevicePoint, cluster_types, compare_devices, devices_figure
 from tuner._presets import parse_token_count
 from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
+from tuner._stack import DEFAULT_STACK, STACKS, check_stack, stack_of
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_CLUSTER = "cpu-local"
@@ -52,16 +57,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and rank the rest by predicted tokens/s per device.",
     )
     p.add_argument("spec_file", nargs="?", metavar="SPEC_FILE", help="YAML/TOML/JSON spec (model, cluster, training, space)")
+    p.add_argument("--reference", metavar="NAME", help="plan the problem of a published run (tuner.REFERENCE_LAYOUTS: "
+                   f"{', '.join(sorted(REFERENCE_LAYOUTS))}) and say how its published layout compares")
     p.add_argument("--model", metavar="PRESET|hf:PATH",
                    help=f"model preset, or hf:PATH of a Hugging Face config.json (default {DEFAULT_MODEL})")
-    p.add_argument("--cluster", metavar="PRESET", help=f"cluster preset (default {DEFAULT_CLUSTER})")
+    p.add_argument("--cluster", metavar="PRESET[,PRESET...]",
+                   help=f"cluster preset (default {DEFAULT_CLUSTER}); a list (h100-sxm,h200,b200,mi300x) compares "
+                   "device types")
     p.add_argument("--nodes", type=_node_list, metavar="N[,N...]",
                    help="number of nodes of the cluster; a list (4,8,16) compares cluster sizes")
     p.add_argument("--plot", metavar="FILE", help="write the cluster-size comparison as a plotly HTML page")
     p.add_argument("--scale-batch", action="store_true",
                    help="with a list of sizes, grow the global batch with the devices from the first size's")
-    p.add_argument("--price-per-device-hour", type=float, metavar="PRICE",
-                   help="price of one device-hour (cluster.price_per_device_hour), for costs")
+    p.add_argument("--price-per-device-hour", metavar="PRICE|TYPE=PRICE,...",
+                   help="price of one device-hour (cluster.price_per_device_hour), for costs; per device type "
+                   "when comparing types: h100-sxm=2.5,b200=5.0")
+    p.add_argument("--stack", metavar="STACK",
+                   help=f"the stack you train with (training.stack): {', '.join(STACKS)} (default meshtune, "
+                   "meshtune's own workers)")
     p.add_argument("--train-tokens", type=_train_tokens, metavar="N",
                    help="token budget of the training run (training.train_tokens), e.g. 15e12 or 15T")
     batch = p.add_mutually_exclusive_group()
@@ -97,18 +110,26 @@ def _train_tokens(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--train-tokens=")) from None
 
 
-def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace, Any]:
+def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace, Any]:
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
+    if args.reference is not None:  # the published run's problem: flags still override it
+        if args.spec_file:
+            raise SpecError(f"--reference={args.reference} and a spec file ({args.spec_file}): give one of them")
+        ref = _reference(args.reference)
+        data = {"model": to_dict(ref.model), "cluster": to_dict(ref.cluster), "training": to_dict(ref.training)}
+        data["model"].pop("hf_config", None)
     try:
         model_data = model_arg(args.model) if args.model is not None else data.get("model", DEFAULT_MODEL)
         cluster_data = args.cluster if args.cluster is not None else data.get("cluster", DEFAULT_CLUSTER)
+        if isinstance(cluster_data, (list, tuple)) or (isinstance(cluster_data, str) and "," in cluster_data):
+            cluster_data = {"preset": cluster_data}  # several device types (tuner._devices.cluster_types)
         if args.nodes is not None or args.price_per_device_hour is not None:
             cluster_data = {"preset": cluster_data} if isinstance(cluster_data, str) else dict(cluster_data or {})
         if args.nodes is not None:
             cluster_data["nodes"] = args.nodes[0]
         if args.price_per_device_hour is not None:
-            cluster_data["price_per_device_hour"] = args.price_per_device_hour
+            cluster_data["price_per_device_hour"] = _price(args.price_per_device_hour)
         training_data = data.get("training")
         if training_data is None:
             training_data = {}
@@ -131,8 +152,10 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace, Any]
         if args.critical_batch_tokens is not None:
             training_data.pop("critical_batch", None)
             training_data["critical_batch_tokens"] = args.critical_batch_tokens
+        if args.stack is not None:
+            training_data["stack"] = check_stack(args.stack, field="--stack")
         model = model_spec(model_data)
-        cluster = cluster_spec(cluster_data)
+        clusters = cluster_types(cluster_data)
         training = training_spec(training_data, seq_len=model.seq_len)
         space = SearchSpace.from_mapping(data.get("space"))
         workload, caps = data.get("workload", "builtin"), None
@@ -146,13 +169,31 @@ def _problem(args: argparse.Namespace) -> tuple[Any, Any, Any, SearchSpace, Any]
             space = within_capabilities(space, caps)
     except SpecError as exc:
         raise type(exc)(f"{prefix}{exc}") from None
-    return model, cluster, training, space, caps
+    return model, clusters, training, space, caps
+
+
+def _price(text: str) -> float | str:
+    """``2.5`` (every device type) or ``h100-sxm=2.5,b200=5.0`` (checked with the device types)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _reference(name: str) -> Any:
+    if name not in REFERENCE_LAYOUTS:
+        raise SpecError(f"--reference={name!r} is not a published run meshtune knows (known: "
+                        f"{', '.join(sorted(REFERENCE_LAYOUTS))})")
+    return REFERENCE_LAYOUTS[name]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
-    model, cluster, training, space, caps = _problem(args)
+    model, clusters, training, space, caps = _problem(args)
+    if len(clusters) > 1:
+        return _run_devices(args, model, clusters, training, space, caps)
+    cluster = clusters[0]
     if (args.nodes is not None and len(args.nodes) > 1) or args.plot:
         return _run_sizes(args, model, cluster, training, space, caps)
     enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
@@ -166,11 +207,15 @@ def run(args: argparse.Namespace) -> int:
     cluster, figures = _figures(args, model, cluster, training, enum)
     result = plan(model=model, cluster=cluster, training=training, space=space,
                   allow_tp_across_nodes=args.allow_tp_across_nodes, enumeration=enum)
+    published = _published(result, _reference(args.reference)) if args.reference is not None else None
     if args.json:
-        json.dump({**result.to_dict(top=args.top), "figures": figures}, sys.stdout, indent=2)
+        json.dump({**result.to_dict(top=args.top), "figures": figures,
+                   **({"published": published} if published else {})}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print(result, args.top)
+        if published:
+            _print_published(published)
         Console(width=None if sys.stdout.isatty() else 200).print(figures["text"], highlight=False)
     return 0
 
@@ -185,6 +230,9 @@ def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, 
 
     if args.datasheet:
         return cluster, {"source": "datasheet", "text": "cluster figures: datasheet (--datasheet)"}
+    if training.stack != DEFAULT_STACK:  # a probe times meshtune's own workers, not another runtime
+        return cluster, {"source": "datasheet", "text": f"cluster figures: datasheet (a probe measures "
+                         f"meshtune's workers, not the {training.stack} stack)"}
     workload = "builtin"
     if args.spec_file:
         workload = read_spec_file(args.spec_file).get("workload", "builtin")
@@ -199,6 +247,48 @@ def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, 
     text = (f"cluster figures: probe #{row.id} of {fmt.when(row.created_at)} ({summary(probes.hardware(cluster), figures)}"
             f"{gaps}; `meshtune probe --show` lists them, --datasheet ignores them)")
     return with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
+
+
+def _published(result: Plan, ref: Any) -> dict[str, Any]:
+    """How a published run compares with the plan of its problem: the model's prediction for the
+    published layout itself, the plan's best layout on the published mesh, and where that ranks."""
+    from tuner import estimate_memory, estimate_time, place
+
+    def util(t: Any) -> float:
+        return t.hfu if ref.mfu_kind == "hardware" else t.mfu
+
+    kw = dict(model=result.model, cluster=result.cluster, training=result.training)
+    mesh = (ref.layout.tp, ref.layout.cp, ref.layout.ep, ref.layout.dp, ref.layout.pp)
+    at = next((i for i, e in enumerate(result.entries)
+               if (e.layout.tp, e.layout.cp, e.layout.ep, e.layout.dp, e.layout.pp) == mesh), None)
+    exact_t = estimate_time(ref.layout, placement=place(ref.layout, result.cluster), **kw)
+    exact_m = estimate_memory(ref.layout, **kw)
+    out: dict[str, Any] = {
+        "name": ref.name, "source": ref.source, "notes": ref.notes, "layout": ref.layout.key,
+        "mfu_kind": ref.mfu_kind, "reported": ref.reported_mfu, "predicted": util(exact_t),
+        "predicted_fits": exact_m.fits, "predicted_memory_bytes": exact_m.total,
+        "feasible": len(result.entries), "mesh_rank": None, "mesh_best": None, "mesh_best_predicted": None,
+    }
+    if at is not None:
+        out.update(mesh_rank=at + 1, mesh_best=result.entries[at].layout.key,
+                   mesh_best_predicted=util(result.entries[at].time))
+    return out
+
+
+def _print_published(p: dict[str, Any]) -> None:
+    console = Console(width=200) if not sys.stdout.isatty() else Console()
+    kind = "HFU (Megatron's count, recompute included)" if p["mfu_kind"] == "hardware" else "MFU (PaLM's count)"
+    console.print(f"[bold]published[/]: {p['source']}: {p['layout']}, reported {kind} {p['reported']:.0%}")
+    fits = "" if p["predicted_fits"] else f" (predicted {fmt.bytes_text(p['predicted_memory_bytes'])}: does not fit)"
+    console.print(f"  the published layout, predicted: {p['predicted']:.1%} ({p['predicted'] / p['reported'] - 1:+.1%})"
+                  f"{fits}")
+    if p["mesh_rank"] is None:
+        console.print("  no feasible layout of the published mesh in this plan")
+    else:
+        console.print(f"  the plan's best on the published mesh: {p['mesh_best']}, {p['mesh_best_predicted']:.1%} "
+                      f"({p['mesh_best_predicted'] / p['reported'] - 1:+.1%}), ranked #{p['mesh_rank']:,} of "
+                      f"{p['feasible']:,} ({p['mesh_rank'] / p['feasible']:.2%})")
+    console.print(f"  what the paper states and what is assumed: {p['notes']}", style="dim")
 
 
 def _count(n: float) -> str:
@@ -217,7 +307,7 @@ def _print(result: Plan, top: int) -> None:
     console.print(
         f"[bold]{m.name}[/] ({_count(m.params)} params) on [bold]{c.name}[/] "
         f"{c.nodes}x{c.devices_per_node} ({c.devices} devices, {fmt.bytes_text(c.device_memory)} each); "
-        f"global batch {t.global_batch} x {m.seq_len} tokens, {t.precision}"
+        f"global batch {t.global_batch} x {m.seq_len} tokens, {t.precision}; {stack_line(t)}"
     )
     shown = result.entries[:top]
     # One memory unit per table: GiB for real devices, MiB when everything is small (CPU models).
@@ -278,12 +368,7 @@ def _run_sizes(args: argparse.Namespace, model: Any, cluster: Any, training: Any
                         capabilities=caps)
     figure = sizes_figure(points, title=_sizes_title(model, cluster, training))
     if args.plot:
-        import plotly.graph_objects as go
-
-        try:  # self-contained: plotly.js inlined, the page opens with no network
-            Path(args.plot).write_text(go.Figure(figure).to_html(include_plotlyjs=True, full_html=True))
-        except OSError as exc:
-            raise SpecError(f"--plot={args.plot!r}: cannot write it ({exc.strerror or exc})") from None
+        _write_plot(args.plot, figure)
     if args.json:
         json.dump({"model": to_dict(model), "cluster": to_dict(cluster), "training": to_dict(training),
                    "scale_batch": args.scale_batch, "simulated": False, "predicted": True,
@@ -308,7 +393,7 @@ def _print_sizes(points: list[SizePoint], model: Any, cluster: Any, training: An
     price = (f"; {fmt.money(cluster.price_per_device_hour)} per device-hour" if cluster.price_per_device_hour is not None
              else "; no price (--price-per-device-hour)")
     console.print(f"[bold]{model.name}[/] ({_count(model.params)} params) on [bold]{cluster.name}[/] "
-                  f"({cluster.devices_per_node} per node){budget}{price}")
+                  f"({cluster.devices_per_node} per node){budget}{price}; {stack_line(training)}")
     table = Table(box=box.SIMPLE_HEAD, title="Best predicted layout per cluster size (analytical model, not measured)")
     for col in ("nodes", "devices", "batch", "best layout", "placement", "tok/s", "tok/s/dev", "MFU",
                 "useful tok/s", "time to train", "cost / 1M tok", "total cost"):
@@ -339,3 +424,75 @@ def budget_columns(entry: Any, cluster: Any, training: Any) -> tuple[str, str]:
                         price_per_device_hour=cluster.price_per_device_hour)
     cells = fmt.budget_cells(b)
     return cells["time"], cells["cost"]
+
+
+def stack_line(training: Any) -> str:
+    """Which stack the figures are predicted for (``training.stack``)."""
+    st = stack_of(training)
+    return f"predicted for stack {st.name} ({st.description})"
+
+
+def _run_devices(args: argparse.Namespace, model: Any, clusters: list[Any], training: Any, space: SearchSpace,
+                 caps: Any) -> int:
+    """``--cluster a,b,...``: every device type at every size (``--nodes``, else each type's own)."""
+    counts = check_node_counts(args.nodes, field="--nodes") if args.nodes is not None else None
+    points = compare_devices(model=model, clusters=clusters, training=training, nodes=counts, space=space,
+                             allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch,
+                             capabilities=caps)
+    title = devices_title(model, clusters, training)
+    figure = devices_figure(points, title=title)
+    if args.plot:
+        _write_plot(args.plot, figure)
+    if args.json:
+        json.dump({"model": to_dict(model), "clusters": [to_dict(c) for c in clusters], "training": to_dict(training),
+                   "stack": stack_of(training).to_dict(), "scale_batch": args.scale_batch, "simulated": False,
+                   "predicted": True, "devices": [p.to_dict() for p in points], "figure": figure},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_devices(points, model, training, plot=args.plot)
+    return 0
+
+
+def devices_title(model: Any, clusters: list[Any], training: Any) -> str:
+    return (f"{model.name}: best predicted layout per device type and size ({', '.join(c.name for c in clusters)}; "
+            f"global batch {training.global_batch} x {model.seq_len} tokens; stack {training.stack})")
+
+
+def _write_plot(path: str, figure: dict[str, Any]) -> None:
+    import plotly.graph_objects as go
+
+    try:  # self-contained: plotly.js inlined, the page opens with no network
+        Path(path).write_text(go.Figure(figure).to_html(include_plotlyjs=True, full_html=True))
+    except OSError as exc:
+        raise SpecError(f"--plot={path!r}: cannot write it ({exc.strerror or exc})") from None
+
+
+def print_devices(points: list[DevicePoint], model: Any, training: Any, *, plot: str | None) -> None:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    budget = (f"token budget {fmt.tokens_text(training.train_tokens)}" if training.train_tokens
+              else "no token budget (--train-tokens)")
+    console.print(f"[bold]{model.name}[/] ({_count(model.params)} params); {budget}; {stack_line(training)}")
+    table = Table(box=box.SIMPLE_HEAD, title="Best predicted layout per device type and cluster size "
+                  "(analytical model, not measured)")
+    for col in ("device", "nodes", "devices", "best layout", "tok/s", "tok/s/dev", "MFU", "time to train",
+                "price/dev-h", "total cost", ""):
+        table.add_column(col, justify="left" if col in ("device", "best layout", "") else "right")
+    for p in points:
+        s = p.size
+        price = fmt.money(s.budget.price_per_device_hour) if s.budget is not None else fmt.DASH
+        if s.layout is None:
+            table.add_row(p.device, str(s.nodes), f"{s.devices:,}", s.why or "-", *[fmt.DASH] * 6, "")
+            continue
+        cells = fmt.budget_cells(s.budget)
+        marks = ", ".join(m for m, on in (("fastest", p.fastest), ("cheapest", p.cheapest)) if on)
+        table.add_row(p.device, str(s.nodes), f"{s.devices:,}", fmt.layout_text(s.layout), fmt.num(s.tokens_per_s),
+                      fmt.num(s.tokens_per_s_per_device), fmt.pct(s.mfu), cells["time"], price, cells["cost"],
+                      f"[bold]{marks}[/]" if marks else "")
+    console.print(table)
+    if not any(p.cheapest for p in points):
+        console.print("cheapest: no device type has a price (--price-per-device-hour TYPE=PRICE,...)", style="dim")
+    if plot:
+        console.print(f"plot written to {plot}")

@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metric", default="tokens_per_s_per_device",
                    choices=["tokens_per_s_per_device", "useful_tokens_per_s"])
     p.add_argument("--trials", action="store_true", help="also list every trial")
+    p.add_argument("--stack", metavar="STACK", help="also re-rank the measured layouts by what this training "
+                   "stack (torchtitan, megatron) is predicted to make of them, corrected with the sweep's "
+                   "calibration, marking where the order differs from the measured one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=show_cmd)
 
@@ -269,14 +272,22 @@ def show_cmd(args: argparse.Namespace) -> int:
         front = svc.pareto(s, sweep_id=args.id)
         trials = svc.list_trials(s, sweep_id=args.id, limit=1000).items if (args.trials or args.json) else []
         report = confirm.confirm_report(s, sweep_id=args.id)  # the latest confirm round, if any
+        moved = None
+        if args.stack is not None:
+            from api.sweeps.transfer import transfer
+
+            moved = transfer(s, sweep_id=args.id, stack=args.stack)
     if args.json:
         json.dump({"sweep": jsonable(sweep), "ranking": jsonable(ranking), "pareto": jsonable(front),
-                   "trials": jsonable(trials), "confirm": jsonable(report)}, sys.stdout, indent=2)
+                   "trials": jsonable(trials), "confirm": jsonable(report),
+                   **({"transfer": moved.to_dict()} if moved is not None else {})}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     console = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
     print_report(console, sweep, ranking, front)
     print_confirm(console, report)
+    if moved is not None:
+        print_transfer(console, moved)
     if args.trials:
         table = Table(title="trials")
         for col in ("#", "att", "phase", "layout", "status", "tok/s/dev", "pred", "peak mem", "pred mem", "cause"):
@@ -287,3 +298,35 @@ def show_cmd(args: argparse.Namespace) -> int:
                           bytes_cell(t.peak_memory_bytes), bytes_cell(t.predicted_memory_bytes), fmt.cause_text(t.cause))
         console.print(table)
     return 0
+
+
+def print_transfer(console: Any, moved: Any, *, top: int = 20) -> None:
+    """The measured layouts re-ranked for another stack (api.sweeps.transfer), each row's move marked."""
+    from rich.table import Table
+
+    from api import format as fmt
+
+    stack = moved.stack["name"]
+    corrected = "corrected with the sweep's calibration" if moved.calibrated else "the model alone (no calibration kept)"
+    label = " (SIMULATED measurements)" if moved.simulated else ""
+    table = Table(title=f"sweep {moved.sweep_id} re-ranked for stack {stack}: predicted, {corrected}{label}")
+    for col in ("#", "measured #", "move", "layout", "measured tok/s/dev", f"{stack} tok/s/dev", f"{stack} MFU",
+                f"{stack} peak mem"):
+        table.add_column(col, justify="left" if col == "layout" else "right", overflow="fold")
+    for row in moved.rows[:top]:
+        move = "=" if row.moved == 0 else (f"[green]up {row.moved}[/]" if row.moved > 0 else f"[red]down {-row.moved}[/]")
+        mem = bytes_cell(row.target_memory_bytes) + ("" if row.target_fits else " [red]does not fit[/]")
+        table.add_row(str(row.target_rank), str(row.measured_rank), move, fmt.layout_text(row.layout, dash=row.layout_key),
+                      num_cell(row.measured_tokens_per_s_per_device), num_cell(row.target_tokens_per_s_per_device),
+                      fmt.pct(row.target_mfu), mem)
+    console.print(table)
+    first = moved.rows[0]
+    winner = next(r for r in moved.rows if r.measured_rank == 1)
+    if moved.same_winner:
+        console.print(f"the measured winner {fmt.layout_text(winner.layout)} is also the predicted winner on {stack}; "
+                      f"{moved.reordered} of {len(moved.rows)} layouts change place")
+    else:
+        console.print(f"[yellow]the order differs[/]: on {stack} the predicted winner is {fmt.layout_text(first.layout)} "
+                      f"(measured #{first.measured_rank}); the measured winner {fmt.layout_text(winner.layout)} is "
+                      f"predicted #{winner.target_rank}; {moved.reordered} of {len(moved.rows)} layouts change place")
+    console.print(f"{stack}: {moved.stack['description']}. The prediction is not a measurement on {stack}.", style="dim")

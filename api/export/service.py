@@ -14,6 +14,7 @@ from api.format import interval_known, layout_text, tied_rows
 from api.spec import SweepSpec, layout_from_mapping
 from api.sweeps import service as sweeps_service
 from api.sweeps.ranking import RankingRow
+from api.sweeps.transfer import target_lines
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
 
 CHARSET = "; charset=utf-8"
@@ -61,7 +62,8 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
     measured = (f"rank {row.rank} of {len(rows)}: {row.tokens_per_s_per_device:.6g} tokens/s per device, "
                 f"median of {row.n} run(s)" + (" (simulated, not measured)" if row.simulated else ""))
-    header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *how_sure(row, rows, sweep_id=sweep_id)]
+    header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *how_sure(row, rows, sweep_id=sweep_id),
+              *target_lines(sweep, row, format=format)]
     if getattr(sweep, "diagnostic", False):
         header.append("diagnostic sweep: trial options injected failures or sleeps")
     out = export_layout(layout_from_mapping(dict(row.layout)), model=model, cluster=cluster, training=training,

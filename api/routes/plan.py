@@ -25,8 +25,8 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from api._http import GuardedRoute, client_address
 from api.deps import ReaderDep
-from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanOut, PlanSizesOut
-from api.spec import PlanRequest
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanDevicesOut, PlanOut, PlanSizesOut
+from api.spec import PlanDevicesRequest, PlanRequest
 from tuner import (
     ClusterSpec,
     ModelSpec,
@@ -38,8 +38,10 @@ from tuner import (
     to_dict,
     training_spec,
 )
+from tuner._devices import cluster_types, compare_devices, devices_figure
 from tuner._plan import check_planning_work
 from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
+from tuner._stack import STACKS, stack_of
 
 # GuardedRoute: POST /api/plan's body gets the rules every body gets (1 MiB, UTF-8, depth; auth first).
 router = APIRouter(tags=["plan"], route_class=GuardedRoute)
@@ -115,6 +117,8 @@ TrainTokens = Annotated[float | None, Query(gt=0, le=1e18, description="Token bu
                                              "(training.train_tokens): time and cost to train it.")]
 Price = Annotated[float | None, Query(ge=0, le=1e6, description="Price of one device-hour "
                                       "(cluster.price_per_device_hour), any currency.")]
+Stack = Annotated[str, Query(max_length=50, description="The stack the model is trained with (training.stack): "
+                             f"{', '.join(STACKS)}; meshtune (default) is meshtune's own workers.")]
 
 
 @router.get(
@@ -139,12 +143,14 @@ def get_plan(
     top: Annotated[int, Query(ge=1, le=MAX_TOP, description="How many of the fastest layouts to return.")] = 10,
     train_tokens: TrainTokens = None,
     price_per_device_hour: Price = None,
+    stack: Stack = "meshtune",
 ) -> PlanOut:
     """Enumerate every valid layout of the model on the cluster, drop those predicted not to fit,
     and return the fastest predicted ones with their memory and time breakdowns (and, given
-    train_tokens / price_per_device_hour, each one's time and cost to train the budget)."""
+    train_tokens / price_per_device_hour, each one's time and cost to train the budget), predicted
+    for the stack it is trained with (``stack``)."""
     m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
-                       critical_batch_tokens, precision, train_tokens, price_per_device_hour)
+                       critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
     return _plan_answer(request, caller, m, c, t, top=top)
 
 
@@ -176,16 +182,26 @@ def _plan_answer(request: Request, caller: Any, m: ModelSpec, c: ClusterSpec, t:
 
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
              global_batch_tokens: int | None, critical_batch_tokens: int | None, precision: str,
-             train_tokens: float | None, price_per_device_hour: float | None,
+             train_tokens: float | None, price_per_device_hour: float | None, stack: str = "meshtune",
              ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
+                                   ("price_per_device_hour", price_per_device_hour)) if v is not None}
+    if "," in cluster:
+        raise SpecError(f"cluster={cluster}: several device types are compared by /api/plan/devices")
+    c = cluster_spec({"preset": cluster, **overrides})
+    _check_devices(c)
+    m, t = _model_training(model, global_batch, global_batch_tokens, critical_batch_tokens, precision, train_tokens,
+                           stack)
+    return m, c, t
+
+
+def _model_training(model: str, global_batch: int | None, global_batch_tokens: int | None,
+                    critical_batch_tokens: int | None, precision: str, train_tokens: float | None,
+                    stack: str) -> tuple[ModelSpec, TrainingSpec]:
     if (global_batch is None) == (global_batch_tokens is None):
         raise SpecError("global_batch: give exactly one of global_batch and global_batch_tokens")
     m = model_spec(model)
-    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
-                                   ("price_per_device_hour", price_per_device_hour)) if v is not None}
-    c = cluster_spec({"preset": cluster, **overrides})
-    _check_devices(c)
-    training: dict[str, Any] = {"precision": precision}
+    training: dict[str, Any] = {"precision": precision, "stack": stack}
     if global_batch is not None:
         training["global_batch"] = global_batch
     else:
@@ -194,7 +210,7 @@ def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int 
         training["critical_batch_tokens"] = critical_batch_tokens
     if train_tokens is not None:
         training["train_tokens"] = train_tokens
-    return m, c, training_spec(training, seq_len=m.seq_len)
+    return m, training_spec(training, seq_len=m.seq_len)
 
 
 def _check_devices(c: ClusterSpec) -> None:
@@ -241,32 +257,100 @@ def get_plan_sizes(
     scale_batch: Annotated[bool, Query(description="Grow the global batch with the devices from the first size's.")] = False,
     train_tokens: TrainTokens = None,
     price_per_device_hour: Price = None,
+    stack: Stack = "meshtune",
 ) -> PlanSizesOut:
     """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
     batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
     counts = check_node_counts(nodes, field="nodes")
     m, c, t = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
-                       critical_batch_tokens, precision, train_tokens, price_per_device_hour)
-    key = (m, c, t, counts, scale_batch)
-    with _CACHE_LOCK:
-        answer = _SIZES.get(key)
-    if answer is None:
-        cost = 0
-        for n in counts:
-            size = cluster_spec({**to_dict(c), "nodes": n})
-            _check_devices(size)
-            cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                        remedy="plan it with `meshtune plan`, which has no such limit")
-        _charge(request, caller, cost)
-        started = time.perf_counter()
-        points = plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch)
-        answer = (points, time.perf_counter() - started)
-        with _CACHE_LOCK:
-            _SIZES[key] = answer
-            while len(_SIZES) > _CACHE_SIZE:
-                _SIZES.popitem(last=False)
+                       critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
+    answer = _bounded(_SIZES, (m, c, t, counts, scale_batch), request, caller, m, sizes,
+                      lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
     points, seconds = answer
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
     return PlanSizesOut(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
                         sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),
                         seconds=round(seconds, 4))
+
+
+_DEVICES: OrderedDict[tuple[Any, ...], tuple[Any, float]] = OrderedDict()
+DevicesResponses = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
+    "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}}
+
+
+@router.get("/api/plan/devices", response_model=PlanDevicesOut, responses=DevicesResponses,
+            summary="Which device type: the best layout per (device type, cluster size), time and cost, compared")
+def get_plan_devices(
+    request: Request,
+    caller: ReaderDep,
+    model: ModelName,
+    cluster: Annotated[str, Query(max_length=400, description="Cluster presets to compare, comma-separated: "
+                                  "h100-sxm,h200,b200,mi300x.")],
+    nodes: Annotated[str, Query(max_length=400, description="Node counts to compare, comma-separated: 8,16,32.")],
+    global_batch: GlobalBatch = None,
+    global_batch_tokens: GlobalBatchTokens = None,
+    critical_batch_tokens: CriticalBatchTokens = None,
+    precision: Precision = "bf16",
+    scale_batch: Annotated[bool, Query(description="Grow the global batch with the devices from the first size's.")] = False,
+    train_tokens: TrainTokens = None,
+    price_per_device_hour: Annotated[str | None, Query(max_length=400, description="Price of one device-hour per "
+                                     "device type, TYPE=PRICE,... (h100-sxm=2.5,b200=5.0), or one price for all.")] = None,
+    stack: Stack = "meshtune",
+) -> PlanDevicesOut:
+    """Every device type at every node count: the best predicted layout, tokens/s, MFU, time to train
+    the token budget and its total cost, the fastest and the cheapest marked, as a table and a plotly
+    figure (analytical, no device time)."""
+    counts = check_node_counts(nodes, field="nodes")
+    clusters = cluster_types({"preset": cluster, "price_per_device_hour": price_per_device_hour}
+                             if price_per_device_hour is not None else {"preset": cluster})
+    m, t = _model_training(model, global_batch, global_batch_tokens, critical_batch_tokens, precision, train_tokens,
+                           stack)
+    return _devices_answer(request, caller, m, clusters, t, counts, scale_batch)
+
+
+@router.post("/api/plan/devices", response_model=PlanDevicesOut, responses={**DevicesResponses, **BODY_RESPONSES},
+             summary="Which device type, for a problem given as mappings (cluster.preset as a list)")
+def post_plan_devices(request: Request, caller: ReaderDep, body: PlanDevicesRequest) -> PlanDevicesOut:
+    """As ``GET /api/plan/devices``, for ``cluster: {"preset": [...], "price_per_device_hour": {type: price}}``
+    (the section's other fields apply to every type) and a model and training given as mappings."""
+    m, clusters, t = body.to_problem()
+    counts = check_node_counts(body.nodes, field="nodes") if body.nodes is not None else None
+    return _devices_answer(request, caller, m, clusters, t, counts, body.scale_batch)
+
+
+def _devices_answer(request: Request, caller: Any, m: ModelSpec, clusters: list[ClusterSpec], t: TrainingSpec,
+                    counts: tuple[int, ...] | None, scale_batch: bool) -> PlanDevicesOut:
+    """The cached comparison, or a new one bounded and charged as /api/plan/sizes is."""
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
+    answer = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), request, caller, m, sizes,
+                      lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
+                                              scale_batch=scale_batch))
+    points, seconds = answer
+    title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
+    return PlanDevicesOut(model=to_dict(m), clusters=[to_dict(c) for c in clusters], training=to_dict(t),
+                          stack=stack_of(t).to_dict(), scale_batch=scale_batch, devices=[p.to_dict() for p in points],
+                          figure=devices_figure(points, title=title), seconds=round(seconds, 4))
+
+
+def _bounded(cache: OrderedDict[tuple[Any, ...], tuple[Any, float]], key: tuple[Any, ...], request: Request,
+             caller: Any, m: ModelSpec, sizes: list[ClusterSpec], compute: Callable[[], Any]) -> tuple[Any, float]:
+    """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
+    cluster size (devices, candidate layouts) and charged to an anonymous caller's budget."""
+    with _CACHE_LOCK:
+        answer = cache.get(key)
+    if answer is not None:
+        return answer
+    cost = 0
+    for size in sizes:
+        _check_devices(size)
+        cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
+                                    remedy="plan it with `meshtune plan`, which has no such limit")
+    _charge(request, caller, cost)
+    started = time.perf_counter()
+    answer = (compute(), time.perf_counter() - started)
+    with _CACHE_LOCK:
+        cache[key] = answer
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    return answer

@@ -25,7 +25,7 @@ from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND, ErrorOut
 from api.spec import SweepSpec
 from api.store import SWEEP_PRIORITIES, SWEEP_STATUSES, TRIAL_STATUSES
 from api.sweeps import service
-from api.sweeps.schemas import ParetoOut, RankingOut, SweepOut, SweepPage, TrialOut, TrialPage
+from api.sweeps.schemas import ParetoOut, RankingOut, SweepOut, SweepPage, TransferOut, TrialOut, TrialPage
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
 _cache = VersionedCache(max_entries=256)  # ranking pages and Pareto answers, by version
@@ -143,6 +143,26 @@ def ranking(
     remember(request, probe_key=("ranking", sweep_id, metric), version=tag,
              probe=functools.partial(_ranking_tag, request.app.state.sessions, sweep_id, metric))
     return Response(body, media_type=CSV if wants_csv else "application/json", headers=headers)
+
+
+@router.get("/{sweep_id}/transfer", response_model=TransferOut, responses={**READ_ONE, 409: {
+    "model": ErrorOut, "description": "The sweep has no completed trial yet."}},
+    summary="Ranking transfer: the measured layouts re-ranked for another training stack")
+def transfer(
+    sweep_id: SweepId,
+    session: SessionDep,
+    _: ReaderDep,
+    stack: Annotated[str, Query(max_length=50, description="The stack trained with: torchtitan, megatron (or meshtune).")],
+) -> Response:
+    """The measured layouts re-ranked by the target stack's prediction corrected with the sweep's
+    calibration (api/sweeps/transfer.py), each row with its measured rank and how far it moved."""
+    from api.sweeps.transfer import transfer as transfer_of
+
+    tag = service.ranking_tag(session, sweep_id=sweep_id)
+    key = (str(session.get_bind().url), sweep_id, "transfer", stack)
+    body = _cache.get(key, tag, lambda: TransferOut.model_validate(
+        transfer_of(session, sweep_id=sweep_id, stack=stack).to_dict()).model_dump_json().encode())
+    return Response(body, media_type="application/json")
 
 
 def _ranking_tag(sessions: Any, sweep_id: int, metric: str) -> str:

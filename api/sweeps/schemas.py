@@ -167,3 +167,34 @@ class ParetoOut(ResponseModel):
     points: list[ParetoPointOut] = Field(description="Front first (by ascending memory), then the dominated layouts.")
 
 
+
+
+class TransferRowOut(ResponseModel):
+    target_rank: int = Field(description="Rank by the target stack's prediction (layouts it predicts do not fit last).")
+    measured_rank: int = Field(description="Rank in the sweep's measured ranking.")
+    moved: int = Field(description="Places gained on the target stack (measured_rank - target_rank; 0: same place).")
+    layout_key: str = Field(description="Stable readable identity of the layout.")
+    layout: dict[str, Any] = Field(description="The parallel layout (tp, pp, dp, cp, ep, zero, mbs, ac, sp, ...).")
+    n: int = Field(description="Measurements of the layout.")
+    measured_tokens_per_s_per_device: float = Field(description="Median measured tokens/s per device (meshtune's "
+                                                    "workers).")
+    measured_peak_memory_bytes: int | None = Field(description="Median measured peak bytes per device.")
+    predicted_tokens_per_s_per_device: float | None = Field(
+        description="meshtune's workers (stack meshtune), under the sweep's calibration: the ranking's prediction.")
+    target_tokens_per_s_per_device: float | None = Field(
+        description="The target stack's prediction, corrected with the sweep's calibration.")
+    target_model_tokens_per_s_per_device: float = Field(description="The target stack's prediction, model alone.")
+    target_mfu: float | None = Field(description="MFU (PaLM's count) of the target stack's calibrated prediction.")
+    target_memory_bytes: int | None = Field(description="The target stack's peak bytes per device, calibrated.")
+    target_fits: bool = Field(description="Whether the target stack's predicted peak fits the device.")
+    simulated: bool = Field(description="True when the measurement comes from the simulate backend.")
+
+
+class TransferOut(ResponseModel):
+    sweep_id: int = Field(description="The re-ranked sweep.")
+    stack: dict[str, Any] = Field(description="The target stack (training.stack) and its properties.")
+    calibrated: bool = Field(description="Whether the sweep kept a calibration (else the model alone predicts).")
+    rows: list[TransferRowOut] = Field(description="The measured layouts, best first on the target stack.")
+    same_winner: bool = Field(description="Whether the measured winner is the target stack's predicted winner.")
+    reordered: int = Field(description="Rows whose place on the target stack differs from the measured one.")
+    simulated: bool = Field(description="True when the measurements come from the simulate backend.")
