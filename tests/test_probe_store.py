@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import sqlalchemy as sa
 from _probe_raw import ENV, ProbingBackend, truth
 from fastapi.testclient import TestClient
 
@@ -19,6 +20,7 @@ from api.engine import SweepRunner
 from api.engine._prediction import cluster_under
 from api.main import create_app
 from api.probes import service as probes
+from api.probes.models import ClusterProbe
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import accuracy
@@ -74,13 +76,14 @@ def test_a_probe_runs_once_then_is_found_by_its_cluster_model_and_environment(db
     assert _count(sessions) == 1
 
 
-def test_a_newer_environment_probe_version_or_unprobed_tensor_parallel_degree_is_probed_again(db, monkeypatch):
+def test_a_newer_environment_probe_version_or_unprobed_tensor_parallel_degree_is_probed_again(db):
     _, sessions = db
     first = _ensure(sessions, SweepingBackend())
     upgraded = SweepingBackend(env={**ENV, "torch": "2.14.0+cpu"})
     assert not _ensure(sessions, upgraded).reused  # torch upgraded: the probe is older than the environment
     assert not _ensure(sessions, SweepingBackend(), layouts=[*LAYOUTS, tuner.Layout(tp=4)]).reused
-    monkeypatch.setattr(probes, "PROBE_VERSION", probes.PROBE_VERSION + 1)
+    with sessions.begin() as s:  # rows written by an older probe code: the version they carry is behind
+        s.execute(sa.update(ClusterProbe).values(version=ClusterProbe.version - 1))
     assert not _ensure(sessions, SweepingBackend()).reused
     assert _count(sessions) == 4 and first.row.id == 1
 

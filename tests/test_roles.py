@@ -27,6 +27,7 @@ CALLERS = ("root", "alice", "bob", "viewer")
 EXEMPT = {  # mutating methods that write nothing (each still checked below)
     ("POST", "/login"): "signs in: sets the token cookie, stores nothing",
     ("POST", "/api/plan"): "a read by POST (a body a query string cannot carry): plans, stores nothing",
+    ("POST", "/api/plan/devices"): "a read by POST (per-type prices a query string cannot carry): plans, stores nothing",
 }
 
 
@@ -186,6 +187,9 @@ def test_reads_stay_open_to_every_role(client: TestClient) -> None:
     for who in CALLERS:  # the exempt POST read is open to read-only tokens too
         r = client.post("/api/plan", json={"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
                                            "top": 1}, headers=_auth(who))
+        assert r.status_code == 200, (who, r.text)
+        r = client.post("/api/plan/devices", json={"model": "tiny", "cluster": {"preset": ["cpu-local"]},
+                                                   "training": {"global_batch": 16}}, headers=_auth(who))
         assert r.status_code == 200, (who, r.text)
 
 
