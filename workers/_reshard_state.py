@@ -21,14 +21,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from workers._contract import TrialRequest
+from workers.rank_model import build_rank_model, global_loss, rank_batch, train_step
 from workers.reshard import TensorMismatch, canonical_fqn
-from workers.train import build_rank_model, global_loss, rank_batch, train_step
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Trainer:
-    """This rank's share of one layout for reshard-check: ``workers.train.build_rank_model``, as
+    """This rank's share of one layout for reshard-check: ``workers.rank_model.build_rank_model``, as
     every trial builds it, plus ``module``, one shell over the rank's chunks with the single
     model's FQNs. ``step(i)`` trains on the global batch of step ``i`` (``train_step``, the trial's
     step without its measurements) and returns the global loss, on every rank."""

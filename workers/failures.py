@@ -20,6 +20,7 @@ never at logs.
 from __future__ import annotations
 
 import re
+import sys
 import traceback
 from collections.abc import Iterable
 
@@ -67,19 +68,14 @@ def traceback_tail(exc: BaseException, lines: int = TRACEBACK_TAIL_LINES) -> str
 
 
 def _is_torch_oom(exc: BaseException) -> bool:
-    import sys
-
     torch = sys.modules.get("torch")  # a rank that never imported torch cannot raise its OOM
     oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     return oom_type is not None and isinstance(exc, oom_type)
 
 
 def _is_non_finite_loss(exc: BaseException) -> bool:
-    try:
-        from workers.train import NonFiniteLoss
-    except ImportError:  # pragma: no cover - the rank program is always present in a release
-        return False
-    return isinstance(exc, NonFiniteLoss)
+    train = sys.modules.get("workers.train")  # only the rank program (which imports torch) raises it
+    return train is not None and isinstance(exc, train.NonFiniteLoss)
 
 
 def oom_bytes(exc: BaseException) -> int | None:

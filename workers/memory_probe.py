@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from workers import measure
 from workers.parallelize import coordinate
-from workers.train import build_rank_model, rank_batch, train_step
+from workers.rank_model import build_rank_model, rank_batch, train_step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

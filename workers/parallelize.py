@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -59,8 +58,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tuner import AXES, ClusterSpec, Layout, LayoutError, ModelSpec
+from tuner import AXES, ClusterSpec, Layout, ModelSpec, partition_stages, place
 from tuner._realise import Realisation, check_supported
+from workers._cp import apply_context_parallel
 from workers._data_parallel import ExpertGradScale, apply_fsdp
 from workers._ep import SumGradOverGroup, apply_expert_parallel, apply_expert_tensor_parallel
 from workers.model import MoE, Transformer
@@ -70,16 +70,10 @@ from workers.model import MoE, Transformer
 
 def mesh_axes(layout: Layout, cluster: ClusterSpec) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Mesh dim names (outermost first) and sizes from the tuner's placement; every axis present."""
-    try:
-        from tuner import place  # type: ignore[attr-defined]
-    except ImportError:  # placement not landed yet: default order, innermost (chattiest) last
-        names = tuple(reversed(AXES))
-        shape = tuple(getattr(layout, a) for a in names)
-    else:
-        # Whether TP may cross nodes is the launcher's check (check_layout, the request's
-        # allow_tp_across_nodes); the mesh order is the same either way.
-        placed = place(layout, cluster, allow_tp_across_nodes=True)
-        names, shape = tuple(placed.mesh_dim_names), tuple(placed.mesh_shape)
+    # Whether TP may cross nodes is the launcher's check (check_layout, the request's
+    # allow_tp_across_nodes); the mesh order is the same either way.
+    placed = place(layout, cluster, allow_tp_across_nodes=True)
+    names, shape = tuple(placed.mesh_dim_names), tuple(placed.mesh_shape)
     missing = [a for a in AXES if a not in names]  # size-1 axes may be left out by the placement
     names += tuple(missing)
     shape += tuple(1 for _ in missing)
@@ -112,11 +106,6 @@ def coordinate(mesh: DeviceMesh, axis: str) -> int:
 
 def layers_per_stage(spec: ModelSpec, stages: int) -> list[int]:
     """Layers of each pipeline stage from the tuner's compute-balanced partitioner (uneven allowed)."""
-    try:
-        from tuner import partition_stages  # type: ignore[attr-defined]
-    except ImportError:  # partitioner not landed yet: an even split, extra layers to the first stages
-        base, extra = divmod(spec.layers, stages)
-        return [base + (1 if s < extra else 0) for s in range(stages)]
     counts = list(partition_stages(spec, stages).layers_per_stage)
     assert sum(counts) == spec.layers and len(counts) == stages, counts
     return counts
@@ -311,13 +300,6 @@ class Parallelized:
         return loss_parallel() if self.tp_loss else contextlib.nullcontext()
 
 
-def _call_optional(module: str, attr: str, what: str):
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        raise LayoutError(f"{what} is not available yet ({module}.{attr} missing)") from None
-
-
 def parallelize_model(
     model: Transformer, mesh: DeviceMesh, layout: Layout, *, param_dtype: torch.dtype,
     realisation: Realisation | None = None,
@@ -371,9 +353,8 @@ def parallelize_model(
 
     # 6. Context parallel: swap the attention kernel for one that sees the whole sequence's K/V.
     if layout.cp > 1:
-        apply_cp = _call_optional("workers._cp", "apply_context_parallel", "context parallelism")
         for _, chunk in chunks:
-            apply_cp(chunk, mesh["cp"])
+            apply_context_parallel(chunk, mesh["cp"])
     par = Parallelized(chunks=chunks, grad_sync=grad_sync, fsdp=fsdp, notes=notes)
     if getattr(model, "loss", None) is not None:  # a workload's own loss (never under tp: its contract)
         par.loss_fn = model.loss

@@ -3,9 +3,8 @@
 ``build_rank_model(request, device)`` -> ``RankModel`` (mesh, parallelised chunks, AdamW, the
 pipeline schedule under pp > 1); per step ``rank_batch`` (this rank's share of the global batch),
 ``train_step`` (forward + backward + gradient sync + AdamW) and ``global_loss`` (a collective).
-Every rank program that trains a layout uses these: the trial (workers/train.py, which re-exports
-them and adds the measurements and injected failures around them), reshard-check's ``Trainer``
-(workers/_reshard_state.py) and the memory probe (workers/memory_probe.py), so all of them train
+Every rank program that trains a layout uses these: the trial (workers/train.py, which adds the
+measurements and injected failures around them), reshard-check's ``Trainer`` (workers/_reshard_state.py) and the memory probe (workers/memory_probe.py), so all of them train
 the same way.
 """
 

@@ -63,8 +63,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-import tuner
-from tuner import BackendError, SpecError, check_layout
+from tuner import BackendError, SpecError, check_layout, place
 from workers._contract import BackendUnavailable, TrialError, TrialRequest, TrialResult
 from workers._gangs import (
     POOL,
@@ -163,13 +162,8 @@ class RayBackend:
     @staticmethod
     def _node_groups(request: TrialRequest) -> tuple[int, ...]:
         """Ranks per node, in node order, as the tuner's placement lays them out (node-major)."""
-        place = getattr(tuner, "place", None)
-        if place is not None:
-            allow = bool(request.options.get("allow_tp_across_nodes", False))
-            rank_devices = place(request.layout, request.cluster, allow_tp_across_nodes=allow).rank_devices
-        else:  # the placement convention itself: rank r on node r // devices_per_node
-            d = request.cluster.devices_per_node
-            rank_devices = tuple(divmod(r, d) for r in range(request.layout.world_size))
+        allow = bool(request.options.get("allow_tp_across_nodes", False))
+        rank_devices = place(request.layout, request.cluster, allow_tp_across_nodes=allow).rank_devices
         per_node = Counter(node for node, _ in rank_devices)
         return tuple(per_node[n] for n in sorted(per_node))
 

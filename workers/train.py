@@ -6,10 +6,8 @@ into a ``TrialResult``. Every layout trains the same model on the same global ba
 loss (mean cross-entropy over all tokens of the global batch), so losses are comparable with the
 single-process ``reference_losses``.
 
-Building and stepping a layout are public, for every rank program that trains one (reshard-check's
-``Trainer`` too): ``build_rank_model`` -> ``RankModel``; per step ``rank_batch``, ``train_step``,
-``global_loss``. They live in workers/rank_model.py and are re-exported here, where their callers
-import them; ``train_trial`` adds the measurements and the injected failures around them.
+Building and stepping a layout live in workers/rank_model.py (every rank program that trains one
+uses them); ``train_trial`` adds the measurements and the injected failures around them.
 """
 
 from __future__ import annotations
@@ -28,13 +26,10 @@ from workers._contract import TrialRequest
 from workers._memory_timeline import StepMemory
 from workers.model import synthetic_batch
 from workers.parallelize import cross_entropy
-from workers.rank_model import RankModel, build_rank_model, global_loss, rank_batch, train_step
+from workers.rank_model import build_rank_model, global_loss, rank_batch, train_step
 from workers.workload import build_model
 
-__all__ = [
-    "NonFiniteLoss", "RankModel", "RankReport", "as_out_of_memory", "build_rank_model", "global_loss",
-    "rank_batch", "reference_losses", "train_step", "train_trial",
-]
+__all__ = ["NonFiniteLoss", "RankReport", "as_out_of_memory", "reference_losses", "train_trial"]
 
 
 # Stays in this module: a trial's stored error names its type by module ("workers.train.NonFiniteLoss",
