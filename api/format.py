@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from tuner import Layout
-from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, versus_best
+from tuner import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, Layout, versus_best
 
 GiB = 2**30
 DASH = "—"

@@ -39,8 +39,7 @@ from sqlalchemy.orm import Session
 
 from api import store
 from api.sweeps import service
-from tuner import Layout
-from tuner._layout import CHECKPOINTING, SCHEDULES
+from tuner import CHECKPOINTING, SCHEDULES, Layout
 
 log = logging.getLogger("meshtune.optuna")
 OPTUNA_FILE = "optuna.db"

@@ -21,13 +21,13 @@ from tuner import (
     TrainingSpec,
     canonical_layout,
     check_layout,
+    check_planning_work,
+    check_supported,
     cluster_spec,
     model_spec,
     training_spec,
     twin_note,
 )
-from tuner._plan import check_planning_work
-from tuner._realise import check_supported
 
 SAMPLERS = ("surrogate", "tpe", "nsga2", "gp", "random", "grid")
 # Sanity bounds far above any real job. 2^18 devices is above the largest accelerator clusters built
@@ -355,7 +355,7 @@ class SweepSpec(RequestModel):
         caps = self.workload_capabilities()
         if not self.space and caps is None:
             return None
-        from tuner._space import SearchSpace, within_capabilities
+        from tuner import SearchSpace, within_capabilities
 
         space = SearchSpace.from_mapping(self.space)
         return within_capabilities(space, caps) if caps is not None else space
@@ -436,7 +436,7 @@ class PlanDevicesRequest(RequestModel):
     scale_batch: bool = Field(False, description="Grow the global batch with the devices from the first size's.")
 
     def to_problem(self) -> tuple[ModelSpec, list[ClusterSpec], TrainingSpec]:
-        from tuner._devices import cluster_types
+        from tuner import cluster_types
 
         model = model_spec(self.model, allow_path=False)
         return model, cluster_types(self.cluster), training_spec(self.training, seq_len=model.seq_len)

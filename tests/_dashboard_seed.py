@@ -24,7 +24,7 @@ from api import store
 from api.spec import SweepSpec
 from api.sweeps import service
 from tuner import Layout, LayoutError, check_layout
-from workers._contract import TrialError, TrialRequest, TrialResult
+from workers import TrialError, TrialRequest, TrialResult
 from workers.simulate import SimulateBackend
 
 SPEC = {
@@ -141,7 +141,7 @@ def _set_times(session, sweep_id: int, times: dict[int, tuple[datetime, datetime
 
 
 def _add_fixture_curves(result: TrialResult, lay: Layout, model, rng: random.Random) -> None:
-    from tuner._partition import partition_stages
+    from tuner import partition_stages
 
     if lay.pp > 1:
         part = partition_stages(model, lay.stages)

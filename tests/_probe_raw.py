@@ -94,7 +94,7 @@ class ProbingBackend:
         self.calls: list[str] = []
 
     def run_program(self, request: Any, program: Any = None) -> GangRun:
-        from workers._contract import TrialError
+        from workers import TrialError
 
         name = getattr(program, "__name__", "?")
         self.calls.append(name)

@@ -4,7 +4,7 @@ check that nothing the workload refuses is enumerated, proposed or run."""
 
 from __future__ import annotations
 
-from tuner._realise import Capabilities
+from tuner import Capabilities
 from workers.workload import Workload, builtin_parts
 
 # The generic path realises neither cp nor ep (workers.workload.contract_problem).

@@ -24,6 +24,7 @@ from tuner import (
     LayoutError,
     SearchSpace,
     SpecError,
+    check_supported,
     cluster_spec,
     enumerate_layouts,
     load_hf_config,
@@ -35,7 +36,6 @@ from tuner import (
     training_spec,
 )
 from tuner._hf import text_config
-from tuner._realise import check_supported
 
 transformers = pytest.importorskip("transformers")
 

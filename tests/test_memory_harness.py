@@ -17,9 +17,8 @@ import pytest
 import torch
 from _dist import run_ranks
 
-from tuner import Layout, ModelSpec, cluster_spec, estimate_memory, model_spec, training_spec
+from tuner import Layout, ModelSpec, cluster_spec, estimate_memory, model_spec, realise, training_spec
 from tuner._memory import mesh_memory, rank_params, state_bytes
-from tuner._realise import realise
 from workers import TrialRequest
 
 # Each launch spawns 4 ranks and runs ~a minute on 2 idle cores; a shared, loaded machine is slower.

@@ -12,7 +12,7 @@ import torch
 
 from tuner import Layout, cluster_spec, estimate_memory, model_spec, training_spec
 from tuner._memory_parts import PARTS, memory_parts
-from workers._contract import timeline_max
+from workers import timeline_max
 from workers._memory_timeline import MAX_POINTS, Phases, StepMemory, downsample
 
 MiB = 2**20

@@ -10,7 +10,17 @@ import pytest
 
 from api import format as fmt
 from api.cli import main
-from tuner import SearchSpace, SpecError, cluster_spec, model_spec, training_spec
+from tuner import (
+    SearchSpace,
+    SpecError,
+    check_node_counts,
+    cluster_spec,
+    model_spec,
+    plan_sizes,
+    sizes_figure,
+    training_budget,
+    training_spec,
+)
 from tuner._formulas import (
     cost_per_token,
     device_hours,
@@ -18,7 +28,6 @@ from tuner._formulas import (
     useful_fraction,
     useful_tokens_per_s,
 )
-from tuner._scaling import check_node_counts, plan_sizes, sizes_figure, training_budget
 
 
 def test_budget_formulas():

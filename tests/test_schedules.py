@@ -281,7 +281,7 @@ def test_history_is_grouped_by_previous_fire_for_the_nightly_means_test() -> Non
     nightly-means verdicts is asserted on real fires in the re-measure and speed-up tests.)"""
     from api.schedules import _check
     from api.schedules.models import ScheduleFire
-    from tuner._regression import compare_night
+    from tuner import compare_night
 
     newer, older = ScheduleFire(id=2, sweep_ids=[20, 21]), ScheduleFire(id=1, sweep_ids=[10])
     trials = [Trial(sweep_id=sw, layout_key=key, tokens_per_s=v) for sw, key, v in [

@@ -14,7 +14,7 @@ from api.engine import _calibrate as cal
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
-from tuner._stats import NOT_COMPARABLE, SLOWER, noise_warning, pooled_noise, rank, versus_best
+from tuner import NOT_COMPARABLE, SLOWER, noise_warning, pooled_noise, rank, versus_best
 
 TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}
 

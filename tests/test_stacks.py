@@ -8,8 +8,10 @@ from dataclasses import replace
 import pytest
 
 from tuner import (
+    STACKS,
     Layout,
     SpecError,
+    Stack,
     TrainingSpec,
     cluster_spec,
     estimate_memory,
@@ -19,7 +21,6 @@ from tuner import (
     training_spec,
 )
 from tuner._plan import _costed_groups
-from tuner._stack import STACKS, Stack
 
 MODEL = model_spec("llama3-8b")
 NODE = cluster_spec({"preset": "h100-sxm", "nodes": 1})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tuner._stats import interval, pareto_front, rank, relative_error
+from tuner import interval, pareto_front, rank, relative_error
 
 
 def test_interval_is_student_t_on_log_values_and_contains_the_median():
@@ -39,7 +39,7 @@ def test_one_measurement_has_an_unknown_interval_and_is_never_separated():
 
 
 def test_versus_best_never_calls_a_single_run_tied_and_follows_the_intervals_not_n():
-    from tuner._stats import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, versus_best
+    from tuner import BEST, NOT_COMPARABLE, SLOWER, TIED, Interval, versus_best
 
     ranked = rank({"best": [606.2, 607.0, 605.5], "close": [603.0, 606.0, 609.0], "far": [300.0, 301.0, 299.0],
                    "once": [68.5]}, pool=False)

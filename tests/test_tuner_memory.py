@@ -9,6 +9,7 @@ import pytest
 
 from tuner import (
     OVERHEAD_BYTES,
+    STACKS,
     Layout,
     cluster_spec,
     estimate_memory,
@@ -16,13 +17,12 @@ from tuner import (
     layer_activation_bytes,
     microbatches_in_flight,
     model_spec,
+    partition_stages,
     training_spec,
     zero_model_state_bytes,
 )
 from tuner._memory import MeshMemory, rank_params, state_bytes
-from tuner._partition import partition_stages
 from tuner._realise import Realisation, StateSharding, realise
-from tuner._stack import STACKS
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from tuner import (
+    STACKS,
     CalibrationFactors,
     Layout,
     SpecError,
@@ -21,7 +22,6 @@ from tuner import (
 )
 from tuner._formulas import allgather_time, allreduce_time, recompute_flops_per_token_per_layer
 from tuner._memory import rank_params
-from tuner._stack import STACKS
 
 
 def test_collective_formulas() -> None:

@@ -15,8 +15,7 @@ import torch
 import yaml
 
 from api.cli import main
-from tuner import Layout, LayoutError, model_spec, training_spec
-from tuner._realise import Capabilities, check_supported
+from tuner import Capabilities, Layout, LayoutError, check_supported, model_spec, training_spec
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SECTION = "### Your own model code: the workload contract"
@@ -56,7 +55,7 @@ CUT_SHAPES = {
 
 @pytest.mark.parametrize("shape", list(CUT_SHAPES))
 def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes(shape):
-    from tuner._realise import Capabilities as Caps
+    from tuner import Capabilities as Caps
     from workers.parallelize import block_tp_plan
     from workers.workload import WorkloadModel, build_model, builtin_parts
 

@@ -162,7 +162,7 @@ def test_hf_layout_matches_reference(name, references, four_rank_results):
     (QWEN3_MOE, Layout(tp=2, dp=2), "does not support tp"),
 ])
 def test_hf_refuses_what_it_cannot_realise_at_validation(cfg, layout, why):
-    from tuner._realise import realise
+    from tuner import realise
     from workers.workload_hf import capabilities
 
     request = make_request(cfg, layout)

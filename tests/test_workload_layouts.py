@@ -22,8 +22,7 @@ from api.engine._model import Problem, check_runnable
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
-from tuner import Layout, LayoutError, SpecError
-from tuner._realise import check_supported
+from tuner import Layout, LayoutError, SpecError, check_supported
 from tuner._space import R_WORKLOAD
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "hf"

@@ -4,6 +4,8 @@ Public names are re-exported here from private modules (Optuna's convention); im
 This package imports neither torch.distributed nor the database.
 """
 
+from tuner._confirm import compare, drift
+from tuner._devices import DevicePoint, cluster_types, compare_devices, devices_figure
 from tuner._errors import (
     BackendError,
     ConflictError,
@@ -15,7 +17,9 @@ from tuner._errors import (
 )
 from tuner._export import FORMATS as EXPORT_FORMATS
 from tuner._export import Export, check_format, export_layout
+from tuner._export_model import BUILTIN_INIT_STD, BUILTIN_NORM_EPS, BUILTIN_QK_NORM_EPS, BUILTIN_ROPE_THETA
 from tuner._formulas import (
+    attention_core_flops_per_token,
     korthikanti_layer_activation_bytes,
     microbatches_in_flight,
     model_flops_per_token,
@@ -50,16 +54,55 @@ from tuner._memory import (
     layer_activation_bytes,
     usable_memory,
 )
+from tuner._memory_parts import memory_parts
 from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, partition_stages
 from tuner._placement import AxisPlacement, Placement, place
-from tuner._plan import R_MEMORY, R_TP_NODES, Plan, PlannedLayout, plan, plan_one
-from tuner._presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_spec, model_spec, training_spec
-from tuner._probe import FigureRow, LayerFigure, LinkFigure, ProbedFigures, figure_rows, with_probe
+from tuner._plan import R_MEMORY, R_TP_NODES, Plan, PlannedLayout, check_planning_work, plan, plan_one
+from tuner._presets import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    cluster_spec,
+    model_spec,
+    parse_token_count,
+    training_spec,
+)
+from tuner._probe import (
+    PROBE_VERSION,
+    FigureRow,
+    LayerFigure,
+    LinkFigure,
+    ProbedFigures,
+    derive,
+    figure_rows,
+    probe_targets,
+    summary,
+    with_probe,
+)
+from tuner._realise import Capabilities, Realisation, builtin_capabilities, check_supported, realise
 from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
-from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts
-from tuner._specfile import Problem, load_problem, problem_from_mapping, read_spec_file
+from tuner._regression import LayoutComparison, RegressionPolicy, compare_night, fingerprint_diff
+from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
+from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts, within_capabilities
+from tuner._specfile import Problem, load_problem, load_yaml, problem_from_mapping, read_spec_file
 from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict
-from tuner._stack import STACKS, Stack
+from tuner._stack import DEFAULT_STACK, STACKS, Stack, check_stack, stack_of
+from tuner._stats import (
+    BEST,
+    CONFIDENCE,
+    NOT_COMPARABLE,
+    SLOWER,
+    TIED,
+    Interval,
+    PooledNoise,
+    interval,
+    noise_warning,
+    pareto_front,
+    pooled_noise,
+    rank,
+    relative_error,
+    t_quantile,
+    versus_best,
+)
 from tuner._timing import (
     CalibrationFactors,
     TimeEstimate,
@@ -68,30 +111,45 @@ from tuner._timing import (
 
 __all__ = [
     "AXES",
+    "BEST",
+    "BUILTIN_INIT_STD",
+    "BUILTIN_NORM_EPS",
+    "BUILTIN_QK_NORM_EPS",
+    "BUILTIN_ROPE_THETA",
     "CHECKPOINTING",
     "CLUSTER_PRESETS",
+    "CONFIDENCE",
+    "DEFAULT_STACK",
     "EMBEDDING_COST",
     "EXPORT_FORMATS",
     "MEMORY_HEADROOM",
     "MODEL_PRESETS",
+    "NOT_COMPARABLE",
     "OVERHEAD_BYTES",
     "PRECISIONS",
+    "PROBE_VERSION",
     "REFERENCE_LAYOUTS",
     "R_MEMORY",
     "R_TP_NODES",
     "SCHEDULES",
+    "SLOWER",
     "STACKS",
     "SUPPORTED_MODEL_TYPES",
+    "TIED",
     "AxisPlacement",
     "BackendError",
     "CalibrationFactors",
+    "Capabilities",
     "ClusterSpec",
     "ConflictError",
+    "DevicePoint",
     "Enumeration",
     "Export",
     "FigureRow",
-    "Layout",
+    "Interval",
     "LayerFigure",
+    "Layout",
+    "LayoutComparison",
     "LayoutError",
     "LinkFigure",
     "MemoryEstimate",
@@ -101,52 +159,89 @@ __all__ = [
     "Placement",
     "Plan",
     "PlannedLayout",
+    "PooledNoise",
     "ProbedFigures",
     "Problem",
+    "Realisation",
     "ReferenceLayout",
+    "RegressionPolicy",
     "SearchSpace",
-    "Stack",
+    "SizePoint",
     "SpecError",
+    "Stack",
     "StagePartition",
     "TimeEstimate",
     "TrainingSpec",
     "UnknownPresetError",
+    "attention_core_flops_per_token",
+    "builtin_capabilities",
     "canonical_layout",
     "canonical_zero",
     "check_format",
     "check_layout",
+    "check_node_counts",
+    "check_planning_work",
+    "check_stack",
+    "check_supported",
     "cluster_spec",
+    "cluster_types",
+    "compare",
+    "compare_devices",
+    "compare_night",
     "degree_violation",
+    "derive",
+    "devices_figure",
     "divisors",
+    "drift",
     "enumerate_layouts",
     "equal_count_split",
     "estimate_memory",
     "estimate_time",
     "export_layout",
     "figure_rows",
+    "fingerprint_diff",
+    "interval",
     "korthikanti_layer_activation_bytes",
     "layer_activation_bytes",
     "layout_violation",
     "load_hf_config",
     "load_problem",
+    "load_yaml",
+    "memory_parts",
     "microbatches",
     "microbatches_in_flight",
     "model_arg",
     "model_flops_per_token",
     "model_from_hf_config",
     "model_spec",
+    "noise_warning",
+    "pareto_front",
+    "parse_token_count",
     "partition_stages",
     "pipeline_bubble_fraction",
     "place",
     "plan",
     "plan_one",
+    "plan_sizes",
+    "pooled_noise",
+    "probe_targets",
     "problem_from_mapping",
+    "rank",
     "read_spec_file",
+    "realise",
+    "relative_error",
+    "sizes_figure",
+    "stack_of",
+    "summary",
+    "t_quantile",
     "to_dict",
+    "training_budget",
     "training_spec",
     "twin_note",
     "usable_memory",
     "useful_fraction",
+    "versus_best",
     "with_probe",
+    "within_capabilities",
     "zero_model_state_bytes",
 ]

@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tuner._stats import CONFIDENCE, _t_quantile
+from tuner._stats import CONFIDENCE, t_quantile
 
 BOOTSTRAP = 2000  # resamples: the 2.5/97.5 percentiles of a 2,000-draw bootstrap move < 0.01 in rho
 
@@ -64,7 +64,7 @@ def drift(values: Sequence[float]) -> Drift | None:
         se = math.sqrt(va + vb)
         if se > 0:
             dof = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (k - 1))  # Welch-Satterthwaite
-            t = _t_quantile(0.5 + CONFIDENCE / 2, max(1, round(dof)))
+            t = t_quantile(0.5 + CONFIDENCE / 2, max(1, round(dof)))
             low, high = math.expm1(diff - t * se), math.expm1(diff + t * se)
         else:
             low = high = math.expm1(diff)

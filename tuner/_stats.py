@@ -93,13 +93,13 @@ def interval(values: Sequence[float], *, confidence: float = CONFIDENCE,
         raise ValueError("interval() needs at least one finite value")
     med = statistics.median(vals)
     if pooled is not None and all(v > 0 for v in vals):  # the host's pooled noise, any n
-        t = _t_quantile(0.5 + confidence / 2, pooled.dof)
+        t = t_quantile(0.5 + confidence / 2, pooled.dof)
         mean = statistics.fmean(math.log(v) for v in vals)
         half = t * pooled.sigma / math.sqrt(len(vals))
         return Interval(len(vals), med, min(math.exp(mean - half), med), max(math.exp(mean + half), med))
     if len(vals) < 2:
         return Interval(len(vals), med, None, None)
-    t = _t_quantile(0.5 + confidence / 2, len(vals) - 1)
+    t = t_quantile(0.5 + confidence / 2, len(vals) - 1)
     if all(v > 0 for v in vals):
         logs = [math.log(v) for v in vals]
         mean = statistics.fmean(logs)
@@ -111,7 +111,7 @@ def interval(values: Sequence[float], *, confidence: float = CONFIDENCE,
 
 
 @functools.lru_cache(maxsize=256)
-def _t_quantile(q: float, dof: int) -> float:
+def t_quantile(q: float, dof: int) -> float:
     from scipy.stats import t
 
     return float(t.ppf(q, dof))

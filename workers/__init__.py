@@ -1,7 +1,8 @@
 """Everything torch: the model, parallelisation, measurement, Ray execution, backends.
 
-Importing ``workers`` does not import torch; the contract types are light so the coordinator can
-use them without paying for torch at start-up.
+Importing ``workers`` does not import torch: this face re-exports the light names other packages
+use (the trial contract, choosing a backend). The torch and Ray parts are imported from their
+public modules where they are needed (``workers.ray_backend``, ``workers.reshard``, ``workers.probe``).
 """
 
 from workers._contract import (
@@ -12,6 +13,20 @@ from workers._contract import (
     TrialRequest,
     TrialResult,
     TrialStatus,
+    timeline_max,
 )
+from workers.backends import BUILTIN_BACKENDS, get_backend, resolve_backend
 
-__all__ = ["TRIAL_STATUSES", "Backend", "BackendUnavailable", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]
+__all__ = [
+    "BUILTIN_BACKENDS",
+    "TRIAL_STATUSES",
+    "Backend",
+    "BackendUnavailable",
+    "TrialError",
+    "TrialRequest",
+    "TrialResult",
+    "TrialStatus",
+    "get_backend",
+    "resolve_backend",
+    "timeline_max",
+]

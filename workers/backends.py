@@ -56,7 +56,8 @@ class PluggedBackend:
             close()
 
 
-def _resolve(spec: str) -> Any:
+def resolve_backend(spec: str) -> Any:
+    """The object a ``module:attr`` spec names, imported; ``BackendError`` naming the spec if none."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         known = ", ".join(sorted(BUILTIN_BACKENDS))
@@ -79,7 +80,7 @@ def get_backend(name: str, **kwargs: Any) -> Backend:
         raise BackendError(f"backend must be a non-empty name, got {name!r}")
     name = name.strip()
     spec = BUILTIN_BACKENDS.get(name, name)
-    obj = _resolve(spec)
+    obj = resolve_backend(spec)
     if isinstance(obj, type):
         backend = obj(**kwargs)
     elif callable(getattr(obj, "run", None)):

@@ -113,7 +113,7 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     workload = getattr(args, "workload", None) or "builtin"
     # The model code the ranks train (workers/workload.py) must run this layout: refused here, not
     # in a trial (the built-in model's own limits: tuner._realise.builtin_refusal).
-    from tuner._realise import check_supported
+    from tuner import check_supported
 
     if workload != "builtin":
         from workers.workload import check_workload

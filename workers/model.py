@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tuner import ModelSpec
-from tuner._export_model import BUILTIN_INIT_STD, BUILTIN_NORM_EPS, BUILTIN_QK_NORM_EPS
-from tuner._export_model import BUILTIN_ROPE_THETA as ROPE_THETA
+from tuner import BUILTIN_INIT_STD, BUILTIN_NORM_EPS, BUILTIN_QK_NORM_EPS, ModelSpec
+from tuner import BUILTIN_ROPE_THETA as ROPE_THETA
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,8 +58,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tuner import AXES, ClusterSpec, Layout, ModelSpec, partition_stages, place
-from tuner._realise import Realisation, check_supported
+from tuner import AXES, ClusterSpec, Layout, ModelSpec, Realisation, check_supported, partition_stages, place
 from workers._cp import apply_context_parallel
 from workers._data_parallel import ExpertGradScale, apply_fsdp
 from workers._ep import SumGradOverGroup, apply_expert_parallel, apply_expert_tensor_parallel

@@ -40,9 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tuner import Layout, TrainingSpec, cluster_spec
-from tuner._formulas import attention_core_flops_per_token
-from tuner._probe import PROBE_VERSION, probe_targets
+from tuner import (
+    PROBE_VERSION,
+    Layout,
+    TrainingSpec,
+    attention_core_flops_per_token,
+    cluster_spec,
+    probe_targets,
+)
 from workers import measure
 from workers._contract import TrialRequest
 

@@ -19,8 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
-from tuner import LayoutError, TrainingSpec, microbatches
-from tuner._realise import realise
+from tuner import LayoutError, TrainingSpec, microbatches, realise
 from workers import measure
 from workers._contract import TrialRequest
 from workers._data_parallel import is_expert_param, zero1_micro_batch

@@ -56,8 +56,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from tuner import ModelSpec, SpecError, TrainingSpec
-from tuner._realise import Capabilities, builtin_capabilities
+from tuner import Capabilities, ModelSpec, SpecError, TrainingSpec, builtin_capabilities
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "sequence_gather", "head_norm")
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuner import ModelSpec, SpecError, TrainingSpec
-from tuner._realise import Capabilities
+from tuner import Capabilities, ModelSpec, SpecError, TrainingSpec
 from workers.workload import Parts, Workload
 
 # Decoder layers that need only hidden states + rotary position embeddings (full causal attention).

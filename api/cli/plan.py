@@ -23,25 +23,35 @@ from rich.table import Table
 
 from api import format as fmt
 from tuner import (
+    DEFAULT_STACK,
     MEMORY_HEADROOM,
     PRECISIONS,
     REFERENCE_LAYOUTS,
+    STACKS,
+    DevicePoint,
     LayoutError,
     Plan,
     SearchSpace,
+    SizePoint,
     SpecError,
+    check_node_counts,
+    check_stack,
+    cluster_types,
+    compare_devices,
+    devices_figure,
     enumerate_layouts,
     model_arg,
     model_spec,
+    parse_token_count,
     plan,
+    plan_sizes,
     read_spec_file,
+    sizes_figure,
+    stack_of,
     to_dict,
+    training_budget,
     training_spec,
 )
-from tuner._devices import DevicePoint, cluster_types, compare_devices, devices_figure
-from tuner._presets import parse_token_count
-from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
-from tuner._stack import DEFAULT_STACK, STACKS, check_stack, stack_of
 
 DEFAULT_MODEL = "tiny"
 DEFAULT_CLUSTER = "cpu-local"
@@ -162,7 +172,7 @@ def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace
         if not isinstance(workload, str):
             raise SpecError(f"workload must be 'builtin', 'hf' or 'module:attr', got {workload!r}")
         if workload != "builtin":  # plan only what the spec's workload realises (valid means runnable)
-            from tuner._space import within_capabilities
+            from tuner import within_capabilities
             from workers.workload import check_workload
 
             caps = check_workload(workload, model, training)
@@ -225,8 +235,7 @@ def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, 
     enumeration's layouts are made only where a probe is stored, to see which degrees it covers)."""
     from api.probes import service as probes
     from api.settings import get_settings
-    from tuner import with_probe
-    from tuner._probe import summary
+    from tuner import summary, with_probe
 
     if args.datasheet:
         return cluster, {"source": "datasheet", "text": "cluster figures: datasheet (--datasheet)"}

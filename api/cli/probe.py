@@ -47,7 +47,7 @@ def _problem(args: argparse.Namespace) -> tuple[Any, ...]:
         problem = Problem.from_spec(spec)
         return (problem.model, problem.cluster, problem.training, problem.space.layouts, spec.backend,
                 spec.workload)
-    from tuner._hf import model_arg
+    from tuner import model_arg
 
     model = tuner.model_spec(model_arg(args.model or "tiny"))
     cluster = tuner.cluster_spec(args.cluster or "cpu-local")
@@ -102,8 +102,7 @@ def print_probe(outcome: Any, cluster: Any, model: Any, *, as_json: bool = False
     from api import format as fmt
     from api.probes import display
     from api.probes import service as probes
-    from tuner import figure_rows
-    from tuner._probe import summary
+    from tuner import figure_rows, summary
 
     row = outcome.row
     figures = probes.figures_of(row)

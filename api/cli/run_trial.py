@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from workers._contract import TrialRequest, TrialResult
+from workers import TrialRequest, TrialResult
 from workers.cli_request import build_request, parse_layout, parse_options
 
 __all__ = ["build_request", "parse_layout", "parse_options", "register", "run"]

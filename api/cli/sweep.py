@@ -67,12 +67,12 @@ def load_spec(path: str, *, backend: str | None = None, max_trials: int | None =
 
     read = getattr(tuner, "read_spec_file", None)
     if read is None:
-        from tuner._specfile import read_spec_file as read
+        from tuner import read_spec_file as read
     data = read(path)
     if backend:
         data["backend"] = backend
     if model is not None:
-        from tuner._hf import model_arg
+        from tuner import model_arg
 
         data["model"] = model_arg(model)
     if max_trials is not None:

@@ -22,8 +22,7 @@ from api.auth import Principal, require_owner
 from api.engine._confirm import confirm_request, default_steps
 from api.store import Sweep
 from api.sweeps.service import _acting_owner  # the owner rule of a sweep's actions, one place
-from tuner import ConflictError, NotFoundError, SpecError
-from tuner._confirm import compare, drift
+from tuner import ConflictError, NotFoundError, SpecError, compare, drift
 
 MAX_STEPS = 10_000  # trial.measure_steps' bound
 API_NAMES = {"top_k": "top_k", "steps": "steps"}  # how a bad value's field is named (the CLI: --top, --steps)

@@ -29,8 +29,7 @@ from api.reshard import service as reshard_service
 from api.routes._cache import sweep_version
 from api.spec import SweepSpec
 from api.sweeps import service
-from tuner import ProbedFigures, TrainingSpec
-from tuner._stats import relative_error
+from tuner import ProbedFigures, TrainingSpec, relative_error
 
 GiB = views.GiB
 layout_from_key = fmt.layout_from_key  # kept here too: the dashboard's tests and pages read keys back

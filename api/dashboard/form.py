@@ -14,7 +14,7 @@ from pydantic import ValidationError
 # The API's own formatter of a 422 "detail" line, so the form can never drift from the API's wording.
 from api.errors import detail_line, field_errors
 from api.spec import SweepSpec
-from tuner._specfile import load_yaml
+from tuner import load_yaml
 
 FIELDS = (
     "name", "model", "cluster", "nodes", "global_batch", "precision", "sampler", "max_trials",

@@ -24,11 +24,23 @@ from api._http import client_address
 from api.dashboard.router import _can_read, _login, templates
 from api.deps import SettingsDep
 from api.routes.plan import MAX_CANDIDATES, MAX_DEVICES
-from tuner import CLUSTER_PRESETS, MODEL_PRESETS, SpecError, cluster_spec, model_spec, to_dict, training_spec
-from tuner._devices import cluster_types, compare_devices, devices_figure
-from tuner._plan import check_planning_work
-from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
-from tuner._stack import STACKS
+from tuner import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    STACKS,
+    SpecError,
+    check_node_counts,
+    check_planning_work,
+    cluster_spec,
+    cluster_types,
+    compare_devices,
+    devices_figure,
+    model_spec,
+    plan_sizes,
+    sizes_figure,
+    to_dict,
+    training_spec,
+)
 
 router = APIRouter(include_in_schema=False)
 

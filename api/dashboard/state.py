@@ -9,8 +9,7 @@ from typing import Any
 
 from api import format as fmt
 from api.dashboard import views
-from tuner import Layout, LayoutError, TrainingSpec, microbatches
-from tuner._stats import TIED, pareto_front
+from tuner import TIED, Layout, LayoutError, TrainingSpec, microbatches, pareto_front
 
 GiB = views.GiB
 LIVE_STATUSES = ("queued", "running")

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from api import store
-from tuner import Layout
-from tuner._stats import rank
+from tuner import Layout, rank
 
 
 class Budget:

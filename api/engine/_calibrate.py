@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tuner._stats import PooledNoise, noise_warning
+from tuner import PooledNoise, noise_warning
 
 TIME_PARTS = ("compute", "comm", "dp", "p2p", "latency")
 MEMORY_PARTS = ("states", "activations", "overhead")

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 from api import store
 from api.engine import _learned
 from api.engine._surrogate import SurrogateProposer
-from tuner import ClusterSpec, Layout, cluster_spec
-from tuner._stats import pooled_noise
+from tuner import ClusterSpec, Layout, cluster_spec, pooled_noise
 
 if TYPE_CHECKING:
     from api.engine._runner import SweepRunner

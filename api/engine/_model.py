@@ -35,8 +35,7 @@ from api.engine._prediction import predict_under as predict_under  # re-exported
 from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
 from api.engine._space import LayoutSpace
 from api.spec import SearchSettings, SweepSpec
-from tuner import ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
-from tuner._realise import Capabilities
+from tuner import Capabilities, ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
 
 REFIT_AT = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200)
 MAX_FIT_SAMPLES = 60
@@ -94,7 +93,8 @@ def check_fits(problem: Problem) -> None:
 
 
 def check_backend(name: str) -> None:
-    from workers.backends import BUILTIN_BACKENDS, _resolve
+    from workers import BUILTIN_BACKENDS
+    from workers import resolve_backend as _resolve
 
     if name in BUILTIN_BACKENDS:
         return

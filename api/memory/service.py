@@ -12,9 +12,8 @@ from sqlalchemy.orm import Session
 from api import store
 from api.spec import SweepSpec
 from api.sweeps import service as sweeps
-from tuner import Layout
-from tuner._memory_parts import memory_parts
-from workers._contract import timeline_max
+from tuner import Layout, memory_parts
+from workers import timeline_max
 
 
 def predicted_parts(spec: dict[str, Any] | None, layout: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -13,8 +13,7 @@ from api._http import GuardedRoute
 from api.deps import ReaderDep, SessionDep, path_id
 from api.probes import service
 from api.schemas import ERROR_RESPONSES, NOT_FOUND
-from tuner import NotFoundError, cluster_spec, figure_rows
-from tuner._probe import summary
+from tuner import NotFoundError, cluster_spec, figure_rows, summary
 
 router = APIRouter(prefix="/api/probes", tags=["probes"], route_class=GuardedRoute)
 ProbeId = path_id("Probe id.")

@@ -24,8 +24,17 @@ from sqlalchemy.orm import Session
 import tuner
 from api.engine._learned import fingerprint
 from api.probes.models import ClusterProbe
-from tuner import BackendError, ClusterSpec, Layout, ModelSpec, TrainingSpec
-from tuner._probe import PROBE_VERSION, ProbedFigures, derive, summary
+from tuner import (
+    PROBE_VERSION,
+    BackendError,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    ProbedFigures,
+    TrainingSpec,
+    derive,
+    summary,
+)
 
 __all__ = ["ProbeError", "ProbeOutcome", "compute_dtype", "ensure", "environment", "latest", "measure",
            "probe_key", "record_of", "save", "targets_of"]

@@ -28,20 +28,25 @@ from api.deps import ReaderDep
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanDevicesOut, PlanOut, PlanSizesOut
 from api.spec import PlanDevicesRequest, PlanRequest
 from tuner import (
+    STACKS,
     ClusterSpec,
     ModelSpec,
     SpecError,
     TrainingSpec,
+    check_node_counts,
+    check_planning_work,
     cluster_spec,
+    cluster_types,
+    compare_devices,
+    devices_figure,
     model_spec,
     plan,
+    plan_sizes,
+    sizes_figure,
+    stack_of,
     to_dict,
     training_spec,
 )
-from tuner._devices import cluster_types, compare_devices, devices_figure
-from tuner._plan import check_planning_work
-from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
-from tuner._stack import STACKS, stack_of
 
 # GuardedRoute: POST /api/plan's body gets the rules every body gets (1 MiB, UTF-8, depth; auth first).
 router = APIRouter(tags=["plan"], route_class=GuardedRoute)

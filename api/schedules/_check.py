@@ -24,7 +24,7 @@ from api import store
 from api.schedules import _store
 from api.schedules.models import Schedule, ScheduleFire
 from api.store import Trial
-from tuner._regression import LayoutComparison, RegressionPolicy, compare_night, fingerprint_diff
+from tuner import LayoutComparison, RegressionPolicy, compare_night, fingerprint_diff
 
 
 def policy_of(schedule: Schedule) -> RegressionPolicy:

@@ -17,7 +17,7 @@ from api.schedules._cron import check_cron, check_timezone
 from api.schedules._urls import RefusedTarget, check_target
 from api.spec import RequestModel, SweepSpec
 from api.store import SWEEP_PRIORITIES
-from tuner._regression import RegressionPolicy
+from tuner import RegressionPolicy
 
 MAX_GRACE_S = 7 * 86400.0
 # The queue priority of the sweeps a schedule fires: the sweeps' own (POST /api/sweeps?priority=).

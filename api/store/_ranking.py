@@ -25,7 +25,8 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from api.store._models import Base, Sweep, Trial
-from tuner._stats import CONFIDENCE, PooledNoise, _t_quantile, interval
+from tuner import CONFIDENCE, PooledNoise, interval
+from tuner import t_quantile as _t_quantile
 
 METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 

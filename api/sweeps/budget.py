@@ -14,8 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from api.spec import SweepSpec
-from tuner import ClusterSpec, TrainingSpec
-from tuner._scaling import training_budget
+from tuner import ClusterSpec, TrainingSpec, training_budget
 
 _PROBLEMS: OrderedDict[str, tuple[ClusterSpec, TrainingSpec] | None] = OrderedDict()
 _LOCK = threading.Lock()

@@ -28,8 +28,7 @@ from api.paging import MAX_RANKING_PAGE, check_page
 from api.spec import SweepSpec
 from api.store import Sweep
 from api.sweeps import budget
-from tuner import Layout, NotFoundError, SpecError
-from tuner._stats import rank, relative_error
+from tuner import Layout, NotFoundError, SpecError, rank, relative_error
 
 RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 

@@ -28,8 +28,7 @@ from api.store._models import utcnow
 # The ranking lives in api/sweeps/ranking.py. Re-exported: the routes, the dashboard, the CLI, the
 # exports, the schedules and the tests read these names from this module.
 from api.sweeps.ranking import RANKING_METRICS, median, ranking, ranking_csv, ranking_from_trials, ranking_tag  # noqa: F401
-from tuner import ConflictError, NotFoundError, SpecError
-from tuner._stats import pareto_front
+from tuner import ConflictError, NotFoundError, SpecError, pareto_front
 
 
 @dataclass

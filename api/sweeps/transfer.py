@@ -21,8 +21,15 @@ from api.engine._model import predict_under
 from api.spec import SweepSpec
 from api.sweeps import service
 from api.sweeps.ranking import RankingRow
-from tuner import ConflictError, Layout, estimate_memory, estimate_time, model_flops_per_token
-from tuner._stack import STACKS, check_stack
+from tuner import (
+    STACKS,
+    ConflictError,
+    Layout,
+    check_stack,
+    estimate_memory,
+    estimate_time,
+    model_flops_per_token,
+)
 
 # The stack each export format trains with (tuner/_export.py FORMATS); DeepSpeed has no stack yet.
 FORMAT_STACKS = {"megatron": "megatron", "megatron-launch": "megatron", "nemo": "megatron",
