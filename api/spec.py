@@ -365,7 +365,7 @@ class SweepSpec(RequestModel):
         built-in model, which realises every layout. Imports torch only for another workload."""
         if self.workload == "builtin":
             return None
-        from workers.workload import check_workload
+        from workers.workload_registry import check_workload
 
         model, _, training = self.to_problem()
         return check_workload(self.workload, model, training)

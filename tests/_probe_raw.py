@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any
 
 from tuner import CalibrationFactors, LayerFigure, LinkFigure, ProbedFigures
-from tuner._probe import FORMULAS, OPS
+from tuner._figures import OPS
+from tuner._probe import FORMULAS
 from tuner._timing import mesh_time
 from workers.ray_backend import GangRun
 

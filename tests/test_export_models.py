@@ -180,10 +180,10 @@ def megatron_config(out, layout, model, monkeypatch):
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     args = parser.parse_args(argv)
     args.rank, args.world_size = 0, layout.world_size
-    from tuner._export import _job
+    from tuner._export_job import export_job
     from tuner._export_megatron import megatron_env
 
-    for name, value in megatron_env(_job(layout, model, H100x32, GB64)).items():
+    for name, value in megatron_env(export_job(layout, model, H100x32, GB64)).items():
         monkeypatch.setenv(name, value)  # what megatron-launch exports
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)  # an H100 (validate_args asks CUDA)
     with warnings.catch_warnings():

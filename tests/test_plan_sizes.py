@@ -150,7 +150,7 @@ def test_sizes_plan_only_what_the_workload_runs():
     tests/_workloads.py's NOKV refuses tp that does not divide kv_heads (tiny: 2), which no space limit
     expresses, so only ``check_supported`` in the enumeration keeps tp=4 out."""
     from tuner import plan
-    from workers.workload import check_workload
+    from workers.workload_registry import check_workload
 
     m, c = model_spec("tiny"), cluster_spec("cpu-local")
     t = training_spec({"global_batch": 16}, seq_len=m.seq_len)

@@ -18,8 +18,9 @@ from tuner import (
     estimate_memory,
     estimate_time,
 )
+from tuner._figures import OPS
 from tuner._formulas import allgather_time, allreduce_time
-from tuner._probe import FORMULAS, OPS, derive, figure_rows, fit_link, probe_targets, summary, with_probe
+from tuner._probe import FORMULAS, derive, figure_rows, fit_link, probe_targets, summary, with_probe
 
 MODEL = tuner.model_spec("tiny")
 CLUSTER = tuner.cluster_spec("cpu-local")

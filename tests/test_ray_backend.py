@@ -57,7 +57,7 @@ def test_tp2_dp2_trial_is_measured_and_rank_processes_are_reused(ray_backend) ->
     # collective on the node's link, compute, layers of tp=1 and tp=2 with sp, a real step, memory.
     from api.probes import service as probes
     from tuner import ProbedFigures
-    from tuner._probe import OPS
+    from tuner._figures import OPS
 
     probe = probes.measure(ray_backend, model=model_spec("tiny"), cluster=cluster_spec("cpu-local"),
                            training=training_spec({"global_batch": 8}), target_s=0.002, layer_reps=2,

@@ -14,15 +14,15 @@ import pytest
 from _dist import run_ranks
 
 from tuner import Layout, LayoutError, SpecError, cluster_spec, model_spec, training_spec
+from workers._reshard_state import canonical_fqn
 from workers.reshard import (
     BF16_LOSS_RTOL,
     LOSS_RTOL,
     RankOutcome,
     ReshardJob,
-    canonical_fqn,
     report_from_ranks,
-    run_jobs,
 )
+from workers.reshard_rank import run_jobs
 
 TINY = model_spec("tiny")
 TINY5 = model_spec({"preset": "tiny", "layers": 5})  # 5 layers: pp2 splits 3+2, pp4 splits 1+2+1+1

@@ -57,7 +57,8 @@ CUT_SHAPES = {
 def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes(shape):
     from tuner import Capabilities as Caps
     from workers.parallelize import block_tp_plan
-    from workers.workload import WorkloadModel, build_model, builtin_parts
+    from workers.workload import WorkloadModel, builtin_parts
+    from workers.workload_registry import build_model
 
     spec = model_spec(CUT_SHAPES[shape])
     training = training_spec({"global_batch": 2, "seed": 7}, seq_len=spec.seq_len)
@@ -85,7 +86,7 @@ def test_builtin_cut_to_the_contract_computes_what_the_builtin_path_computes(sha
 
 def test_readme_example_meets_the_contract_and_its_spec_validates(example):
     from api.spec import SweepSpec
-    from workers.workload import check_workload
+    from workers.workload_registry import check_workload
 
     spec = SweepSpec.model_validate(example)
     model, _, training = spec.to_problem()

@@ -125,8 +125,8 @@ def test_hf_reference_is_the_transformers_model_and_learns(references):
     more than the tolerance (so the comparison below means something)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.workload import build_model
     from workers.workload_hf import hf_config
+    from workers.workload_registry import build_model
 
     request = make_request(LLAMA, Layout())
     ours = build_model(request.model, request.training, torch.device("cpu"), "hf")

@@ -4,6 +4,7 @@ Public names are re-exported here from private modules (Optuna's convention); im
 This package imports neither torch.distributed nor the database.
 """
 
+from tuner._budget import training_budget
 from tuner._confirm import compare, drift
 from tuner._devices import DevicePoint, cluster_types, compare_devices, devices_figure
 from tuner._errors import (
@@ -18,6 +19,7 @@ from tuner._errors import (
 from tuner._export import FORMATS as EXPORT_FORMATS
 from tuner._export import Export, check_format, export_layout
 from tuner._export_model import BUILTIN_INIT_STD, BUILTIN_NORM_EPS, BUILTIN_QK_NORM_EPS, BUILTIN_ROPE_THETA
+from tuner._figures import LayerFigure, LinkFigure, ProbedFigures
 from tuner._formulas import (
     attention_core_flops_per_token,
     korthikanti_layer_activation_bytes,
@@ -34,7 +36,6 @@ from tuner._hf import (
     model_from_hf_config,
 )
 from tuner._layout import (
-    AXES,
     CHECKPOINTING,
     SCHEDULES,
     Layout,
@@ -56,7 +57,7 @@ from tuner._memory import (
 )
 from tuner._memory_parts import memory_parts
 from tuner._partition import EMBEDDING_COST, StagePartition, equal_count_split, partition_stages
-from tuner._placement import AxisPlacement, Placement, place
+from tuner._placement import AXES, AxisPlacement, Placement, place
 from tuner._plan import R_MEMORY, R_TP_NODES, Plan, PlannedLayout, check_planning_work, plan, plan_one
 from tuner._presets import (
     CLUSTER_PRESETS,
@@ -69,9 +70,6 @@ from tuner._presets import (
 from tuner._probe import (
     PROBE_VERSION,
     FigureRow,
-    LayerFigure,
-    LinkFigure,
-    ProbedFigures,
     derive,
     figure_rows,
     probe_targets,
@@ -81,7 +79,7 @@ from tuner._probe import (
 from tuner._realise import Capabilities, Realisation, builtin_capabilities, check_supported, realise
 from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._regression import LayoutComparison, RegressionPolicy, compare_night, fingerprint_diff
-from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure, training_budget
+from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts, within_capabilities
 from tuner._specfile import Problem, load_problem, load_yaml, problem_from_mapping, read_spec_file
 from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict

@@ -34,12 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuner._errors import SpecError
+from tuner._export_job import ExportJob, export_job
 from tuner._export_launch import megatron_launch, shell_lines, titan_launch
 from tuner._export_megatron import megatron_args, megatron_env, nemo_overrides
-from tuner._export_model import TrainedModel, trained_model
 from tuner._export_titan import FLAVOUR_MODULE, titan_cli, titan_model, titan_parallelism, toml_value
-from tuner._layout import Layout, check_layout
-from tuner._partition import partition_stages
+from tuner._layout import Layout
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 FORMATS = ("torchtitan", "torchtitan-launch", "megatron", "megatron-launch", "deepspeed", "nemo")
@@ -76,35 +75,7 @@ def check_format(format: str) -> str:
     return format
 
 
-@dataclass(frozen=True)
-class _Job:
-    """The numbers every format needs, derived once from the layout and the problem."""
-
-    layout: Layout
-    model: ModelSpec
-    cluster: ClusterSpec
-    training: TrainingSpec
-    microbatches: int  # per data rank and step
-    data: int  # dp*ep: the frameworks' data-parallel size
-    stage_layers: tuple[int, ...]  # meshtune's partition of the layers, stage s on pp rank s % pp
-    trained: TrainedModel  # what the model trains as beyond its shape (tuner/_export_model.py)
-
-    @property
-    def local_batch(self) -> int:
-        return self.training.global_batch // self.data
-
-    @property
-    def bf16(self) -> bool:
-        return self.training.precision == "bf16"
-
-
-def _job(layout: Layout, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> _Job:
-    m = check_layout(layout, model=model, cluster=cluster, training=training)
-    stages = partition_stages(model, layout.stages).layers_per_stage if layout.pp > 1 else (model.layers,)
-    return _Job(layout, model, cluster, training, m, layout.dp * layout.ep, stages, trained_model(model))
-
-
-def _common_caveats(job: _Job) -> list[str]:
+def _common_caveats(job: ExportJob) -> list[str]:
     lay, out = job.layout, []
     out.append(f"meshtune's dp={lay.dp} excludes ep={lay.ep}: the framework's data-parallel size is "
                f"dp*ep={job.data} (world {lay.world_size} = tp {lay.tp} * cp {lay.cp} * ep {lay.ep} * "
@@ -120,7 +91,7 @@ def _common_caveats(job: _Job) -> list[str]:
 
 # --- DeepSpeed -------------------------------------------------------------------------------------
 
-def _deepspeed(job: _Job) -> tuple[dict[str, Any], list[str]]:
+def _deepspeed(job: ExportJob) -> tuple[dict[str, Any], list[str]]:
     lay, caveats = job.layout, []
     zero: dict[str, Any] = {"stage": lay.zero}
     if lay.zero >= 1:
@@ -168,7 +139,7 @@ def _deepspeed(job: _Job) -> tuple[dict[str, Any], list[str]]:
     return cfg, caveats
 
 
-def _deepspeed_model(job: _Job) -> tuple[dict[str, Any], list[str]]:
+def _deepspeed_model(job: ExportJob) -> tuple[dict[str, Any], list[str]]:
     """The Hugging Face config.json an HF-Trainer run builds the model from, and its caveats."""
     tm, caveats = job.trained, []
     if not tm.hf_config:
@@ -201,7 +172,7 @@ def export_layout(
     which sweep and rank, what was measured) open the notes. LayoutError if the layout cannot run
     on this problem, SpecError for an unknown format or a model the framework has no equivalent of."""
     check_format(format)
-    job = _job(layout, model, cluster, training)
+    job = export_job(layout, model, cluster, training)
     common = _common_caveats(job)
     tm = job.trained
     intro = [*header, f"meshtune layout {layout.key} ({layout.short}), {job.microbatches} micro-batch(es) "

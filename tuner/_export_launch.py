@@ -8,10 +8,8 @@ variables with smoke-run defaults, and extra arguments are appended.
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tuner._export import _Job
+from tuner._export_job import ExportJob
 
 _EOF = "MESHTUNE_EOF"
 
@@ -22,14 +20,14 @@ def _header(notes: tuple[str, ...], usage: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _torchrun(job: _Job) -> str:
+def _torchrun(job: ExportJob) -> str:
     c = job.cluster
     return (f"DISTRIBUTED_ARGS=(--nnodes {c.nodes} --nproc-per-node {c.devices_per_node} "
             '--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-localhost}" '
             '--master-port "${MASTER_PORT:-29500}")\n')
 
 
-def _run_on(job: _Job) -> str:
+def _run_on(job: ExportJob) -> str:
     c = job.cluster
     if c.nodes == 1:
         return f"Runs the layout's {job.layout.world_size} ranks on this node."
@@ -37,7 +35,7 @@ def _run_on(job: _Job) -> str:
             f"{job.layout.world_size}): NODE_RANK=<0..{c.nodes - 1}> MASTER_ADDR=<node 0's address> bash <this file>.")
 
 
-def megatron_launch(job: _Job, *, argv: list[str], notes: tuple[str, ...], env: dict[str, str]) -> str:
+def megatron_launch(job: ExportJob, *, argv: list[str], notes: tuple[str, ...], env: dict[str, str]) -> str:
     """A bash script running ``pretrain_gpt.py`` of ``$MEGATRON_LM`` with ``argv`` in ``env``."""
     vocab = job.model.vocab
     exports = "".join(f"export {k}=${{{k}:-{v}}}\n" for k, v in env.items())
@@ -65,7 +63,7 @@ def _pairs(argv: list[str]) -> list[list[str]]:
     return out
 
 
-def titan_launch(job: _Job, *, toml: str, toml_name: str, files: dict[str, str], notes: tuple[str, ...]) -> str:
+def titan_launch(job: ExportJob, *, toml: str, toml_name: str, files: dict[str, str], notes: tuple[str, ...]) -> str:
     """A bash script writing the job config (and flavour module) into ``$CONFIG_DIR`` and running
     ``torchtitan.train`` on it."""
     usage = [_run_on(job),

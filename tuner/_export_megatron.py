@@ -10,13 +10,12 @@ world / (tp*pp*cp) = meshtune's dp*ep; its expert layers carve ep out of it, as 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from tuner._export import _Job
+from tuner._export_job import ExportJob
 
 
-def _megatron_layout(job: _Job) -> str:
+def _megatron_layout(job: ExportJob) -> str:
     """``--pipeline-model-parallel-layout``: E embedding, t a decoder layer, L the loss, ``|``
     between stages in stage order (megatron.core PipelineParallelLayerLayout)."""
     parts = []
@@ -27,7 +26,7 @@ def _megatron_layout(job: _Job) -> str:
     return "|".join(parts)
 
 
-def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
+def _megatron_core(job: ExportJob, caveats: list[str]) -> list[tuple[str, Any]]:
     """(Megatron-LM flag without dashes, value) pairs shared by Megatron-LM and Megatron-Bridge;
     value True is a store_true flag."""
     lay, model = job.layout, job.model
@@ -74,7 +73,7 @@ def _megatron_core(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def padded_vocab(job: _Job, caveats: list[str]) -> int:
+def padded_vocab(job: ExportJob, caveats: list[str]) -> int:
     """The embedding rows Megatron builds: the model's vocabulary as it is (Megatron-LM takes
     ``--padded-vocab-size`` without padding it again, megatron/training/tokenizer/tokenizer.py), rounded
     up to a multiple of tp only where tp does not divide it (VocabParallelEmbedding splits it evenly)."""
@@ -86,7 +85,7 @@ def padded_vocab(job: _Job, caveats: list[str]) -> int:
     return padded
 
 
-def _rope_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
+def _rope_flags(job: ExportJob, caveats: list[str]) -> list[tuple[str, Any]]:
     """RoPE base and scaling (Megatron-LM: --rotary-base is an int; --use-rope-scaling applies Llama
     3.1's scaling with low/high frequency factors 1/4 over 8192 original positions, and Megatron-LM's
     gpt_builders.py passes GPTModel no factor, so 8 is the only one it trains)."""
@@ -115,7 +114,7 @@ def _rope_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _model_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
+def _model_flags(job: ExportJob, caveats: list[str]) -> list[tuple[str, Any]]:
     """Megatron-LM flags of the model (megatron-core TransformerConfig fields): its shape and every
     property that changes what is trained (tuner/_export_model.py)."""
     model, tm = job.model, job.trained
@@ -177,7 +176,7 @@ def _model_flags(job: _Job, caveats: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def megatron_env(job: _Job) -> dict[str, str]:
+def megatron_env(job: ExportJob) -> dict[str, str]:
     """The environment Megatron-LM's validate_args asks of a launch: tp or cp > 1 on GPUs before
     Blackwell needs CUDA_DEVICE_MAX_CONNECTIONS=1 (communication kernels queued ahead of compute),
     which Megatron-FSDP (zero 2/3 here) refuses."""
@@ -185,7 +184,7 @@ def megatron_env(job: _Job) -> dict[str, str]:
     return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if (lay.tp > 1 or lay.cp > 1) and lay.zero < 2 else {}
 
 
-def megatron_args(job: _Job) -> tuple[list[str], list[str]]:
+def megatron_args(job: ExportJob) -> tuple[list[str], list[str]]:
     caveats: list[str] = []
     for name, value in megatron_env(job).items():
         caveats.append(f"environment: {name}={value} (Megatron-LM requires it for tp/cp > 1 on GPUs before "
@@ -252,7 +251,7 @@ _RECIPES = (
 _BRIDGE_FAMILY = {"mistral": "llama", "mixtral": "qwen3_moe", "qwen2_moe": "qwen3_moe", "": "llama"}
 
 
-def bridge_recipe(job: _Job, caveats: list[str]) -> str:
+def bridge_recipe(job: ExportJob, caveats: list[str]) -> str:
     """The Megatron-Bridge recipe to start from: the model's own (same architecture and size), else
     the first of its architecture family with the same RoPE scaling, named in a caveat."""
     m, tm = job.model, job.trained
@@ -277,7 +276,7 @@ def _bridge_value(flag: str, value: Any) -> str:
     return str(value)
 
 
-def nemo_overrides(job: _Job) -> tuple[str, list[str], list[str]]:
+def nemo_overrides(job: ExportJob) -> tuple[str, list[str], list[str]]:
     """(recipe, Hydra overrides, caveats): ``run_recipe.py --recipe <recipe> <overrides>``."""
     caveats: list[str] = []
     recipe = bridge_recipe(job, caveats)

@@ -10,19 +10,17 @@ torchtitan's module names (tok_embeddings, layers.N, norm, output) are those of 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tuner._errors import SpecError
-
-if TYPE_CHECKING:
-    from tuner._export import _Job
+from tuner._export_job import ExportJob
 
 # --- torchtitan ------------------------------------------------------------------------------------
 
 _TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 
 
-def _titan_fqns(job: _Job) -> list[list[str]]:
+def _titan_fqns(job: ExportJob) -> list[list[str]]:
     """torchtitan's ``module_fqns_per_model_part`` for meshtune's partition (Llama module names:
     tok_embeddings, layers.N, norm, output), one list per stage in stage order."""
     parts, first = [], 0
@@ -36,7 +34,7 @@ def _titan_fqns(job: _Job) -> list[list[str]]:
     return parts
 
 
-def titan_parallelism(job: _Job) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def titan_parallelism(job: ExportJob) -> tuple[dict[str, dict[str, Any]], list[str]]:
     lay, caveats = job.layout, []
     fsdp = lay.zero > 0
     # torchtitan borrows EP from dp_shard*cp (parallel_dims: efsdp = dp_shard*cp*tp/(etp*ep)), so
@@ -211,7 +209,7 @@ def _comparable(model: str, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def titan_model_args(job: _Job) -> tuple[str, dict[str, Any]]:
+def titan_model_args(job: ExportJob) -> tuple[str, dict[str, Any]]:
     """(torchtitan model, its arguments) that build ``job.model`` as it trains; SpecError naming every
     property no torchtitan 0.2 model has."""
     m, tm = job.model, job.trained
@@ -290,7 +288,7 @@ def flavour_module(model: str, flavour: str, args: dict[str, Any], *, about: str
             f"    {flavour!r}: {kind[0]}(\n        {fields},\n    ),\n}}))\n")
 
 
-def titan_model(job: _Job) -> tuple[dict[str, Any], dict[str, Any], str | None, list[str]]:
+def titan_model(job: ExportJob) -> tuple[dict[str, Any], dict[str, Any], str | None, list[str]]:
     """``[model]`` (and ``[experimental]`` when a flavour module is needed), the module's text (None
     when torchtitan ships the flavour), and the caveats."""
     model, args = titan_model_args(job)

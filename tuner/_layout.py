@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from tuner._errors import LayoutError, require_positive_int
+from tuner._placement import AXES, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
-AXES = ("tp", "cp", "ep", "dp", "pp")  # default placement order, innermost (chattiest) first
 CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -232,13 +232,12 @@ def layout_violation(
     )
     if bad:
         return bad
-    if layout.tp > 1 and not allow_tp_across_nodes:
-        from tuner._placement import _place  # placement imports this module
-
-        if not _place((layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), AXES,
-                      cluster.devices_per_node, cluster.domain_devices).axes["tp"].in_domain:
-            return R_TP_NODES, (f"tp={layout.tp} groups would cross nodes (devices_per_node="
-                                f"{cluster.devices_per_node}) in the workers' placement")
+    if layout.tp > 1 and not allow_tp_across_nodes and not _place(
+        (layout.tp, layout.cp, layout.ep, layout.dp, layout.pp), AXES, cluster.devices_per_node,
+        cluster.domain_devices,
+    ).axes["tp"].in_domain:
+        return R_TP_NODES, (f"tp={layout.tp} groups would cross nodes (devices_per_node="
+                            f"{cluster.devices_per_node}) in the workers' placement")
     if layout.sp and model.seq_len % (layout.tp * layout.cp):
         return R_SP_SEQ, f"sp needs tp*cp={layout.tp * layout.cp} to divide seq_len={model.seq_len}"
     if layout.stages > model.layers:

@@ -16,10 +16,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 from tuner._errors import LayoutError
-from tuner._layout import AXES, Layout
 from tuner._specs import ClusterSpec
+
+if TYPE_CHECKING:  # a layout is placed by its degrees; the layout rules use the placement
+    from tuner._layout import Layout
+
+AXES = ("tp", "cp", "ep", "dp", "pp")  # the mesh axes in default placement order, innermost (chattiest) first
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from tuner._budget import training_budget
 from tuner._errors import SpecError
-from tuner._layout import AXES, CHECKPOINTING, Layout, check_layout
+from tuner._layout import CHECKPOINTING, Layout, check_layout
 from tuner._memory import (
     MemoryEstimate,
     MemoryParts,
@@ -26,7 +27,7 @@ from tuner._memory import (
     rank_peak_bytes,
     usable_memory,
 )
-from tuner._placement import Placement, _place, check_order, place
+from tuner._placement import AXES, Placement, _place, check_order, place
 from tuner._realise import Capabilities
 from tuner._space import (
     R_TP_NODES,
@@ -194,8 +195,6 @@ class Plan:
 
     def _with_budget(self, entry: dict[str, Any]) -> dict[str, Any]:
         """An entry's time and cost to train ``training.train_tokens`` at its predicted tokens/s."""
-        from tuner._scaling import training_budget  # _scaling plans through this module
-
         entry["budget"] = training_budget(
             entry["time"]["tokens_per_s"], devices=self.cluster.devices, train_tokens=self.training.train_tokens,
             price_per_device_hour=self.cluster.price_per_device_hour).to_dict()

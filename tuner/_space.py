@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 from tuner._errors import LayoutError, SpecError
 from tuner._layout import (
-    AXES,
     CHECKPOINTING,
     R_BATCH,
     R_FEW_MICROBATCHES,
@@ -40,7 +39,7 @@ from tuner._layout import (
     canonical_zero,
     degree_violation,
 )
-from tuner._placement import _place, check_order
+from tuner._placement import AXES, _place, check_order
 from tuner._realise import Capabilities, builtin_capabilities, check_supported
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 

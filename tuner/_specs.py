@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from tuner._errors import SpecError, require_positive_int, require_positive_number
+from tuner._figures import ProbedFigures
 from tuner._stack import DEFAULT_STACK, check_stack
-
-if TYPE_CHECKING:
-    from tuner._probe import ProbedFigures
 
 GiB = 2**30
 
@@ -217,7 +215,7 @@ class ClusterSpec:
     nodes sharing a scale-up fabric, e.g. GB200 NVL72's NVLink over 18 trays of 4), and the network.
     ``fast_domain_devices=None`` makes the domain the node, so a spec without it has two tiers.
     ``price_per_device_hour`` (any currency; None = unknown) prices device time and training runs.
-    ``probed``: figures measured on the cluster (``meshtune probe``, tuner/_probe.py); the time and
+    ``probed``: figures measured on the cluster (``meshtune probe``, tuner/_figures.py); the time and
     memory models use each one in place of the datasheet's.
     """
 
@@ -238,9 +236,7 @@ class ClusterSpec:
     probed: ProbedFigures | None = None
 
     def __post_init__(self) -> None:
-        if self.probed is not None:  # imported here: tuner/_probe.py reads the formulas, which read this module
-            from tuner._probe import ProbedFigures
-
+        if self.probed is not None:
             object.__setattr__(self, "probed", ProbedFigures.from_dict(self.probed))
         for f in ("nodes", "devices_per_node", "device_memory"):
             require_positive_int(f"cluster.{f}", getattr(self, f))

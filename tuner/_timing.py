@@ -26,10 +26,10 @@ from tuner._formulas import (
     recompute_flops_split,
     useful_fraction,
 )
-from tuner._layout import AXES, CHECKPOINTING, Layout, microbatches
+from tuner._layout import CHECKPOINTING, Layout, microbatches
 from tuner._memory import Num, rank_params
 from tuner._partition import EMBEDDING_COST
-from tuner._placement import Placement, _place
+from tuner._placement import AXES, Placement, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 from tuner._stack import stack_of
 

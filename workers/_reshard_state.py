@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +23,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from workers._contract import TrialRequest
 from workers.rank_model import build_rank_model, global_loss, rank_batch, train_step
-from workers.reshard import TensorMismatch, canonical_fqn
+from workers.reshard import TensorMismatch
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# FQN pieces that depend on the layout, not the model: activation-checkpoint wrappers, and the
+# ReplicatedKV wrapper (tp > kv_heads) around wk/wv.
+_WRAPPERS = re.compile(r"(?:_checkpoint_wrapped_module\.)|(?<=\.w[kv]\.)linear\.")
+
+
+def canonical_fqn(name: str) -> str:
+    """The single-model FQN of a parameter of a parallelised chunk."""
+    return _WRAPPERS.sub("", name)
 
 
 class Trainer:

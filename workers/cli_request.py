@@ -116,7 +116,7 @@ def build_request(args: argparse.Namespace) -> TrialRequest:
     from tuner import check_supported
 
     if workload != "builtin":
-        from workers.workload import check_workload
+        from workers.workload_registry import check_workload
 
         check_supported(layout, model, check_workload(workload, model, training))
     else:

@@ -26,7 +26,8 @@ from workers._data_parallel import is_expert_param, zero1_micro_batch
 from workers._memory_timeline import Phases
 from workers.model import synthetic_batch
 from workers.parallelize import Parallelized, build_mesh, coordinate, parallelize_model
-from workers.workload import build_model, capabilities_of
+from workers.workload import capabilities_of
+from workers.workload_registry import build_model
 
 # --- building blocks -----------------------------------------------------------------------------
 

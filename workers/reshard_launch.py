@@ -17,11 +17,13 @@ import shutil
 import tempfile
 from typing import Any
 
-from workers.reshard import ReshardJob, ReshardReport, failed_report, report_from_ranks, reshard_rank
+from workers.reshard import ReshardJob, ReshardReport, failed_report, report_from_ranks
 
 
 def _program(job: ReshardJob, request: Any, *, device: Any) -> Any:
     """``run_rank``'s program signature around ``reshard_rank`` (module level: picklable)."""
+    from workers.reshard_rank import reshard_rank  # torch: imported on the rank, not by the coordinator
+
     return reshard_rank(job, device=device)
 
 

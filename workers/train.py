@@ -27,7 +27,7 @@ from workers._memory_timeline import StepMemory
 from workers.model import synthetic_batch
 from workers.parallelize import cross_entropy
 from workers.rank_model import build_rank_model, global_loss, rank_batch, train_step
-from workers.workload import build_model
+from workers.workload_registry import build_model
 
 __all__ = ["NonFiniteLoss", "RankReport", "as_out_of_memory", "reference_losses", "train_trial"]
 

@@ -173,7 +173,7 @@ def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace
             raise SpecError(f"workload must be 'builtin', 'hf' or 'module:attr', got {workload!r}")
         if workload != "builtin":  # plan only what the spec's workload realises (valid means runnable)
             from tuner import within_capabilities
-            from workers.workload import check_workload
+            from workers.workload_registry import check_workload
 
             caps = check_workload(workload, model, training)
             space = within_capabilities(space, caps)
