@@ -1,21 +1,10 @@
 """Short runs against long runs: does a sweep's ranking hold when its leading layouts run longer?
 
-A sweep ranks layouts from a few measured steps each; a confirm run measures its top K for N steps
-(api/engine/_confirm.py). This module compares the two, pure functions over per-step throughputs:
-
-- Spearman's rank correlation (Spearman 1904) between the short-run medians (the ranking's order)
-  and the long-run medians, with a 95% percentile-bootstrap interval (Efron 1979) that resamples the
-  measured steps of every layout, short and long runs alike;
-- the winner: kept when the short-run #1 has the best long-run median; the share of bootstrap
-  resamples in which it is the long-run best says how clearly (``p_best``), and each layout's
-  long-run median gets its bootstrap interval;
-- drift: a layout's throughput over the last tenth of its long run against the first tenth, the
-  change of the mean of log throughput with Welch's t interval (Welch 1947; a tenth of a 30-step
-  run is 3 steps, too few for a bootstrap: tuner._stats.interval says why), "drifted" when the
-  interval excludes no change.
-
-Steps are not independent draws (a drifting run is the point of the check): the intervals are of
-the steps measured, not of a longer run's future.
+A confirm run (api/engine/_confirm.py) measures a sweep's top K for N steps; this module compares
+the two, pure functions over per-step throughputs: Spearman's rank correlation of the short- and
+long-run medians with a percentile-bootstrap interval (``compare``), whether the short-run winner
+is the long-run best (``p_best``), and each layout's drift between the first and the last tenth of
+its long run (``drift``). The statistics and why: docs/tuner.md, "Confirm runs".
 """
 
 from __future__ import annotations

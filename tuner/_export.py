@@ -1,29 +1,13 @@
-"""Export a layout to the configuration of the framework a team trains with (issue 14, item 3).
+"""Export a layout to the configuration of the framework a team trains with.
 
 ``export_layout(layout, model=, cluster=, training=, format=)`` returns an ``Export``: the text to
 save or paste (TOML, command-line arguments, JSON, overrides), the same settings as data, and the
-mapping's caveats — what the target does differently from what meshtune measured, or has no
-equivalent for. Caveats are part of every output (comments, or a ``meshtune`` key in JSON); a knob
-with no equivalent is said so there, never dropped silently.
-
-Megatron-LM and Megatron-Bridge live in tuner/_export_megatron.py. Field names follow each framework's own configuration classes, which the tests build from the
-output (tests/test_export.py):
-
-- ``torchtitan``: a job-config TOML for torchtitan 0.2.x (``torchtitan.config.JobConfig``, read by
-  ``ConfigManager`` from ``--job.config_file``). torchtitan 0.3 replaced TOML files with Python
-  config registries; the same ``[parallelism]``/``[training]`` fields are its CLI overrides
-  (``--parallelism.tensor_parallel_degree 2``), given in a comment.
-- ``megatron``: Megatron-LM ``pretrain_gpt.py`` arguments (megatron/training/arguments.py), which
-  Megatron-LM copies into megatron-core's ``TransformerConfig``/``ModelParallelConfig`` and
-  ``DistributedDataParallelConfig`` by field name.
-- ``deepspeed``: a DeepSpeed JSON config (``deepspeed.runtime.config.DeepSpeedConfig``).
-- ``nemo``: Megatron-Bridge (NeMo's successor to NeMo 2 training recipes) Hydra/OmegaConf overrides
-  of a recipe's ``ConfigContainer`` (``model.*`` are TransformerConfig fields, ``ddp.*``
-  DistributedDataParallelConfig, ``optimizer.*`` OptimizerConfig, ``train.*`` TrainingConfig),
-  as in Megatron-Bridge's docs/megatron-lm-to-megatron-bridge.md.
-
-Degrees: meshtune's world is tp*cp*ep*dp*pp with ep inside the data dimension (tuner/_layout.py),
-so every framework's data-parallel size is meshtune's dp*ep; each output says so.
+mapping's caveats (what the target does differently from what meshtune measured, or has no
+equivalent for), part of every output: a knob with no equivalent is said so, never dropped.
+Formats: torchtitan (tuner/_export_titan.py), Megatron-LM and Megatron-Bridge
+(tuner/_export_megatron.py), DeepSpeed, and their launch scripts (tuner/_export_launch.py); the
+numbers every format needs are one ``ExportJob`` (tuner/_export_job.py). The field mapping of each
+format: docs/tuner.md, "Export".
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ class MeshMemory:
         self.stack = stack = stack_of(training)
         self.degrees = dict(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, vpp=vpp)
         self.pp, self.vpp, self.device_memory = pp, vpp, cluster.device_memory
-        probed = cluster.probed  # measured on the cluster (tuner/_probe.py): the process's baseline, the allocator's share
+        probed = cluster.probed  # measured on the cluster (tuner/_figures.py): the process's baseline, the allocator's share
         if overhead is None and probed is not None and probed.memory_overhead_bytes is not None:
             overhead = probed.memory_overhead_bytes
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead

@@ -1,46 +1,11 @@
 """How the workers realise a layout, part by part: the one description that the memory and time
-models read and that ``workers.parallelize.parallelize_model`` asserts (issue 12).
+models read and that ``workers.parallelize.parallelize_model`` asserts.
 
 ``realise(layout, model, cluster, training)`` returns a ``Realisation`` or raises ``LayoutError``
-naming what the workers cannot run; ``check_supported(layout, model, capabilities)`` is the workers' own
-pre-launch check (``parallelize_model`` calls it, so there is one rule, here, not a copy).
-Two layouts that run the identical program have equal Realisations (``Layout`` knobs that change
-nothing are not fields: ZeRO 1-3 without a data axis is the ZeRO-0 program, ZeRO-1 with one
-micro-batch is ZeRO-2's, a schedule without pipelining is none).
-
-What the workers do (workers/parallelize.py, _data_parallel.py, _cp.py, _ep.py, train.py):
-
-- Data parallel (Rajbhandari et al. 2020, Sec. 5, on FSDP2 ``fully_shard``). Dense parameters
-  are averaged over the dp*cp*ep data ranks, routed-expert parameters over dp*cp (the all-to-all's
-  backward already sums the ep group's share). ZeRO>=1 shards fp32 master weights, gradients and
-  AdamW state over those groups (experts unsharded when dp*cp = 1: a runnable layout, no refusal).
-  ZeRO-1/2 keep the gathered weights from forward to the step's last backward (``gathered="stage"``),
-  ZeRO-3 gathers one unit (block) at a time and frees it after use (``gathered="unit"``; FSDP holds
-  the current and the prefetched unit plus one unit's unsharded gradients: ``fsdp_buffer_units``).
-- Gradients between micro-batches: ZeRO-0 and ZeRO-1 reduce once, on the step's last backward, so
-  with m > 1 micro-batches they hold this rank's unsharded gradients in fp32 (4 B/param,
-  ``grads_held_unsharded``); ZeRO-2/3 reduce-scatter after every micro-batch's backward and hold
-  only the 1/N shard. The same rule holds under pp > 1 (decision 6): the workers' pipeline stage
-  (``workers.rank_model._SyncingStage``) syncs FSDP on each micro-batch's backward for ZeRO-2/3 and on
-  the last one for ZeRO-0/1, where torch.distributed.pipelining alone would defer every sync to
-  the step's end (holding unsharded fp32 gradients for any ZeRO level, and, for ZeRO-3, every
-  gathered weight after its first backward). Why this choice: it is ~20 lines over torch's stage,
-  it keeps memory what the ZeRO formulas say, and its cost (m reduce-scatters per step instead
-  of one, each overlapped with the backward) is counted by the time model from ``collectives``.
-- Mixed precision: bf16 on CUDA (fp32 on CPU ranks). With a data axis the FSDP/replicate
-  MixedPrecisionPolicy casts (bf16 compute copies as ``gathered`` says, fp32 reduction); without
-  one, autocast casts and caches one bf16 copy of every weight it uses for the whole step
-  (``autocast_weight_copies``, 2 B/param of this rank's weights).
-- Tensor parallel (Shoeybi et al. 2019; sequence parallel Korthikanti et al. 2022): attention and
-  dense MLP column/row split; with a MoE every expert's w1/w3 column-split and w2 row-split over tp
-  (ffn dim), experts split over ep, router replicated (``experts_tp``). The output projection keeps
-  the logits vocab-sharded (V/tp per rank) and the loss is torch's ``loss_parallel``
-  (``logits_sharded``).
-- Context parallel (Llama 3, Dubey et al. 2024, Sec. 3.3.2): each layer all-gathers K and V over
-  cp, kv_heads-sized, and attends with GQA-aware SDPA, never repeating them to the query heads:
-  per layer the full-sequence K and V of ``kv_heads`` heads are saved (``cp_kv``).
-- Eager SwiGLU saves four ffn-wide tensors per token (gate, silu(gate), up, product):
-  ``swiglu_saved = 4``.
+naming what the workers cannot run; ``check_supported(layout, model, capabilities)`` is the workers'
+own pre-launch check (``parallelize_model`` calls it: one rule, here, not a copy). Two layouts that
+run the identical program have equal Realisations (``Layout`` knobs that change nothing are not
+fields). What the workers do for each parallelism, and why: docs/tuner.md, "Realisation".
 """
 
 from __future__ import annotations

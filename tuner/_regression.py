@@ -1,45 +1,12 @@
 """Nightly regression detection: one layout's throughput tonight against its history.
 
-The documented test (``compare_layout``), with the history given per night (one list of repeats for
-each previous night):
-
-1. Work on ``log(tokens/s)``: throughput noise is multiplicative, and a difference of mean logs is
-   the log of a ratio of geometric means, so "12% slower" is a symmetric, scale-free statement.
-2. Nights differ by more than the repeats of one night do (a node's thermals, the neighbours on the
-   fabric, a different allocation), so the unit of replication is the night, not the repeat. Model
-   ``log x[j, i] = mu + d_j + e_ji`` with a night offset ``d_j ~ N(0, tau^2)`` and repeat noise
-   ``e_ji ~ N(0, sigma^2)`` (a one-way random-effects model). Tonight's mean ``y_0`` and each past
-   night's mean ``y_j`` then vary by ``tau^2 + sigma^2/n``: the test compares ``y_0`` with the mean
-   ``Y`` of the ``k`` past nightly means, scaled by the spread ``s_B`` of those means (which holds
-   both the night-to-night and the within-night variance), Student's prediction interval for a new
-   observation (Student 1908, Biometrika 6:1-25; e.g. Hahn & Meeker 1991, Statistical Intervals,
-   Sec. 4.6):  ``t = (y_0 - Y) / sqrt(s_B^2 / k + v_0)``  on ``k - 1`` degrees of freedom, where
-   ``v_0``, the variance of tonight's mean, is ``s_B^2`` plus, when tonight has fewer repeats than
-   the past nights, the within-night variance's share of the difference, ``sigma^2 (1/n_0 -
-   mean_j 1/n_j)`` (``sigma^2`` pooled over the nights' repeats; more repeats tonight are not
-   credited). With equal repeat counts every night ``v_0 = s_B^2`` and the test is exact; unequal
-   counts make it conservative. The interval ``exp((y_0 - Y) +- t_q se)`` is the one reported on the ratio
-   ``tonight / history``.
-3. Bonferroni over the layouts compared in one night: each layout is tested at ``alpha / m``, so the
-   chance of any false alarm in a night of ``m`` layouts stays <= ``alpha`` (Dunn 1961, JASA 56:52-64).
-4. A layout is flagged only when it is beyond noise (its interval excludes 1, i.e. p < alpha/m) AND
-   beyond the minimum effect size (``|ratio - 1| >= min_effect`` at the point estimate). A drop is a
-   ``regression``, a rise an ``improvement``; both are reported.
-5. Fewer than ``min_repeats`` measurements tonight, or fewer than ``min_history_nights`` nights of
-   history -> ``insufficient`` (never flagged): one night cannot tell a slow night from a slowdown.
-   With ``min_history_nights=1`` a single past night is compared repeat against repeat (step 6).
-6. A history given as one flat list (the repeats without their nights) cannot measure the
-   night-to-night variation; it is compared by Student's two-sample pooled t-test on the logs,
-   which treats every repeat as independent and therefore over-alarms when nights differ by more
-   than repeats do (tests/test_regression.py measures by how much). Callers should pass nights.
-
-Measured by simulation (10 layouts a night, 3 repeats, 7 past nights, alpha = 5%, no min_effect):
-with nights offset by 5% and repeats by 1%, nights with any false alarm were 4.5% (4,000 nights)
-for the nightly-means test and 79% for the pooled test; with no night offset and 3% repeat noise,
-4.7% and 4.7%. Power, same 5%/1% noise, one layout slower: a 30% drop flagged in 92% of nights, a
-20% drop in 50% (tonight's own night offset is part of the noise); with 3% night and 3% repeat
-noise, 20% drops were flagged in 85%. Fewer past nights cost power: with 3 nights (2 degrees of
-freedom) a 30% drop was flagged in 16%. Unequal repeat counts measured 1-5% false alarms.
+``compare_layout`` works on log tokens/s with the night as the unit of replication (a one-way
+random-effects model): tonight's mean against the mean of the past nightly means, by Student's
+prediction interval on ``k - 1`` degrees of freedom, Bonferroni over the layouts of one night, and
+flagged only beyond both noise and ``min_effect``; too little data is ``insufficient``. A history
+without its nights falls back to the pooled two-sample t-test, which over-alarms when nights differ.
+``compare_night`` runs it over a night's layouts. The test, step by step, and its measured false
+alarm rate and power: docs/tuner.md, "Nightly regressions".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The layout search space and the enumeration of every valid layout in it.
 
-Enumeration applies the rules of ``check_layout`` (same reasons, same order: mesh degrees, sp,
-stages, batch, schedule) but checks each rule once at the level it depends on, so a rejected mesh
-counts all of its knob combinations without building them. Every divisor of the device count is a
-candidate degree, not only powers of two.
-
-Layouts are enumerated and counted in canonical form (``tuner._layout.canonical_layout``): ZeRO
-levels that run the same program on a mesh (twins) are one layout, listed and counted once under
-the canonical level, valid or rejected alike; ``Enumeration.twins`` says how many space
-combinations were folded so. A world-size mismatch has no dp, so its combinations are counted as
-given.
-
-Valid means runnable by the trial's workload: the space is first cut to what its capabilities
-declare (``within_capabilities``), then what ``tuner._realise.check_supported`` still refuses (e.g.
-tp > kv_heads for a workload that cannot keep k/v whole, a shape the built-in model does not build)
-is counted as ``R_WORKLOAD``: the same function a listed layout and the workers are checked with.
+Enumeration applies the rules of ``check_layout`` (same reasons, same order) but checks each rule
+once at the level it depends on, so a rejected mesh counts all of its knob combinations without
+building them; every divisor of the device count is a candidate degree. Layouts are enumerated and
+counted in canonical form (ZeRO twins folded, ``Enumeration.twins``). Valid means runnable by the
+trial's workload: the space is cut to its capabilities (``within_capabilities``) and what
+``check_supported`` still refuses counts as ``R_WORKLOAD``. Details: docs/tuner.md, "Search space".
 """
 
 from __future__ import annotations

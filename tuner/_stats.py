@@ -1,16 +1,12 @@
 """Ranking statistics over measurements: median + 95% interval, ties, pooled noise, Pareto front,
-prediction error. Pure functions: no database, no torch. (The time model's calibration, with its
-held-out judgement, is api/engine/_calibrate.py.)
+prediction error. Pure functions: no database, no torch (the time model's calibration is
+api/engine/_calibrate.py).
 
-Short real runs are noisy (a few % on a shared machine; layouts of one model differ by 1.5-2x), so a
-ranking shows for each layout the median of its measurements and a 95% interval, and marks layouts
-whose intervals overlap as tied: measurement cannot separate them.
-
-Pooled noise: the host's run-to-run noise is one property of the machine, not of a layout, so the
-spread of every repeated layout in a sweep is pooled (the pooled variance of log throughput, sum of
-(n_i - 1) s_i^2 over sum of (n_i - 1); Student's t with those degrees of freedom) and gives every
-layout an interval, one measured once included. Without any repeat there is no estimate and a single
-run's interval stays unknown. ``noise_warning`` says when that noise is too high for a ranking.
+Short real runs are noisy, so a ranking shows each layout's median and a 95% interval and marks
+layouts whose intervals overlap as tied. The host's run-to-run noise is pooled over every repeated
+layout of a sweep (pooled variance of log throughput, Student's t on its degrees of freedom), so a
+layout measured once gets an interval too; ``noise_warning`` says when that noise is too high for a
+ranking. Why: docs/tuner.md, "Ranking statistics".
 """
 
 from __future__ import annotations

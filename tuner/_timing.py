@@ -111,7 +111,7 @@ def _link(placement: Placement, axes: tuple[str, ...], cluster: ClusterSpec, f: 
     of them reaches: the node's link, the fast domain's (NVL72's NVLink across trays), else the
     network. Strides multiply outward, so groups of axes that each stay in a node (domain) stay in
     one together. The fast domain is a scale-up fabric like the node's, so it takes the node's
-    efficiency. A probed figure of that tier and collective (tuner/_probe.py) is used as measured."""
+    efficiency. A probed figure of that tier and collective (tuner/_figures.py) is used as measured."""
     used = [placement.axes[a] for a in axes if placement.axes[a].size > 1]
     if all(ax.intra_node for ax in used):
         tier = "intra"
@@ -241,7 +241,7 @@ class MeshTime:
         seq, h = model.seq_len, model.hidden
         seq_local = seq // cp  # tokens of one sequence on this device (before TP)
         probed = cluster.probed
-        # Measured GEMM and attention rates (tuner/_probe.py) replace peak x efficiency.
+        # Measured GEMM and attention rates (tuner/_figures.py) replace peak x efficiency.
         rate = (probed.matmul_flops if probed is not None and probed.matmul_flops
                 else cluster.peak_flops * f.compute_efficiency)
         # A flash kernel runs at its own efficiency; a materialised-scores path (flash=False) is two
@@ -370,7 +370,7 @@ class MeshTime:
         # workers/_data_parallel.py); a probed cluster pays their measured latency per unit, while
         # datasheet figures cost one latency per collective.
         units = max(rp.layers) + vpp if workers and probed is not None else 1
-        # What a real step's sync took per unit beyond the modelled collective (tuner/_probe.py).
+        # What a real step's sync took per unit beyond the modelled collective (tuner/_figures.py).
         unit_ar = (probed.grad_sync_unit_s or 0.0) if probed is not None and workers else 0.0
         unit_fsdp = (probed.fsdp_unit_s or 0.0) if probed is not None and workers else 0.0
         ag = rs = ar = 0.0

@@ -1,23 +1,11 @@
 """Context parallelism: the sequence split over the cp group, attention over all-gathered K/V.
 
-Llama 3's scheme (Dubey et al. 2024, Sec. 3.3.2): the sequence is cut into 2*cp chunks and rank r
-keeps chunks r and 2*cp-1-r, so that under a causal mask every rank has the same attention work;
-each attention layer all-gathers K and V over the cp group and computes its local queries against
-the keys up to their own positions. torch's ``context_parallel`` (ring attention) has sharding rules
-only for the CUDA SDPA kernels (torch/distributed/tensor/experimental/_context_parallel/_attention.py
-handles aten._scaled_dot_product_{flash,efficient,cudnn}_attention only) and raises on CPU, so this path is ours and
-runs on gloo and NCCL alike; on CUDA the chunk attention uses a lower-right causal bias so SDPA can
-pick its flash/efficient kernels instead of a materialised mask.
-
-Gradients: every cp rank computes the loss of its own tokens; the K/V gather's backward is a
-reduce-scatter (sum), so parameter gradients must then be averaged over the cp group like a data
-axis (dp*cp ranks with equal token counts -> the mean over them is the global token mean).
-
-GQA: the model hands attn_fn un-repeated K/V (its local kv heads), so the gather moves only the
-distinct K/V (as tuner/_timing.py's CP cost assumes), and the chunk attention is SDPA's
-grouped-query form (``enable_gqa=True``): the full-sequence K/V that autograd saves for the
-backward are the gathered kv_heads-sized ones, never a copy repeated to the query heads (which would
-be heads/kv_heads times larger; tuner/_realise.py ``cp_kv="kv_heads"``).
+Llama 3's scheme (Dubey et al. 2024, Sec. 3.3.2): the sequence is cut into 2*cp chunks, rank r
+keeps chunks r and 2*cp-1-r (equal causal work), and each attention layer all-gathers the
+un-repeated (kv_heads-sized) K and V over cp and attends with SDPA's grouped-query form. Ours, not
+torch's ``context_parallel``, because that one shards only the CUDA SDPA kernels and raises on CPU;
+this path runs on gloo and NCCL alike. Parameter gradients are then averaged over cp like a data
+axis. Details: docs/workers.md, "Context parallelism".
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Expert parallelism: each ep rank holds experts/ep experts; tokens travel to them by all-to-all.
 
-GShard-style dispatch/combine (Lepikhin et al. 2021, Sec. 2.2) without a capacity limit: every routed
-token is computed, none is dropped, so the result equals the single-device MoE up to reduction order.
-Expert parallelism lives inside the data dimension (DeepSpeed-MoE, Rajbhandari et al. 2022): the ep
-ranks see different samples, the router and every dense weight stay replicated.
-
-Gradients (for the data-parallel code): an expert weight on ep rank e receives, through the
-all-to-all's backward, the gradient of the loss of every ep rank's tokens. With each rank's loss the
-mean over its own tokens, the global-mean gradient is
-    dense  params: SUM over the dp*ep ranks (every data rank)   / (dp*ep)
-    expert params: SUM over the dp ranks (same ep index) only   / (dp*ep)
-i.e. the same divisor (the number of data ranks) but a smaller group for ``expert_parameters``.
-Averaging expert gradients over dp alone would make them ep times too large.
-Call ``apply_expert_parallel`` after ``init_weights`` (it slices the full, seeded weights) and before
-FSDP wrapping and optimizer creation (it replaces the expert Parameters).
-
-Tensor parallel inside the experts (``apply_expert_tensor_parallel``, Megatron's MLP split, Shoeybi
-et al. 2019, Sec. 3, applied per expert as Megatron-Core's MoE does): every expert's w1/w3 keep
-ffn/tp columns and w2 ffn/tp rows, so each tp rank computes a partial sum of every expert output.
-The tokens entering the experts are identical on the tp ranks (the router is replicated and sees
-the same, gathered, input), so the EP all-to-all runs among the ranks of one tp index, and the
-partial outputs are all-reduced over tp before the router weights multiply them (after, the
-router's gradient would be partial too); in the backward the tokens' gradient is summed over tp
-("f") and the output's passes through ("g").
+GShard-style dispatch/combine (Lepikhin et al. 2021, Sec. 2.2) without a capacity limit (no token
+dropped: the single-device MoE up to reduction order), inside the data dimension (DeepSpeed-MoE,
+Rajbhandari et al. 2022): the router and the dense weights stay replicated. Expert gradients are
+reduced over the dp ranks of the same ep index with the dense divisor dp*ep. Call
+``apply_expert_parallel`` after ``init_weights`` and before FSDP and the optimizer;
+``apply_expert_tensor_parallel`` splits every expert over tp (Megatron's MLP split). The gradient
+algebra and the tp-inside-experts data flow: docs/workers.md, "Expert parallelism".
 """
 
 from __future__ import annotations

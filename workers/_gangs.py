@@ -1,29 +1,12 @@
 """Reusable rank processes for the Ray backend: the ``RankWorker`` actor and the gang pool.
 
-A *gang* is one placement group with one bundle per node of a trial's placement — {"GPU": n} on
-CUDA clusters, {"CPU": n} on CPU ones, n the ranks the tuner's ``Placement`` puts on that node — and
-one ``RankWorker`` actor per rank, scheduled into its node's bundle. A bundle always lies on one
-Ray node, so a node's ranks share a machine (every TP group the placement keeps inside a node stays
-inside one); the group's strategy is STRICT_SPREAD, so two nodes of the placement are never one
-Ray node and the axes placed across nodes (PP, the outermost) really cross machines. A single-node
-Ray (a laptop, CI) stands in for a multi-node cluster by holding every bundle (STRICT_PACK, see
-``strategy_for``). Its key is its shape, (resource, ranks per node): any layout of the same world
-size on the same kind of cluster fits the same gang. After a trial the gang goes back to the pool and the next trial of its
-shape reuses the same processes — torch and the rank program stay imported; each trial brings a
-fresh process group on a fresh port (workers/_launch.py).
-
-The pool is one per driver process, shared by every ``RayBackend`` in it, so two backends (a sweep
-and a ``run-trial``, or two tests) never starve each other with idle reservations: a trial of a
-new shape evicts idle gangs, least recently used first, when Ray lacks room. A gang serves one
-trial at a time. A trial that leaves ranks stuck (timeout, dead peer) gets those ranks — or, when
-its peers cannot recover, all of its gang's actors — killed, never another gang's; the placement
-groups stay, so replacements start in the same bundles on next use. A rank process that died (in a
-trial, or idle between trials) never keeps its slot: the launcher drops a rank whose ``run`` came
-back as ``ActorDiedError``, and every reuse first asks each actor for a snapshot and replaces the
-ones that do not answer (``drop_dead``), so one dead process fails at most the trial it died in.
-If Ray was shut down and started again, the pool notices (a new job id) and forgets stale gangs.
-A gang that had a rank on a node that died is destroyed, not returned (``discard``): its placement
-group would otherwise be rescheduled onto the surviving nodes and hold their devices idle.
+A *gang* is one placement group with one bundle per node of a trial's placement ({"GPU": n} or
+{"CPU": n}) and one ``RankWorker`` actor per rank in its node's bundle (STRICT_SPREAD; STRICT_PACK
+on a single-node Ray, ``strategy_for``). Its key is its shape (resource, ranks per node): every
+trial of that shape reuses the same processes with a fresh process group. One pool per driver
+process, shared by every ``RayBackend``; a gang serves one trial at a time; stuck or dead ranks are
+killed and replaced (``drop_dead``), a gang on a lost node is destroyed (``discard``). The pool's
+rules: docs/workers.md, "Gangs".
 """
 
 from __future__ import annotations

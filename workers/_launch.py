@@ -2,23 +2,11 @@
 
 ``run_rank`` is what every launcher calls in the rank's process (a reused Ray actor, or a process of
 plain ``torchrun``). It never raises for a failed trial: it returns ``{"report": {...}}`` or
-``{"error": {...}, "in_collective": bool}`` (``RankReport``/``TrialError`` as plain dicts, so the driver needs no torch to
-read them). Order of work:
-
-1. rendezvous env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for code that reads it;
-2. the optional per-rank memory cap (``request.options["memory_cap_bytes"]``, see ``memory_cap``);
-3. ``init_process_group`` — gloo on CPU, NCCL on CUDA — on a fresh TCP port with a short timeout
-   (``group_timeout_s``: longer than the step watchdog so the watchdog, not gloo, names a hang);
-4. a global optimizer-step hook that beats ``Progress`` (the launcher's per-step watchdog reads it);
-5. ``workers.train.train_trial(request, device=...)``;
-6. always: remove the hook, destroy the process group (abort it after a failure on NCCL, see
-   ``_end_process_group``), empty torch's DTensor caches of this trial's meshes
-   (``release_mesh_caches``), collect garbage and empty the CUDA cache, lift the cap, so a reused
-   process starts the next trial clean: no group of a past trial, nor its gloo threads, survives.
-
-NCCL: the group timeout above is also the NCCL watchdog's; torch's default
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (tear down on error/timeout) is kept, as it only acts after that
-timeout, long after the launcher's per-step watchdog has named the hang and killed the gang.
+``{"error": {...}, "in_collective": bool}`` as plain dicts, so the driver needs no torch to read
+them. In order: rendezvous env, the optional memory cap, ``init_process_group`` (gloo on CPU, NCCL
+on CUDA) on a fresh port, a step hook beating ``Progress`` for the watchdog, the rank program
+(``workers.train.train_trial``), and always the clean-up that lets a reused process start the next
+trial clean. Each step and the NCCL timeouts: docs/workers.md, "One rank of a trial".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Memory over one measured step of a trial, per rank: the series the trial page draws, the step's
 phases (stage, micro-batch, forward/backward, gradient sync, optimiser) and where the peak falls.
 
-CPU: a sampler thread reads this process's resident set and high-water mark (``VmRSS``/``VmHWM``,
-/proc/self/status, kept open: a pread costs ~3 us) and what malloc has handed out and not had back
-(glibc's ``mallinfo2``: in-use arena bytes + mmapped chunks, ~4 us; torch's CPU tensors are malloc'd:
-the CPU analog of the caching allocator's allocated bytes) every ``SAMPLE_S``; each phase marker
-(workers/rank_model.py calls ``Phases.mark``) reads them too. The resident set of a steady step
-barely moves (glibc keeps the pages the last step freed, and the step reuses them), the allocated
-bytes show where the step's memory goes. Between two consecutive readings no phase begins, so the phase in
-force at the reading before the one that first sees the step's final high-water mark is the phase
-during which the peak was reached, exactly, however late the sampler runs on a loaded host. The
-series is the sampled resident set plus one point: the kernel's high-water mark, placed between the
-two readings around it (a transient peak the sampler missed is still the series' maximum).
-
-CUDA (not run here: no GPU on this project's machines): the caching allocator's own history
-(``torch.cuda.memory._record_memory_history`` / ``_snapshot``) gives every allocation and free of the
-step; the series is the allocated bytes they add up to, and the markers read ``max_memory_allocated``.
-
-The peak, by construction equal to the trial's reported peak: ``start`` reads the high-water mark of
-everything before the step (build, warm-up, earlier steps: ``before``) and resets it, so the mark at
-``stop`` is the step's own; ``stop`` resets it again and ``finish`` (at the trial's end) reads what the
-later steps reached (``after``). The trial's peak is the maximum of the three, which is the whole
-trial's high-water mark the trial reported before (measure.peak_memory), and the timeline's maximum
-(``timeline_max``): the workers report ``peak_bytes`` as the rank's peak.
+CPU: a sampler thread reads the process's ``VmRSS``/``VmHWM`` and glibc's ``mallinfo2`` every
+``SAMPLE_S``, and each phase marker (``Phases.mark``) reads them too, so the phase in which the
+step's high-water mark was reached is exact however late the sampler runs. CUDA: the caching
+allocator's own history. The timeline's maximum equals the rank's reported peak by construction
+(the before/step/after windows). How and why: docs/workers.md, "Memory timeline".
 """
 
 from __future__ import annotations

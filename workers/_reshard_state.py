@@ -1,7 +1,7 @@
 """The torch side of reshard-check: a layout's model + optimizer that can step, DCP state dicts keyed
 by single-model FQNs, the deliberate corruption, and the full-state snapshot and comparison.
 
-``Trainer`` builds and steps a layout with the trial's own functions (``workers.train``:
+``Trainer`` builds and steps a layout with the trial's own functions (``workers.rank_model``:
 ``build_rank_model``, ``rank_batch``, ``train_step``, ``global_loss``) one step at a time without
 the trial's measurements, so the losses it reports are the trial's losses for the same steps.
 """

@@ -1,22 +1,11 @@
 """Merge the ranks' reports of one trial into a ``TrialResult``. Pure Python: no torch needed.
 
-- step time: the median of the measured steps; each step's time is already the maximum over ranks
-  (the rank program all-reduces it), and the per-step maximum is taken here again in case a
-  launcher's rank program reports its own local times;
-- tokens/s: global tokens per step (global batch x seq_len) / median step time; per device: / world;
-- MFU (GPU only): model FLOPs per token x tokens/s / (world x cluster.peak_flops), FLOPs counted by
-  ``tuner.model_flops_per_token`` (PaLM, Chowdhery et al. 2022, App. B), the predicted MFU's count;
-  ``None`` on CPU, whose "peak" is not a meaningful denominator. ``peak_flops`` is the cluster
-  spec's per-device dense peak, which the presets give for bf16 tensor cores: an fp32 trial's MFU
-  is therefore relative to the bf16 peak (low by design: it says what the layout leaves unused on
-  that hardware), and a spec that names the wrong device gives a wrong MFU (the fingerprint's
-  ``device_name`` shows what really ran);
-- peak memory: the maximum over ranks, and the per-rank list in rank order; each rank's memory
-  timeline (its maximum is that rank's peak) with its rank and pipeline stage;
-- losses: from the last pipeline stage (lowest rank among its ranks), every step incl. warm-up;
-- stage times: for each pp rank, the median over measured steps of the mean over its ranks of the
-  rank's own compute time; imbalance = max/mean of those (Narayanan et al. 2021 balance measure);
-- env: rank 0's fingerprint plus the sorted host names of all ranks.
+Step time is the median of the measured steps (each the maximum over ranks); tokens/s is global
+tokens per step over it; MFU (GPU only) counts FLOPs as the predicted MFU does
+(``tuner.model_flops_per_token``) against the cluster's bf16 peak; peak memory is the maximum over
+ranks with the per-rank list and timelines; losses come from the last pipeline stage; stage times
+and their imbalance (max/mean) from each pp rank's own compute; env is rank 0's fingerprint plus
+every rank's host. Each figure's definition: docs/workers.md, "Aggregating a trial".
 """
 
 from __future__ import annotations

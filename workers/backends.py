@@ -1,17 +1,11 @@
 """Choosing a trial backend by name: ``get_backend("ray" | "simulate" | "module:attr", **kwargs)``.
 
 Built-ins are imported lazily (the Ray backend pulls in ray; simulate imports nothing heavy).
-Anything importable as ``module:attr`` plugs in, so users bring their own launcher (Slurm,
-Kubernetes) without forking meshtune. ``attr`` may be a dotted path inside the module and may be:
-
-- a class: instantiated with ``**kwargs``;
-- an object with a ``run`` method (an instance): used as is (``kwargs`` must then be empty);
-- any other callable (a factory): called with ``**kwargs``; it must return such an object.
-
-The object needs ``run(TrialRequest) -> TrialResult`` (a ``dict`` in ``TrialResult.to_dict()``
-form is accepted and converted). ``name``, ``capacity()`` and ``close()`` are optional for a
-plug-in: missing ones are supplied by a thin adapter (name = the spec string, capacity = 1, close
-does nothing). Unknown names and broken specs raise ``BackendError`` naming the spec.
+Anything importable as ``module:attr`` plugs in (a class, an instance with ``run``, or a factory),
+so users bring their own launcher (Slurm, Kubernetes) without forking meshtune; a thin adapter
+supplies a plug-in's missing ``name``, ``capacity()`` and ``close()`` and checks its results.
+Unknown names and broken specs raise ``BackendError`` naming the spec. The plug-in contract:
+docs/workers.md, "Backends".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The failure taxonomy: a rank's exception -> ``TrialError`` (oom, nan, crash); timeouts come from
-the launcher's watchdog. Classification looks at exception *types* and their structured fields,
-never at logs.
-
-- ``oom``: ``torch.OutOfMemoryError``. The bytes asked for come from the exception's
-  ``bytes_requested`` attribute when the rank program set one (workers.train does, for the
-  allocations it knows), else from the CUDA allocator's out-of-memory observer (``torch._C._cuda_attach_out_of_memory_observer``, installed
-  by ``install_oom_observer``), which hands over the exact request size; without it, from the
-  "Tried to allocate X GiB" figure of the message (rounded by torch to two decimals).
-  On CPU torch raises no OutOfMemoryError: ``DefaultCPUAllocator`` fails an allocation with a plain
-  ``RuntimeError`` whose message is fixed by c10 (alloc_cpu.cpp): "DefaultCPUAllocator: can't
-  allocate memory: you tried to allocate N bytes". That message is the allocator's only structured
-  output, so it is matched exactly and classified ``oom`` with the exact N. A Python
-  ``MemoryError`` (the interpreter's own allocation failing under a memory cap) is ``oom`` too.
-- ``nan``: ``workers.train.NonFiniteLoss`` (the rank program checks every loss).
-- ``timeout``: not an exception; ``timeout_error`` builds it for the watchdog.
-- ``crash``: anything else, with rank, exception type and the last lines of the traceback.
+the launcher's watchdog (``timeout_error``). Classification looks at exception *types* and their
+structured fields, never at logs: ``oom`` is ``torch.OutOfMemoryError`` (bytes from
+``bytes_requested``, the CUDA allocator's out-of-memory observer, or the message), the CPU
+allocator's fixed c10 message, or a ``MemoryError``; ``nan`` is ``workers.train.NonFiniteLoss``;
+anything else is a ``crash`` with rank, exception type and the traceback's last lines. Where each
+figure comes from: docs/workers.md, "Failures".
 """
 
 from __future__ import annotations

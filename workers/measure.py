@@ -1,19 +1,10 @@
 """Timing and peak-memory helpers for one rank of a trial (CPU/gloo and CUDA/NCCL).
 
-Peak memory is measured, never estimated:
-- CUDA: the caching allocator's ``max_memory_allocated`` / ``max_memory_reserved`` after
-  ``reset_peak_memory_stats`` (the CUDA context and NCCL buffers are not included);
-- CPU: ``VmHWM`` from ``/proc/self/status``, the *whole process's* resident-set high-water mark
-  (Python, torch's libraries and gloo buffers included), reset at trial start by writing "5" to
-  ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5) "clear_refs": 5 resets the peak RSS).
-  tracemalloc would miss torch's C++ allocations (it traces only blocks allocated by Python's
-  allocators, Python docs "tracemalloc") and an RSS snapshot misses transient peaks.
-
-A reset sets the high-water mark to what the process holds *now*, so in a reused rank process it
-first releases what earlier trials left (``release_memory``): objects kept alive by reference
-cycles (FSDP and hook closures make them), and on CUDA the caching allocator's free blocks (which
-``max_memory_reserved`` would otherwise start from), on CPU the free pages glibc keeps in its heaps
-(``malloc_trim``; VmHWM would otherwise start from the previous trial's peak).
+Peak memory is measured, never estimated: CUDA reads the caching allocator's
+``max_memory_allocated``/``max_memory_reserved``; CPU reads ``VmHWM``, the whole process's
+resident-set high-water mark, reset through ``/proc/self/clear_refs``. A reset starts from what the
+process holds now, so a reused rank process first releases what earlier trials left
+(``release_memory``). Why these sources: docs/workers.md, "Measuring".
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What one rank of a layout really holds, part by part, measured from its tensors (for the memory
 model's harness, tests/test_memory_harness.py; run on every rank of a process group).
 
-- params / grads / optimizer: bytes of the unique storages of this rank's parameter tensors (their
-  local shards under DTensor/FSDP), of their ``.grad`` after the step's backwards (before the
-  optimizer step frees them), and of AdamW's state tensors after a step;
-- activations per layer: the tensors autograd saves for the backward while one micro-batch runs
-  forward (``torch.autograd.graph.saved_tensors_hooks``), attributed to the block that is running,
-  unique storages counted once, parameter storages excluded (they are the params part). A storage
-  that several blocks save (RoPE's cos/sin tables, computed once per forward) is held once for the
-  whole model: it is reported apart (``shared``), not in any block;
-- peak: the process's peak resident memory over one training step (``workers.measure``), and its
-  resident memory before the layout was built (``rss_start``: the process's own baseline).
-
-``probe_many`` measures a list of layouts one after the other in the same process group (each
-builds its own meshes), so a harness pays the ranks' start-up once.
+Parts: params, grads and optimizer state (unique storages of this rank's tensors), activations
+per layer (what autograd saves while one micro-batch runs forward, by the running block; storages
+saved by several blocks reported apart as ``shared``), and the step's peak resident memory with the
+process's baseline. ``probe_many`` measures several layouts in one process group. How each part is
+counted: docs/workers.md, "Memory probe".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """A Llama-style decoder (RMSNorm, RoPE, GQA through SDPA, SwiGLU, optional top-k MoE) from a ModelSpec.
 
-Shapes of published models it builds as their ModelSpec says (tuner/_hf.py): an explicit head_dim,
-q/k/v biases (Qwen2), the per-head q/k RMSNorm (Qwen3), GeGLU MLPs and sandwich norms (Gemma 2/3:
-``norms_per_layer=4``), a shared expert with its sigmoid gate beside the routed ones (Qwen2-MoE).
-It is a look-alike, not those models' code (no soft-capping, sliding windows or scaled embeddings):
-the transformers workload (workers/workload_hf.py) trains the real one. What its parallelisation
-does not split is refused at validation (``tuner._realise.builtin_capabilities``).
-
-Written so that the parallelisms can be applied from outside, torchtitan-style:
-- ``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage deletes the layers
-  it does not own and ``tok_embeddings``/``norm``/``output`` may be ``None`` on middle stages;
-- attention reshapes with ``-1`` heads, so tensor parallelism only has to shard the projections;
-- ``Attention.attn_fn(q, k, v)`` is the attention kernel (context parallelism swaps it); it gets q as
-  [batch, heads_local, seq, head_dim] and k, v UN-repeated as [batch, kv_heads_local, seq, head_dim]
-  and does grouped-query attention itself (``repeat_kv``), so a kernel that moves K/V (the cp
-  all-gather) moves only the distinct kv heads;
-- ``MoE.experts_fn`` computes the routed experts (expert parallelism swaps it for all-to-all);
-- ``forward`` takes explicit ``positions`` so a context-parallel shard gets the right RoPE angles.
+It also builds the published shapes a ModelSpec describes (tuner/_hf.py): explicit head_dim, q/k/v
+biases, per-head q/k norms, GeGLU and sandwich norms, a gated shared expert. It is a look-alike, not
+those models' code: the transformers workload (workers/workload_hf.py) trains the real one. Written
+so the parallelisms apply from outside, torchtitan-style: ``layers`` keyed by global index,
+attention reshaping with -1 heads, swappable ``Attention.attn_fn`` (given un-repeated K/V) and
+``MoE.experts_fn``, explicit ``positions``. Details: docs/workers.md, "The built-in model".
 """
 
 from __future__ import annotations

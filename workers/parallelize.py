@@ -1,38 +1,12 @@
 """Apply a Layout to the Transformer: one DeviceMesh, then pp -> tp/sp -> ep -> ac -> dp -> cp.
 
 ``parallelize_model`` is the one place where the parallelisms are composed, in a fixed, commented
-order (torchtitan's ``parallelize_llama`` is the model). Realisations worth knowing:
-
-- ZeRO-3: FSDP2 ``fully_shard`` per block and per stage root, ``reshard_after_forward=True``.
-- ZeRO-2: the same with ``reshard_after_forward=False`` (parameters stay gathered from forward to
-  backward; gradients are reduce-scattered every micro-batch, optimizer states sharded).
-- ZeRO-1: FSDP2 with ``reshard_after_forward=False`` and, across the micro-batches of a step, no
-  gradient sync and no reshard after backward: full gradients accumulate locally and are
-  reduce-scattered once on the last micro-batch, optimizer states are sharded and the updated
-  shards all-gathered on the next forward. That is DeepSpeed's ZeRO-1 traffic (reduce-scatter +
-  all-gather = one all-reduce) and memory (full params and grads, sharded optimizer state).
-- ZeRO-0: torch's FSDP-based ``replicate`` (DDP semantics) with the same units: weights and
-  optimizer states replicated, gradients all-reduced per unit, overlapped with the backward, once
-  per step (on the last micro-batch, DDP's ``no_sync`` before it).
-- With pp > 1 the workers' pipeline stage (``workers.rank_model._SyncingStage``) keeps that rule:
-  ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-0/1 sync on the last one, ZeRO-3
-  reshards after every backward (torch's stage alone would defer every sync to the step's end).
-- Logits stay vocab-sharded under TP; the loss is ``VocabParallelCrossEntropy`` (loss_parallel).
-- Everything above is what tuner/_realise.py's ``Realisation`` says; ``parallelize_model``
-  asserts the parts it can see.
-- Activation checkpointing: "full" recomputes every block (``checkpoint_wrapper`` per block,
-  non-reentrant); "selective" recomputes only each block's attention sub-layer (projections, RoPE,
-  SDPA) and keeps the MLP's activations: the attention part is what Korthikanti et al. 2022
-  (Sec. 4.2) recompute selectively, widened to the whole sub-layer so that it works with any
-  attention kernel.
-- Tensor parallel with tp > kv_heads (tp % kv_heads == 0): wk/wv stay whole and each tp rank keeps
-  the kv head its query heads use (``ReplicatedKV``), as Megatron replicates kv heads for GQA.
-- Another workload (workers/workload.py: the Hugging Face model, a user's ``module:attr``) is a
-  ``WorkloadModel`` shaped like the Transformer and takes the same steps; only its TP/SP comes from
-  its own plan, and its declared capabilities are checked with the layout.
-- Gradients are averaged over the data group dp*cp*ep (dense weights) so every layout trains the
-  same model as the single-process reference; expert weights (ep > 1) are reduced over dp*cp with
-  the same divide factor dp*cp*ep, since all-to-all backward already sums the ep group's shares.
+order (torchtitan's ``parallelize_llama`` is the model): ZeRO-0..3 on FSDP2 and ``replicate``, the
+pipeline stages, vocab-parallel loss under TP, full or selective activation checkpointing, kv heads
+kept whole when tp > kv_heads, gradients averaged over the data group. It realises what
+tuner/_realise.py's ``Realisation`` says and asserts the parts it can see; another workload's
+``WorkloadModel`` takes the same steps with its own TP plan. How each ZeRO level and each part is
+realised: docs/workers.md, "Parallelisation".
 """
 
 from __future__ import annotations
@@ -165,7 +139,7 @@ def block_tp_plan(sp: bool, mlp_has_w3: bool, *, shard_kv: bool = True, moe: boo
     """Megatron-style plan of one block (Shoeybi et al. 2019, Sec. 3; SP: Korthikanti et al. 2022).
     ``shard_kv=False`` (tp > kv_heads) leaves wk/wv to ``ReplicatedKV``; ``moe``: the experts are
     split by ``workers._ep.apply_expert_tensor_parallel`` and the MoE sees (and, under sp, hands
-    back as a sequence shard) the whole sequence as a plain tensor. Published shapes (issue 14):
+    back as a sequence shard) the whole sequence as a plain tensor. Published shapes:
     ``qk_norm``: the per-head q/k norms see this rank's heads as a Shard(2) (head-dim) DTensor, so
     their replicated weights' gradients are summed over tp (as SP's norms over the sequence);
     ``sandwich``: the post-sub-layer norms follow the residual stream's layout (a sequence shard

@@ -1,27 +1,12 @@
 """The cluster probe's rank program: short microbenchmarks on a trial's own rank processes.
 
-``probe_rank(request, device=...)`` runs on every rank of an initialised process group (the gang of
-a trial of the cluster's world size: workers/_launch.py ``run_rank`` calls it as it calls
-``train_trial``), reads what to measure from ``request.options["probe"]`` (``probe_request`` builds
-it) and returns raw timings, the same on every rank; tuner/_probe.py ``derive`` turns them into the
-figures the time and memory models read. It imports torch only (no Ray), so benchmarks/gpu_layouts.py
-runs it on processes of its own. In order, each phase only if the budget has room:
-
-1. memory: what the process holds before a model is built, and what the allocator holds over a
-   set of live tensors shaped like the model's (CPU: resident set; CUDA: reserved vs allocated);
-2. links: for each tier's group (the ranks of one node, one rank per node of a fast domain, one
-   per domain), all-reduce, all-gather, reduce-scatter, all-to-all and a send/recv ping-pong at
-   three payloads: the slowest member's median;
-3. compute: forward and both backward GEMMs of the layer's projections at one sequence's tokens,
-   and SDPA forward+backward, in the training dtype, on every rank at once (as in training); the
-   GEMMs again on rank 0 alone (how much the ranks slow each other down when all compute);
-4. layers: for each (tp, sp) the layouts use, the real model cut to a few layers, built by the
-   workers' own code (``build_rank_model``: TP/SP, replicate hooks) and run forward+backward on
-   one micro-batch of 1 and of 2 sequences, gradient sync off;
-5. steps: AdamW's step and zeroing on the real rank's parameters at two depths, and one real
-   step with and without the gradient all-reduce, and one under ZeRO-3 (FSDP2).
-Repetitions are chosen so each measurement takes about ``target_s`` (at least 3), agreed by all
-ranks; every rank's clock is reduced with MAX so all report the same numbers.
+``probe_rank(request, device=...)`` runs on every rank of an initialised process group (called as
+``train_trial`` is, by workers/_launch.py ``run_rank``), reads what to measure from
+``request.options["probe"]`` (``probe_request`` builds it) and returns raw timings, the same on
+every rank; tuner/_probe.py ``derive`` turns them into the figures the models read. It imports
+torch only (no Ray). Phases, each only if the budget has room: memory, links, compute, layers,
+steps; repetitions sized to ``target_s``, clocks reduced with MAX. The phases: docs/workers.md,
+"Cluster probe".
 """
 
 from __future__ import annotations

@@ -1,54 +1,13 @@
 """The Ray backend: every rank of a trial is a reused Ray actor inside a placement group.
 
-Actor reuse: ranks run in *gangs* from a per-process pool (workers/_gangs.py) — one placement
-group with a bundle per node of the tuner's ``Placement`` ({"GPU": n} / {"CPU": n} for its n ranks
-there, STRICT_SPREAD: each on its own Ray node) and one long-lived ``RankWorker`` per rank in its
-node's bundle. Every trial of the same shape (resource,
-ranks per node) reuses the same processes with a fresh process group on a fresh port, so launch
-costs one Ray call per rank instead of process start-up and ``import torch``.
-
-``run(request)`` is ``run_program(request)`` with the trial's rank program (workers.train) and the
-ranks' reports merged into a ``TrialResult``; ``run_program(request, program)`` runs any picklable
-rank program on the trial's gang with the same validation, watchdog and clean-up (reshard-check's
-launcher, workers/reshard_launch.py, is one).
-
-Failures
-  - Validation happens before any process starts: ``check_layout`` (world size vs the cluster's
-    devices, divisibility, TP inside a node unless the request's ``allow_tp_across_nodes`` option),
-    the tuner's placement, and the Ray resources (total, and a Ray node for every node of the
-    placement) -> LayoutError/BackendError naming the numbers.
-  - Placement is realised, not assumed: ``TrialResult.rank_nodes`` is the Ray node id each rank's
-    process reported for itself (``RankWorker.info``), rank order.
-  - A node lost mid-trial (its raylet gone: the machine, the network) is that trial's ``crash``
-    naming the node, marked ``TrialError.infra = "node_lost"`` (the cluster's fault, not the
-    layout's: the engine does not count it against the layout); the trials of other nodes go on,
-    and the gang is destroyed with its placement group (``GangPool.discard``), so its devices are
-    free, ``capacity()`` stops counting the node at once, and the next trial is placed on the nodes
-    that remain; a gang that idled on a node that died since is replaced the same way (``NodeLost``).
-  - A rank's exception comes back as a classified ``TrialError`` (workers/failures.py); when
-    several ranks fail, a rank's own failure wins over its peers' errors inside collectives.
-  - Watchdog (workers/_watchdog.py): the driver polls each rank's ``Progress`` (beaten after every
-    optimizer step) through the actor's separate "control" concurrency group; a rank idle longer
-    than ``step_timeout_s`` (or than ``init_timeout_s + step_timeout_s`` before its first step) ends
-    the trial as ``timeout``, with every rank's step count and stack in the error.
-  - On a timeout, the hung ranks (stalled and *not* waiting inside a torch.distributed call, by
-    their stacks) are killed first; their gloo peers then fail out of the collective and stay
-    reusable. Whenever a trial still does not end with every remaining rank returning (peers that
-    do not notice, a dead process, peers stuck after one rank failed), *that gang's* actors are
-    killed — never another's. Killed ranks are respawned in the same placement groups on next use.
-    One failing trial never breaks the pool or the caller.
-  - A rank whose process died (``ActorDiedError`` from its ``run``: SIGKILL, the OOM killer) is
-    that trial's ``crash`` and its slot is emptied at once, even when every peer returned; before
-    each reuse the gang's actors are health-checked (workers/_gangs.py ``drop_dead``), so a process
-    that died between trials is replaced too. A dead process fails at most the trial it died in.
-  - Infrastructure that is not there *now* raises ``BackendUnavailable`` (a ``BackendError``):
-    Ray not starting (retried with back-off, ``start_retry_delays_s``; workers/_ray_start.py), a cluster address
-    that does not answer, no room for the placement groups, rank processes that do not start.
-    Callers retry it; the sweep engine never fails a sweep for it.
-
-Request options read here: ``init_timeout_s`` (start-up allowance before the first step, default
-the backend's ``init_timeout_s``); ``memory_cap_bytes`` (validated here, applied by
-workers/_launch.py); the rank program reads the rest (``fail``, ``sleep_per_step_s``, ...).
+Ranks run in gangs from a per-process pool (workers/_gangs.py): one placement group with a bundle
+per node of the tuner's ``Placement`` and one long-lived ``RankWorker`` per rank, reused by every
+trial of the same shape with a fresh process group, so a launch costs one Ray call per rank.
+``run(request)`` runs the trial's rank program and merges the ranks' reports into a ``TrialResult``;
+``run_program(request, program)`` runs any picklable rank program with the same validation,
+watchdog and clean-up. Validation happens before any process starts; a failed trial (oom, crash,
+timeout, node lost) is a classified ``TrialError``; infrastructure not there now raises
+``BackendUnavailable``. Every failure rule: docs/workers.md, "Ray backend".
 """
 
 from __future__ import annotations

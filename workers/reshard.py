@@ -1,33 +1,11 @@
 """Verified checkpoint resharding: train under layout A, save with DCP, load under layout B, continue.
 
-``reshard_rank(job, device=...)`` is the rank program (process group already initialised, every
-rank of one world size running both layouts one after the other):
-
-1. Phase A: build layout A, train ``steps_before`` steps, save model + AdamW state as DTensor state
-   dicts (``get_state_dict`` -> ``dcp.save``), write the *full* state (every parameter and optimizer
-   tensor gathered with ``full_tensor()``, keyed by the single-model FQN) next to it, then keep
-   training A for ``steps_after`` steps: the uninterrupted reference.
-2. Phase B: build layout B, ``get_state_dict`` for B's shards, ``dcp.load``, ``set_state_dict``
-   (torch.distributed.checkpoint.state_dict, the resharding load of torch's "Getting Started with
-   Distributed Checkpoint (DCP)" recipe), gather B's full state and compare it bit for bit with A's,
-   then train ``steps_after`` steps on the same batches A saw.
-
-The full-state gather reads the live parameters and ``optimizer.state`` directly, not through
-``get_state_dict``, so the check does not trust the machinery it checks. Pipeline stages keep the
-global layer keys in ``layers`` (workers/parallelize.py), so FQNs match across pp layouts; each
-rank's chunks are gathered into one shell module with the single model's attribute names.
-
-``job.corrupt`` is a deliberately wrong reshard, applied after ``dcp.load`` and before
-``set_state_dict`` (workers/_reshard_state.py ``corrupt_state``); the check must report it as
-corruption. "swap-layers": the tensors of two layers are swapped (model and optimizer state) on
-every rank that holds both. "permute-shards": a wrong shard mapping, the realistic silent one:
-every sharded tensor's local shards are rotated by one rank along each sharded mesh dim, so shapes
-and dtypes are right and every value is there, in the wrong place.
-
-Verdicts (``ReshardReport.verdict``): "corrupted" if any tensor differs (or is missing), else
-"diverged" if a continued loss differs from A's by more than the tolerance, else "ok"; "failed"
-when the run itself failed. The tolerance is the workers' numerics tolerance (tests check that the
-constants are the same; see tests/test_workers_numerics.py for why it is what it is).
+The check's values: ``ReshardJob`` (two layouts, steps before and after the save, an optional
+deliberate ``corrupt``ion), each rank's ``RankOutcome`` and the merged ``ReshardReport`` whose
+verdict is "corrupted" (a tensor differs or is missing), "diverged" (a continued loss beyond the
+workers' numerics tolerance), "ok", or "failed". Light: the coordinator imports it without torch.
+The rank program is workers/reshard_rank.py, its torch side workers/_reshard_state.py, the launch
+workers/reshard_launch.py. The two phases and the corruptions: docs/workers.md, "Reshard check".
 """
 
 from __future__ import annotations

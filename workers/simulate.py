@@ -1,38 +1,12 @@
 """The ``simulate`` backend: answers a trial from the tuner's analytical model, with seeded noise.
 
 For planning beyond the hardware at hand (a 70B model on 64 GPUs from a laptop). It starts no
-process and imports no torch, so a benchmark can call it thousands of times. Every result is
-``simulated=True`` with ``backend="simulate"``: it is a prediction, never a measurement.
-
-How a result is made:
-- the layout is validated exactly as a real backend does (``check_layout``: LayoutError before
-  anything "runs");
-- ``tuner.estimate_memory`` predicts the peak bytes per device; above ``cluster.device_memory`` the
-  trial is an ``oom`` with ``bytes_requested`` = the predicted peak;
-- otherwise ``tuner.estimate_time`` predicts the step time; each measured step is that time times
-  lognormal noise (sigma ``noise``, default 3% — the spread of short real runs on a shared
-  machine), and tokens/s and MFU follow from the median, as for a real measurement;
-- memory is reported without noise (the model's figure for the fullest device; no per-rank list);
-  there are no losses (nothing is trained);
-- ``wall_s`` is the real time the call took; ``device_seconds`` is what the trial would have held
-  on the real cluster, (warm-up + measured steps) x step time x devices, so budgets in
-  device-seconds mean the same thing under both backends.
-
-Diagnostic options (``trial.options``) are honoured as the real rank program honours them, so a
-failure-handling rehearsal (alerts, the sampler told an OOM, a watchdog) runs without hardware, its
-results labelled simulated and its sweep diagnostic: ``fail`` (crash, hang, oom, nan) on
-``fail_rank`` (default 0) before step ``fail_step`` (default 1, counted from the first warm-up step;
-never when that rank or step does not exist), ``memory_cap_bytes`` (the device's memory for the
-trial), ``sleep_per_step_s`` (added to every step) and ``min_step_s`` (a floor on every timed step).
-
-A simulated *cluster* for the coordinators' queue (benchmarks/bench_coordinators.py, the
-multi-coordinator tests): ``devices`` is its size (``capacity()``; default unbounded) and ``pace`` the
-wall seconds a trial takes per second of the run it simulates (default 0: it answers at once), so
-trials hold their devices for a time and sweeps queue for them as on a real cluster. The results
-stay ``simulated=True``; ``env`` records the pace.
-
-The noise is seeded from (backend seed, request seed, layout, trial id): the same request gives the
-same answer, two trials of one layout in a sweep (different trial ids) give different draws.
+process and imports no torch. Every result is ``simulated=True`` with ``backend="simulate"``: a
+prediction, never a measurement. The layout is validated as a real backend does; a predicted peak
+above the device's memory is an ``oom``; otherwise each step is the predicted step time times
+seeded lognormal noise. Diagnostic options (``fail``, ``memory_cap_bytes``, ...) are honoured as
+the real rank program honours them; ``devices`` and ``pace`` make it a simulated cluster for the
+coordinators' queue. How a result is made: docs/workers.md, "Simulate backend".
 """
 
 from __future__ import annotations

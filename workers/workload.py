@@ -1,39 +1,13 @@
 """The workload contract: the model code a trial trains, and what meshtune needs to lay it out.
 
-A sweep spec names its workload with a top-level ``workload:`` key: ``"builtin"`` (the default,
-``workers.model.Transformer``), ``"hf"`` (the Hugging Face ``transformers`` implementation of the
-spec's ``model.hf_config``, ``workers.workload_hf``) or ``"module:attr"``, an importable ``Workload``:
-
-    WORKLOAD = Workload(name="mine", build=build, capabilities=Capabilities(workload="mine", cp=False, ep=False))
-
-- ``build(model: ModelSpec, training: TrainingSpec) -> Parts`` builds the model with random weights
-  (called identically on every rank after ``torch.manual_seed(training.seed)``, inside a
-  ``torch.device`` context: create parameters without an explicit device);
-- ``capabilities`` (a ``tuner.Capabilities``, or a function of the ModelSpec returning one) declares
-  which of tp, sp, pp, cp, ep and activation checkpointing modes it can realise: the tuner refuses any
-  other layout at validation, before a process starts (``tuner._realise.check_supported``).
-
-``Parts`` is the model cut where parallelisation needs it: the embedding, the ordered blocks
-(pipeline stages take contiguous runs of them), the final norm and the output head (an
-``nn.Linear`` over the vocabulary), a ``context`` module computing what every block needs besides
-the hidden states (e.g. rotary cos/sin from the positions; run once per pipeline stage), the TP plan
-of one block as a plain dict, and the loss. A block is called as ``block(h, **context(h, positions))``
-and returns the new hidden states [batch, seq, hidden].
-
-TP plan values (fqn patterns relative to a block, as ``parallelize_module`` takes them):
-``"colwise"`` / ``"rowwise"`` (Megatron's column / row split, Shoeybi et al. 2019, Sec. 3; the row
-output is a sequence shard under sp), ``"sequence_parallel"`` (a norm kept sequence-sharded under sp,
-Korthikanti et al. 2022; nothing without sp), ``"sequence_gather"`` (a sub-layer whose hidden-state
-input, first positional or ``hidden_states=``, is gathered from the sequence shards under sp),
-``"head_norm"`` (a norm over head_dim of this rank's heads [b, s, heads, head_dim], e.g. Qwen3's q/k
-norms: its weight is replicated and each rank sees only its heads, so its gradient is summed over
-tp), or a torch ``ParallelStyle`` used as given. Head counts: attention must reshape with -1 heads; with
-``kv_projections`` named, tp > kv_heads keeps k/v whole and each rank picks its kv head
-(``workers.parallelize.ReplicatedKV``); ``on_tp(block, q_heads_local, kv_heads_local)`` fixes any
-attribute that still holds a global head count.
-
-The built-in model runs its own path (``workers.parallelize``), unchanged; ``builtin_parts`` is the
-same model cut to this contract, so the generic path is tested against it.
+A ``Workload`` has a name, ``build(model, training) -> Parts`` (random weights, called identically
+on every rank under a ``torch.device`` context) and ``capabilities`` (a ``tuner.Capabilities``, or a
+function of the ModelSpec): the layouts it can realise, all others refused before a process starts.
+``Parts`` is the model cut where parallelisation needs it: embedding, ordered blocks, final norm,
+output head, a ``context`` module, one block's TP plan and the loss. ``WorkloadModel`` arranges
+them as the built-in Transformer is; ``builtin_parts`` is the built-in model cut to this contract.
+The workloads a spec can name: workers/workload_registry.py. The contract in full (TP plan values,
+head counts): docs/workers.md, "Workloads".
 """
 
 from __future__ import annotations

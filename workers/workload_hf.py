@@ -2,20 +2,10 @@
 of the spec's ``model.hf_config`` (the config.json text), random weights, cut to the workload
 contract (workers/workload.py) so that meshtune's layouts apply to the real implementation.
 
-How the layouts are realised on it:
-- pipeline: stages take contiguous runs of ``model.model.layers``; each stage keeps a copy of the
-  (parameter-free) rotary module and computes cos/sin from the positions, as the HF model does once
-  before its layers (torchtitan/PiPPy-style manual splitting: the decoder layers only need
-  ``position_embeddings``; ``attention_mask=None`` makes HF's SDPA attention causal);
-- tensor/sequence parallel: q/k/v and gate/up column-split, o/down row-split (Shoeybi et al. 2019,
-  Sec. 3); HF attention reshapes with -1 heads, so only ``num_key_value_groups`` needs the local
-  ratio, and only when tp > kv_heads (k/v kept whole, one kv head per rank); Qwen3's per-head q/k
-  norms see this rank's heads, so their gradients are summed over tp; under sp the norms stay
-  sequence-sharded and attention/MLP gather their input (Korthikanti et al. 2022);
-- FSDP2 / ZeRO and activation checkpointing: the built-in model's code (``workers.parallelize``),
-  ac="selective" recomputing ``self_attn``.
-Not realised (declared, so validation refuses them): context and expert parallelism, and tensor
-parallelism of MoE models (HF's fused expert tensors would need their own split).
+Pipeline stages take contiguous runs of the decoder layers (each with its own rotary module),
+TP/SP splits q/k/v and gate/up by column and o/down by row, FSDP2/ZeRO and activation checkpointing
+are the built-in model's code. Not realised (declared, so validation refuses them): context and
+expert parallelism, and tensor parallelism of MoE models. How: docs/workers.md, "Workloads".
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""Module docstrings say in a few lines what a module is for (the long story is in docs/), and the
+code names no issue numbers. Checked for tuner/ and workers/."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tuner", "workers")
+MAX_DOCSTRING_LINES = 12
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+
+
+def docstring_lines(source: str) -> int:
+    """Lines of text of the module docstring of ``source`` (0 without one)."""
+    doc = ast.get_docstring(ast.parse(source), clean=True)
+    return len(doc.strip().splitlines()) if doc else 0
+
+
+def issue_numbers(source: str) -> list[str]:
+    """``line: text`` of every mention of an issue number in ``source`` (code, comments, strings)."""
+    return [f"{i}: {m.group(0)}" for i, line in enumerate(source.splitlines(), 1) for m in ISSUE_NUMBER.finditer(line)]
+
+
+def _files() -> list[Path]:
+    files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    assert len(files) > 50, len(files)
+    return files
+
+
+def test_module_docstrings_are_at_most_twelve_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _files() if (n := docstring_lines(p.read_text())) > MAX_DOCSTRING_LINES}
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the story to docs/): {long}"
+
+
+def test_no_issue_number_in_the_code() -> None:
+    found = {str(p.relative_to(ROOT)): hits for p in _files() if (hits := issue_numbers(p.read_text()))}
+    assert not found, found
+
+
+def test_the_checks_catch_a_long_docstring_and_an_issue_number() -> None:
+    long = '"""Title.\n\n' + "a line\n" * 11 + '"""\nX = 1\n'
+    assert docstring_lines(long) == 13
+    assert docstring_lines('"""One line."""\n') == 1 and docstring_lines("X = 1\n") == 0
+    code = 'X = 1  # see issue 12\n"""(Issue #7)"""\ny = "issues 3"\nz = "an issue, 12 of them"\n'
+    assert issue_numbers(code) == ["1: issue 12", "2: Issue #7", "3: issues 3"]
