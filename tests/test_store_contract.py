@@ -242,7 +242,7 @@ class TestStoreContract:
             store.record_result(s, sweep_id=sw.id, number=0, attempt=0, result=_result(10.0))
             s.commit()
             c = svc.counts(s)
-            assert c.trials_by_status == {"completed": 1} and c.device_seconds == 2.0
+            assert c.trials_by_status == {("completed", True): 1} and c.device_seconds == {False: 0.0, True: 2.0}
 
     def test_released_sweep_is_taken_at_once_and_marked_trials_keep_their_cause(self, sessions):
         with sessions() as s:
@@ -261,7 +261,7 @@ class TestStoreContract:
             assert [t.number for t in marked] == [0]
             (row,) = store.all_trials(s, sweep_id=sw.id)
             assert row.status == "interrupted" and row.cause == "sweep failed: ImportError: x"
-            assert svc.counts(s).trials_by_status == {"interrupted": 1}
+            assert svc.counts(s).trials_by_status == {("interrupted", False): 1}
 
 
 # --- timestamps: every DateTime column reads back as an aware UTC datetime (issue 11, item 10) ------------

@@ -52,11 +52,12 @@ class ParetoPoint:
 
 @dataclass
 class Counts:
-    """What /metrics exports."""
+    """What /metrics exports: trials and device time kept apart by ``simulated`` (True: the simulate
+    backend's model of a run, no device spent it)."""
 
     sweeps_by_status: dict[str, int]
-    trials_by_status: dict[str, int]
-    device_seconds: float
+    trials_by_status: dict[tuple[str, bool], int]
+    device_seconds: dict[bool, float]
 
 
 def create_sweep(
@@ -248,5 +249,5 @@ def counts(session: Session) -> Counts:
     return Counts(
         sweeps_by_status=store.count_sweeps_by_status(session),
         trials_by_status=store.count_trials_by_status(session),
-        device_seconds=store.total_device_seconds(session),
+        device_seconds=store.device_seconds_by_simulated(session),
     )
