@@ -59,7 +59,7 @@ from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts
 from tuner._specfile import Problem, load_problem, problem_from_mapping, read_spec_file
 from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict
-from tuner._stack import STACKS, Stack
+from tuner._stack import DEFAULT_STACK, STACKS, Stack
 from tuner._timing import (
     CalibrationFactors,
     TimeEstimate,
@@ -80,6 +80,7 @@ __all__ = [
     "R_MEMORY",
     "R_TP_NODES",
     "SCHEDULES",
+    "DEFAULT_STACK",
     "STACKS",
     "SUPPORTED_MODEL_TYPES",
     "AxisPlacement",

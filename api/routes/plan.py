@@ -24,7 +24,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from api._http import GuardedRoute, client_address
-from api.deps import ReaderDep
+from api.deps import ReaderDep, SessionDep, SettingsDep
+from api.probes import service as probes
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanDevicesOut, PlanOut, PlanSizesOut
 from api.spec import PlanDevicesRequest, PlanRequest
 from tuner import (
@@ -41,7 +42,7 @@ from tuner import (
 from tuner._devices import cluster_types, compare_devices, devices_figure
 from tuner._plan import check_planning_work
 from tuner._scaling import check_node_counts, plan_sizes, sizes_figure
-from tuner._stack import STACKS, stack_of
+from tuner._stack import DEFAULT_STACK, STACKS, stack_of
 
 # GuardedRoute: POST /api/plan's body gets the rules every body gets (1 MiB, UTF-8, depth; auth first).
 router = APIRouter(tags=["plan"], route_class=GuardedRoute)
@@ -132,6 +133,8 @@ Stack = Annotated[str, Query(max_length=50, description="The stack the model is 
 def get_plan(
     request: Request,
     caller: ReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
     model: ModelName,
     cluster: ClusterName,
     nodes: Annotated[int | None, Query(ge=1, le=100_000, description="Override the preset's node count.")] = None,
@@ -151,7 +154,7 @@ def get_plan(
     for the stack it is trained with (``stack``)."""
     m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    return _plan_answer(request, caller, m, c, t, top=top)
+    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=top)
 
 
 @router.post(
@@ -161,23 +164,29 @@ def get_plan(
     responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES, 429: {
         "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}},
 )
-def post_plan(request: Request, caller: ReaderDep, body: PlanRequest) -> PlanOut:
+def post_plan(request: Request, caller: ReaderDep, session: SessionDep, settings: SettingsDep,
+              body: PlanRequest) -> PlanOut:
     """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
     m, c, t = body.to_problem()
     _check_devices(c)
-    return _plan_answer(request, caller, m, c, t, top=body.top)
+    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=body.top)
 
 
-def _plan_answer(request: Request, caller: Any, m: ModelSpec, c: ClusterSpec, t: TrainingSpec, *, top: int) -> PlanOut:
-    """The cached plan of (m, c, t), or a new one charged to an anonymous caller's budget first."""
+def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: ModelSpec, c: ClusterSpec,
+                 t: TrainingSpec, *, top: int) -> PlanOut:
+    """The cached plan of (m, c, t) on the cluster's stored probe where there is one (``backend``'s, as
+    ``meshtune plan`` does), or a new one charged to an anonymous caller's budget first."""
+    row, note = (None, "") if t.stack != DEFAULT_STACK else probes.stored_in(
+        session, model=m, cluster=c, training=t, backend=backend)
+    c, figures = probes.plan_figures(row=row, note=note, cluster=c, training=t)
     answer = _cached((m, c, t))
     if answer is None:
         _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                                      remedy="plan it with `meshtune plan`, which has no such limit"))
         answer = _plan(m, c, t)
     result, seconds = answer
-    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4), figures=figures)
 
 
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
