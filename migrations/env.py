@@ -41,6 +41,12 @@ def run_migrations_online() -> None:
     engine = create_engine(_url())
     try:
         with engine.connect() as connection:
+            if connection.dialect.name == "sqlite":
+                # A batch migration rebuilds a table (create, copy, drop, rename); with foreign keys on, the
+                # drop of the old ``sweeps`` cascades to every trial. The pragma is a no-op inside a
+                # transaction, so it is set and committed before Alembic's begins.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
             context.configure(
                 connection=connection,
                 target_metadata=target_metadata,
