@@ -357,8 +357,8 @@ def test_timestamps_read_back_as_the_same_instant_in_utc(zoned_sessions):
 @pytest.mark.parametrize("option", ["fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes"])
 def test_every_diagnostic_option_flags_the_sweep(option):
     """A sweep whose trials inject failures, slowness or a cap is flagged, whichever option does it
-    (the store reads the spec's one list, api.spec.DIAGNOSTIC_OPTIONS; min_step_s was missed)."""
-    from api.spec import DIAGNOSTIC_OPTIONS
+    (the store and the spec read the workers' one list, workers.DIAGNOSTIC_OPTIONS; min_step_s was missed)."""
+    from workers import DIAGNOSTIC_OPTIONS
 
     assert option in DIAGNOSTIC_OPTIONS
     assert store.Sweep(spec={"trial": {"options": {option: 1}}}).diagnostic

@@ -5,6 +5,7 @@ use them without paying for torch at start-up.
 """
 
 from workers._contract import (
+    DIAGNOSTIC_OPTIONS,
     TRIAL_STATUSES,
     Backend,
     BackendUnavailable,
@@ -14,4 +15,4 @@ from workers._contract import (
     TrialStatus,
 )
 
-__all__ = ["TRIAL_STATUSES", "Backend", "BackendUnavailable", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]
+__all__ = ["DIAGNOSTIC_OPTIONS", "TRIAL_STATUSES", "Backend", "BackendUnavailable", "TrialError", "TrialRequest", "TrialResult", "TrialStatus"]
