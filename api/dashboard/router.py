@@ -5,7 +5,7 @@ chart data and importance (``/sweeps/{id}...``), one trial, a ranked layout's ex
 the static assets. Reads follow the API's rule, a browser sending the token as an http-only cookie set
 by ``/login``; submitting needs a token whenever tokens are configured.
 
-The route table and the "check migration" control: docs/api.md#routes.
+The route table and the "check migration" control: docs/api.md#dashboard-routes.
 """
 
 from __future__ import annotations
