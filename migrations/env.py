@@ -2,7 +2,7 @@
 
 The version table is ``meshtune_alembic_version`` (not Alembic's default) so that this schema's
 history can never be confused with another Alembic user's in the same database (Optuna's RDBStorage
-stamps ``alembic_version``; see api/engine/__init__.py for where Optuna's state lives).
+stamps ``alembic_version``: docs/api.md#optuna-export).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from alembic import context
 
 import api.probes.models  # noqa: E402,F401 - registers the cluster-probe table on Base
-import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base (issue 8)
-import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
+import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base
+import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base
 from api.store._db import VERSION_TABLE, create_engine
 from api.store._models import Base
 

@@ -245,7 +245,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     return assemble(sweep, prob, trials, service.ranking(session, sweep_id=sweep.id), header=sweep_header(sweep, prob))
 
 
-# --- migration (reshard) checks, issue 8 ------------------------------------------------------------
+# --- migration (reshard) checks ---------------------------------------------------------------------
 
 MIGRATION_TARGETS = 50  # the select of a "check migration" control offers the top of the ranking
 LISTED_MISMATCHES = 5

@@ -1,4 +1,4 @@
-"""What a sweep's layouts would cost to train with, and what its search spent (issue 14).
+"""What a sweep's layouts would cost to train with, and what its search spent.
 
 A ranked layout's time and cost to train ``training.train_tokens`` come from its median *measured*
 tokens/s per device times the sweep's devices, at ``cluster.price_per_device_hour``; on the
