@@ -1,25 +1,11 @@
-"""Replaying read answers that have not changed, before the framework runs (issue 15: the ranking's
-first page and the dashboard's sweep page within 50 ms at the 99th percentile for 50 clients).
+"""Replaying read answers that have not changed, before the framework runs.
 
-A cached answer costs little to make (the ranking is stored, pages are rendered once per version),
-but routing, dependency injection, a session and a thread hop cost ~1 ms of CPU per request on the
-2-core machine, and with 50 clients in a closed loop one process's latency is ~50x that. So:
+A read route whose answer is a pure function of a stored version calls :func:`remember` with that
+version and a probe that reads it again; :class:`AnswerReplay`, an ASGI middleware, then answers a
+later request with the same key from the kept bytes (or 304) while a probe started after the request
+arrived finds the version unchanged: never stale, probes coalesced, only 200 answers kept.
 
-* A read route whose answer is a pure function of a stored *version* (the ranking's results version,
-  a sweep page's state) calls :func:`remember` with that version and a *probe*: a blocking function
-  that reads the current version again (one small query).
-* :class:`AnswerReplay`, an ASGI middleware, keeps the bytes of such a 200 answer under the request's
-  path, query and the headers that can change an answer (``Authorization``, ``Cookie``, ``Accept``,
-  ``Accept-Encoding``). For a later request with the same key it only runs the probe and, while the
-  version is unchanged, sends the kept bytes (or 304 when ``If-None-Match`` lists the answer's ETag,
-  RFC 9110 section 13.1.2) without routing, dependencies or a session. A changed version, a failing
-  probe, any other request: the app answers, as without this module.
-
-Never stale: a request is answered only from a probe that *started after the request arrived*, so a
-result committed before the request is seen. Probes of one version are coalesced: while one runs, the
-requests arriving wait for the next, which then answers all of them (50 waiting clients cost one
-query, not 50). Only 200 answers of authenticated-as-given requests are kept (a 401/403/404 never is),
-so a replay never widens who may read what.
+The design (why, the invariants, the numbers): docs/api.md#answers-replay.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """HTTP plumbing shared by every route: what a request may cost before any route code runs.
 
-* ``BodyLimit``: a body larger than ``MAX_BODY_BYTES`` is refused with 413 — at once when its
-  Content-Length says so, else as soon as the bytes received pass the limit — so nothing buffers
-  or parses a 36 MB body (an unauthenticated one least of all).
-* ``GuardedRoute``: the route class of the API routers. It authenticates the caller from the
-  headers *before* FastAPI reads and parses the body (FastAPI parses the body first and runs the
-  dependencies after, so a refused caller would otherwise still cost a full parse), then decodes
-  the JSON body itself: not UTF-8 (RFC 8259 section 8.1 requires it) or nested deeper than
-  ``MAX_JSON_DEPTH`` is a 422 naming ``body``, instead of FastAPI's undocumented 400. A body model
-  is validated in a worker thread, never on the event loop: FastAPI validates bodies on the loop,
-  and a sweep spec's validation may import a workload (``workload: hf`` imports transformers, seconds)
-  and build it on the meta device, which stalled every other request for as long.
-* ``storable_params``: an app-wide dependency refusing query and path values the stores cannot hold
-  (``api.spec.text_problem``) with a 422 naming the parameter; bodies get the same check from
-  ``api.spec.RequestModel``.
-* ``client_address``: who a request is from, for per-client budgets: the peer, or behind a proxy
-  named in ``MESHTUNE_TRUSTED_PROXIES`` the address that proxy (and any trusted one before it)
-  says in ``X-Forwarded-For``.
-* ``AllowedMethods``: OPTIONS answers 204 and a 405 lists in ``Allow`` every method the path has
-  (RFC 9110 sections 9.3.7 and 15.5.6), not only those of the first route Starlette matched.
+* ``BodyLimit``: a body over ``MAX_BODY_BYTES`` is refused with 413 before it is buffered.
+* ``GuardedRoute``: authenticates from the headers before the body is parsed, decodes the JSON body
+  itself (422 naming ``body``), validates body models in a worker thread, never on the event loop.
+* ``storable_params``: query and path values the stores cannot hold are a 422 naming the parameter.
+* ``client_address``: who a request is from, through the proxies in ``MESHTUNE_TRUSTED_PROXIES``.
+* ``AllowedMethods``: OPTIONS answers 204; a 405's ``Allow`` lists every method of the path.
+
+The design: docs/api.md#http-plumbing.
 """
 
 from __future__ import annotations

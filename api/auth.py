@@ -1,23 +1,11 @@
-"""Bearer-token authentication for the coordinator.
+"""Bearer-token authentication and roles for the coordinator.
 
-Tokens come from the settings (``MESHTUNE_API_TOKENS="alice:secret1,ci:secret2"``): several named
-tokens, the name is who a sweep records as its owner. Rules:
+Named tokens from ``MESHTUNE_API_TOKENS`` (the name is a sweep's owner), roles from
+``MESHTUNE_API_ROLES`` (``admin``, ``member`` by default, ``read-only``). Mutations always need a
+token, reads when ``read_requires_auth``; no token is 401, an unknown one 403. Tokens are compared
+in constant time and never shown; with none configured auth is off (one anonymous admin).
 
-* mutating endpoints always need a token; reads need one when ``read_requires_auth`` is set;
-* no ``Authorization: Bearer`` header -> 401 (with ``WWW-Authenticate: Bearer``), a token that
-  matches no configured token -> 403;
-* every configured token is compared with :func:`hmac.compare_digest` (on SHA-256 digests, so
-  lengths do not leak either) and the loop never stops early, so the time taken does not reveal
-  which token (or how much of one) matched;
-* a token never appears in a response, an exception message or a log line;
-* with no tokens configured at all auth is off (the embedded single-user default): every request
-  is served as ``anonymous`` and ``meshtune serve`` logs a warning.
-
-Roles (``MESHTUNE_API_ROLES="alice:admin,dash:read-only"``): a token is an ``admin`` (acts on every
-sweep and schedule), a ``member`` (the default for a token the setting does not name, so token lists
-from before roles keep working: submits, and cancels, changes or deletes only what it owns) or
-``read-only`` (reads only: every mutating endpoint answers 403). Auth off: the one anonymous user
-is an admin (it owns everything anyway). A reader without a token (reads open) is read-only.
+The rules in full: docs/api.md#authentication.
 """
 
 from __future__ import annotations

@@ -2,15 +2,9 @@
 one masking rule for every one of them (the API's exception handlers, the dashboard's messages, the
 CLI's error line, the settings' errors and the log handlers of ``meshtune serve``).
 
-- A URL keeps its scheme, host and port. Its password is ``***`` and its query ``?…``. An http(s)
-  URL (a webhook: chat services put the secret in the path, or a token as the user name) keeps
-  nothing after the host (``https://hooks.example.com/…``); any other URL (a database: the user, the
-  database name or the SQLite file are what an operator needs to see) keeps its user name and path.
-- A URL inside text is found and masked in place, percent-encoded ones too (an access log line
-  carries its query string encoded).
-- Known secrets (the configured bearer tokens, the database password; ``add_secrets``) are ``***``
-  wherever they appear.
-- ``redact`` walks dicts and lists (a 422's echoed ``value`` may be the whole request body).
+URLs keep scheme, host and port (http(s) nothing after the host, others their user and path),
+passwords and queries are masked, in text too; known secrets (``add_secrets``) are ``***``;
+``redact`` walks dicts and lists. The rule in full: docs/api.md#redaction.
 """
 
 from __future__ import annotations

@@ -173,3 +173,6 @@ class PlanOut(ResponseModel):
                        "folded into it (e.g. zero 1-3 with dp*cp*ep = 1 is the zero=0 program).")
     entries: list[PlannedLayoutOut] = Field(description="The fastest predicted feasible layouts, best first (top N).")
     seconds: float = Field(description="Time the analytical planner took, seconds.")
+    figures: dict[str, Any] = Field(default_factory=dict, description=(
+        "Where the cluster's figures come from: source 'probed' (probe_id: the stored probe of this cluster "
+        "and model, `meshtune probe`) or 'datasheet', and a line saying so (text)."))

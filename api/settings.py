@@ -109,15 +109,14 @@ class Settings(BaseSettings):
 
     @field_validator("api_roles", "owner_max_devices", "owner_device_hours_per_day", mode="before")
     @classmethod
-    def _parse_pairs(cls, value: object, info: object) -> object:
-        name = f"MESHTUNE_{getattr(info, 'field_name', '').upper()}"
+    def _parse_pairs(cls, value: object) -> object:
         if isinstance(value, str) and value.lstrip().startswith("{"):
             return json.loads(value)
         if isinstance(value, str):
             pairs = [p.rsplit(":", 1) for p in value.split(",") if p.strip()]
             bad = [p[0] for p in pairs if len(p) != 2 or not p[0].strip() or not p[1].strip()]
             if bad:
-                raise ValueError(f"{name} entry {bad[0]!r} is not name:value")
+                raise ValueError(f"entry {bad[0]!r} is not name:value")
             return {k.strip(): v.strip() for k, v in pairs}
         return value
 
@@ -127,7 +126,7 @@ class Settings(BaseSettings):
         if not value:
             return None
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,149}", value):
-            raise ValueError(f"MESHTUNE_CLUSTER_NAME={value!r} is not a name (letters, digits and ._:/@-, "
+            raise ValueError("not a name (letters, digits and ._:/@-, "
                              "at most 150, starting with a letter or digit)")
         return value
 
@@ -136,7 +135,7 @@ class Settings(BaseSettings):
     def _check_roles(cls, value: dict[str, str]) -> dict[str, str]:
         for name, role in value.items():
             if role not in ROLES:
-                raise ValueError(f"MESHTUNE_API_ROLES: role {role!r} of {name!r} is not one of {', '.join(ROLES)}")
+                raise ValueError(f"role {role!r} of {name!r} is not one of {', '.join(ROLES)}")
         return value
 
     @field_validator("owner_max_devices", "owner_device_hours_per_day")

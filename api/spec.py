@@ -28,6 +28,7 @@ from tuner import (
     training_spec,
     twin_note,
 )
+from workers import DIAGNOSTIC_OPTIONS
 
 SAMPLERS = ("surrogate", "tpe", "nsga2", "gp", "random", "grid")
 # Sanity bounds far above any real job. 2^18 devices is above the largest accelerator clusters built
@@ -158,9 +159,6 @@ class SearchSettings(RequestModel):
             raise ValueError(f"search.max_trials={value} exceeds the limit of {MAX_TRIALS:,} trials per sweep "
                              "(each proposal's cost grows with the trials before it)")
         return value
-
-
-DIAGNOSTIC_OPTIONS = ("fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes")
 
 
 class TrialOptions(RequestModel):

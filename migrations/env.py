@@ -2,7 +2,7 @@
 
 The version table is ``meshtune_alembic_version`` (not Alembic's default) so that this schema's
 history can never be confused with another Alembic user's in the same database (Optuna's RDBStorage
-stamps ``alembic_version``; see api/engine/__init__.py for where Optuna's state lives).
+stamps ``alembic_version``: docs/api.md#optuna-export).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from alembic import context
 
 import api.probes.models  # noqa: E402,F401 - registers the cluster-probe table on Base
-import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base (issue 8)
-import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base (issue 7)
+import api.reshard.models  # noqa: E402,F401 - registers the reshard-check table on Base
+import api.schedules.models  # noqa: E402,F401 - registers the schedule tables on Base
 from api.store._db import VERSION_TABLE, create_engine
 from api.store._models import Base
 
@@ -41,6 +41,12 @@ def run_migrations_online() -> None:
     engine = create_engine(_url())
     try:
         with engine.connect() as connection:
+            if connection.dialect.name == "sqlite":
+                # A batch migration rebuilds a table (create, copy, drop, rename); with foreign keys on, the
+                # drop of the old ``sweeps`` cascades to every trial. The pragma is a no-op inside a
+                # transaction, so it is set and committed before Alembic's begins.
+                connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                connection.commit()
             context.configure(
                 connection=connection,
                 target_metadata=target_metadata,

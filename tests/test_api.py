@@ -315,9 +315,11 @@ def test_metrics_match_the_store(client: TestClient, finished_sweep: dict) -> No
     sweeps = {s.labels["state"]: s.value for s in families["meshtune_sweeps"].samples}
     for state in ("queued", "completed", "cancelled"):
         assert sweeps[state] == client.get(f"/api/sweeps?status={state}").json()["total"], state
-    trials = {s.labels["outcome"]: s.value for s in families["meshtune_trials"].samples}
+    trials = {(s.labels["outcome"], s.labels["simulated"]): s.value for s in families["meshtune_trials"].samples}
     items = client.get(f"/api/sweeps/{finished_sweep['id']}/trials?limit=1000").json()["items"]
-    assert trials["completed"] == sum(t["status"] == "completed" for t in items)  # the only sweep with trials
+    for simulated in (False, True):  # the only sweep with trials; simulated outcomes counted apart
+        assert trials[("completed", str(simulated).lower())] == sum(
+            t["status"] == "completed" and bool(t["simulated"]) is simulated for t in items), simulated
     # simulated device-seconds (what the simulate backend models) are exported apart from real ones
     spent = {s.labels["simulated"]: s.value for s in families["meshtune_device_seconds"].samples}
     for simulated in (False, True):

@@ -144,7 +144,7 @@ def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: Non
         assert csv_text.splitlines()[1].startswith(f"1,{best['layout_key']},")
         metrics = c.http.get("/metrics").text
         assert 'meshtune_sweeps{state="completed"} 1.0' in metrics
-        assert 'meshtune_trials{outcome="completed"} 2.0' in metrics
+        assert 'meshtune_trials{outcome="completed",simulated="false"} 2.0' in metrics
         for t in trials:
             _check_memory_timeline(c, sid, t, measured_step=1 + 2 - 1)  # warm-up 1, the last of 2 measured
         short = [(r["layout_key"], r["n"], r["trial_numbers"]) for r in ranking["rows"]]

@@ -104,3 +104,37 @@ def test_old_sweeps_are_rekeyed_to_canonical_layouts_and_a_resume_runs_no_twin(u
         assert [t.layout_key for t in after] == [c.key for c in canon]  # nothing re-ran: both layouts measured
     finally:
         engine.dispose()
+
+
+def test_a_downgrade_that_rebuilds_a_table_keeps_every_row(url):
+    """SQLite alters a column by rebuilding the table; with foreign keys on, dropping the old ``sweeps``
+    cascaded to every trial (q0001's downgrade lost them all). Rows survive each step down."""
+    from workers import TrialResult
+
+    store.upgrade(url)
+    engine, sessions = store.open_store(url, upgrade_schema=False)
+    try:
+        with store.session_scope(sessions) as s:
+            sid = store.insert_sweep(s, name="kept", owner="a", spec={"model": "tiny"}, backend="simulate",
+                                     sampler="grid").id
+            for n in range(3):
+                store.insert_trial(s, sweep_id=sid, number=n, layout={"tp": 1}, layout_key=f"k{n}", world_size=1,
+                                   backend="simulate")
+                store.record_result(s, sweep_id=sid, number=n, attempt=0, result=TrialResult(
+                    status="completed", backend="simulate", simulated=True, step_time_s=1.0, step_times_s=[1.0],
+                    tokens_per_s=10.0, tokens_per_s_per_device=10.0, peak_memory_bytes=2**20))
+    finally:
+        engine.dispose()
+
+    def counts() -> tuple[int, int]:
+        e = store.create_engine(url)
+        try:
+            with e.connect() as conn:
+                return (conn.scalar(sa.text("SELECT count(*) FROM sweeps")),
+                        conn.scalar(sa.text("SELECT count(*) FROM trials")))
+        finally:
+            e.dispose()
+
+    for revision in ("k0001", "q0001", "t0001", "r0001"):  # below the rank-nodes and the queue columns, and on down
+        store.downgrade(url, revision)
+        assert counts() == (1, 3), revision

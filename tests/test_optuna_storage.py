@@ -1,4 +1,4 @@
-"""A sweep's trials as an Optuna study in Optuna's own storage (api/optuna_export.py): exported from
+"""A sweep's trials as an Optuna study in Optuna's own storage (api/export/optuna.py): exported from
 a finished seeded sweep (no Ray), incremental on re-export, read back by Optuna, by
 ``meshtune optuna-export`` and by a real ``optuna-dashboard`` process through its HTTP API."""
 
@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from api import store
-from api.optuna_export import EXPORTED_STATUSES, TRIAL_ID_ATTR, default_storage, export_sweep
+from api.export.optuna import EXPORTED_STATUSES, TRIAL_ID_ATTR, default_storage, export_sweep
 from tests._dashboard_seed import add_running_trial, seed_sweep
 
 
@@ -106,7 +106,7 @@ def test_optuna_dashboard_opens_the_finished_sweep(seeded):
 def test_mirror_follows_results_as_they_land(seeded, tmp_path):
     """``meshtune serve --optuna-storage``'s mirror: its first pass exports every ranked sweep, a pass
     with no new result adds nothing, and a result landing is in the study after the next pass."""
-    from api.optuna_export import OptunaMirror
+    from api.export.optuna import OptunaMirror
 
     url, sessions, sid, _, first = seeded
     mirror = OptunaMirror(sessions, storage=f"sqlite:///{tmp_path / 'live.db'}", interval_s=0.05)

@@ -204,6 +204,17 @@ def test_the_api_and_the_dashboard_show_probed_beside_datasheet(db):
         assert matmul["source"] == "probed" and matmul["ratio"] == pytest.approx(4.0)
         assert c.get("/api/probes/99").status_code == 404
         page = c.get(f"/sweeps/{sweep.id}").text
+        # The plan routes model the cluster with the stored probe, as `meshtune plan` does, and say so.
+        query = {"model": "tiny", "cluster": "cpu-local", "global_batch": 16, "precision": "fp32", "top": 3}
+        probed = c.get("/api/plan", params=query).json()
+        assert probed["figures"]["source"] == "probed" and probed["figures"]["probe_id"] == 1, probed["figures"]
+        assert probed["figures"]["text"].startswith("cluster figures: probe #1 of ")
+        assert probed["cluster"]["probed"]["matmul_flops"] == pytest.approx(truth().matmul_flops)
+        other = c.get("/api/plan", params={**query, "stack": "torchtitan"}).json()["figures"]
+        assert other["source"] == "datasheet" and "not the torchtitan stack" in other["text"]
+        posted = c.post("/api/plan", json={"model": "tiny", "cluster": "cpu-local",
+                                           "training": {"global_batch": 16, "precision": "fp32"}, "top": 3}).json()
+        assert posted["figures"] == probed["figures"] and posted["entries"] == probed["entries"]
     assert 'id="probe-panel"' in page and "probed / datasheet" in page and "matmul FLOP/s per device" in page
     assert "4x" in page
 

@@ -202,8 +202,11 @@ def test_roles_from_settings_and_defaults() -> None:
     assert authenticate(None, None, tokens=old.api_tokens, required=False).role == "read-only"
     s = Settings(api_roles="root:admin, dash:read-only", database_url="sqlite://")
     assert s.api_roles == {"root": "admin", "dash": "read-only"} and s.role_of("other") == "member"
-    with pytest.raises(ValueError, match="role 'boss' of 'x' is not one of admin, member, read-only"):
+    with pytest.raises(ValueError, match="^MESHTUNE_API_ROLES='x:boss': role 'boss' of 'x' is not one of admin, member, "
+                                         "read-only$"):
         Settings(api_roles="x:boss", database_url="sqlite://")
+    with pytest.raises(ValueError, match="^MESHTUNE_API_ROLES='abc': entry 'abc' is not name:value$"):
+        Settings(api_roles="abc", database_url="sqlite://")
 
 
 def test_dashboard_hides_actions_from_a_read_only_token(client: TestClient) -> None:

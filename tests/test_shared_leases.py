@@ -154,8 +154,9 @@ def test_the_cluster_is_named_explicitly_or_by_the_backend() -> None:
     assert cluster_identity(ray_like, "prod-a") == "ray:prod-a"  # the configured name wins
     assert cluster_identity(SimpleNamespace(name="simulate")) == "simulate"  # none: the backend's name
     assert cluster_identity(SimpleNamespace(name="simulate"), "prod-a") == "simulate:prod-a"
-    with pytest.raises(ValueError, match=r"MESHTUNE_CLUSTER_NAME='two words' is not a name"):
+    with pytest.raises(ValueError, match=r"^MESHTUNE_CLUSTER_NAME='two words': not a name") as bad:
         Settings(cluster_name="two words")
+    assert str(bad.value).count("MESHTUNE_CLUSTER_NAME") == 1  # the line names the variable once
     assert Settings(cluster_name="").cluster_name is None
 
 

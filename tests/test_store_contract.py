@@ -242,7 +242,7 @@ class TestStoreContract:
             store.record_result(s, sweep_id=sw.id, number=0, attempt=0, result=_result(10.0))
             s.commit()
             c = svc.counts(s)
-            assert c.trials_by_status == {"completed": 1} and c.device_seconds == 2.0
+            assert c.trials_by_status == {("completed", True): 1} and c.device_seconds == {False: 0.0, True: 2.0}
 
     def test_released_sweep_is_taken_at_once_and_marked_trials_keep_their_cause(self, sessions):
         with sessions() as s:
@@ -261,7 +261,7 @@ class TestStoreContract:
             assert [t.number for t in marked] == [0]
             (row,) = store.all_trials(s, sweep_id=sw.id)
             assert row.status == "interrupted" and row.cause == "sweep failed: ImportError: x"
-            assert svc.counts(s).trials_by_status == {"interrupted": 1}
+            assert svc.counts(s).trials_by_status == {("interrupted", False): 1}
 
 
 # --- timestamps: every DateTime column reads back as an aware UTC datetime (issue 11, item 10) ------------
@@ -357,8 +357,8 @@ def test_timestamps_read_back_as_the_same_instant_in_utc(zoned_sessions):
 @pytest.mark.parametrize("option", ["fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes"])
 def test_every_diagnostic_option_flags_the_sweep(option):
     """A sweep whose trials inject failures, slowness or a cap is flagged, whichever option does it
-    (the store reads the spec's one list, api.spec.DIAGNOSTIC_OPTIONS; min_step_s was missed)."""
-    from api.spec import DIAGNOSTIC_OPTIONS
+    (the store and the spec read the workers' one list, workers.DIAGNOSTIC_OPTIONS; min_step_s was missed)."""
+    from workers import DIAGNOSTIC_OPTIONS
 
     assert option in DIAGNOSTIC_OPTIONS
     assert store.Sweep(spec={"trial": {"options": {option: 1}}}).diagnostic

@@ -6,6 +6,7 @@ public modules where they are needed (``workers.ray_backend``, ``workers.reshard
 """
 
 from workers._contract import (
+    DIAGNOSTIC_OPTIONS,
     TRIAL_STATUSES,
     Backend,
     BackendUnavailable,
@@ -19,6 +20,7 @@ from workers.backends import BUILTIN_BACKENDS, get_backend, resolve_backend
 
 __all__ = [
     "BUILTIN_BACKENDS",
+    "DIAGNOSTIC_OPTIONS",
     "TRIAL_STATUSES",
     "Backend",
     "BackendUnavailable",

@@ -34,6 +34,9 @@ class BackendUnavailable(BackendError):  # noqa: N818 - reads as the condition i
 
 TrialStatus = Literal["completed", "oom", "timeout", "crash", "nan"]
 TRIAL_STATUSES: tuple[str, ...] = ("completed", "oom", "timeout", "crash", "nan")
+# The options that inject failures, slowness or a smaller device (TrialRequest.options): a run that
+# uses one is a diagnostic, never a real measurement of its layout.
+DIAGNOSTIC_OPTIONS: tuple[str, ...] = ("fail", "sleep_per_step_s", "min_step_s", "memory_cap_bytes")
 
 
 @dataclass(frozen=True)

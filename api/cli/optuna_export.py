@@ -1,4 +1,4 @@
-"""``meshtune optuna-export SWEEP``: the sweep's trials as an Optuna study (api/optuna_export.py),
+"""``meshtune optuna-export SWEEP``: the sweep's trials as an Optuna study (api/export/optuna.py),
 for ``optuna-dashboard`` and Optuna's own tools. Exporting again adds only what finished since."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from api import store
-    from api.optuna_export import default_storage, export_sweep
+    from api.export.optuna import default_storage, export_sweep
 
     if not 1 <= args.sweep_id <= 2**31 - 1:
         raise SpecError(f"SWEEP={args.sweep_id} is not a sweep id (1..2147483647)")

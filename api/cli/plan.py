@@ -231,31 +231,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, enum: Any) -> tuple[Any, dict]:
-    """The cluster with the stored probe's figures (api/probes), and what the plan says of them (the
-    enumeration's layouts are made only where a probe is stored, to see which degrees it covers)."""
+    """The cluster with the stored probe's figures (api/probes), and what the plan says of them."""
     from api.probes import service as probes
     from api.settings import get_settings
-    from tuner import summary, with_probe
 
     if args.datasheet:
-        return cluster, {"source": "datasheet", "text": "cluster figures: datasheet (--datasheet)"}
-    if training.stack != DEFAULT_STACK:  # a probe times meshtune's own workers, not another runtime
-        return cluster, {"source": "datasheet", "text": f"cluster figures: datasheet (a probe measures "
-                         f"meshtune's workers, not the {training.stack} stack)"}
-    workload = "builtin"
-    if args.spec_file:
-        workload = read_spec_file(args.spec_file).get("workload", "builtin")
-    row, note = probes.stored(model=model, cluster=cluster, training=training, backend=get_settings().backend,
-                              workload=workload)
-    if row is None:
-        return cluster, {"source": "datasheet",
-                         "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
-    figures = probes.figures_of(row)
-    tp_sp, _ = probes.targets_of(enum.valid)
-    gaps = "" if probes.covers(row, tp_sp) else "; some tensor-parallel degrees here were not probed (nearest used)"
-    text = (f"cluster figures: probe #{row.id} of {fmt.when(row.created_at)} ({summary(probes.hardware(cluster), figures)}"
-            f"{gaps}; `meshtune probe --show` lists them, --datasheet ignores them)")
-    return with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
+        return cluster, {"source": "datasheet", "probe_id": None, "text": "cluster figures: datasheet (--datasheet)"}
+    workload = read_spec_file(args.spec_file).get("workload", "builtin") if args.spec_file else "builtin"
+    row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored(
+        model=model, cluster=cluster, training=training, backend=get_settings().backend, workload=workload)
+    cluster, figures = probes.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
+    if row is not None:
+        figures["text"] += "; `meshtune probe --show` lists them, --datasheet ignores them"
+    return cluster, figures
 
 
 def _published(result: Plan, ref: Any) -> dict[str, Any]:

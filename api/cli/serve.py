@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
     p.add_argument("--optuna-storage", default=None, metavar="URL",
                    help="keep an Optuna storage (e.g. sqlite:///optuna.db, never meshtune's own database) in step "
-                        "with every sweep's trials as results land, for optuna-dashboard (api/optuna_export.py)")
+                        "with every sweep's trials as results land, for optuna-dashboard (api/export/optuna.py)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -99,7 +99,7 @@ def _optuna_mirror(storage: str | None, url: str):  # -> OptunaMirror | None
     if storage is None:
         return None
     from api import store
-    from api.optuna_export import OptunaMirror
+    from api.export.optuna import OptunaMirror
 
     if storage == url:
         raise SpecError("--optuna-storage must not be meshtune's own database (both have a 'trials' table)")

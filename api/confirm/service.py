@@ -9,8 +9,6 @@ round in a single conditional UPDATE (api/store/_confirm.py): the engine runs it
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from api import format as fmt
 from api import store
+from api._lru import LRU
 from api.auth import Principal, require_owner
 from api.engine._confirm import confirm_request, default_steps
 from api.store import Sweep
@@ -149,8 +148,7 @@ def _per_step(tokens_per_s_per_device: float | None, step_time_s: float | None, 
     return [per_step_tokens / s for s in (steps or []) if s]
 
 
-_CACHE: OrderedDict[tuple, ConfirmReport] = OrderedDict()
-_LOCK = threading.Lock()
+_REPORTS: LRU[ConfirmReport] = LRU(max_entries=64)
 
 
 def confirm_report(session: Session, *, sweep_id: int) -> ConfirmReport | None:
@@ -161,15 +159,7 @@ def confirm_report(session: Session, *, sweep_id: int) -> ConfirmReport | None:
         return None
     longs = store.confirm_trials(session, sweep_id=sweep_id, round=int(confirm["round"]))
     key = (str(session.get_bind().url), sweep_id, repr(confirm), tuple((t.id, t.status) for t in longs))
-    with _LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
-    report = _build(session, sweep, confirm, longs)
-    with _LOCK:
-        _CACHE[key] = report
-        while len(_CACHE) > 64:
-            _CACHE.popitem(last=False)
-    return report
+    return _REPORTS.get_or_build(key, lambda: _build(session, sweep, confirm, longs))
 
 
 def _build(session: Session, sweep: Sweep, confirm: dict[str, Any], longs: list[Any]) -> ConfirmReport:

@@ -10,15 +10,14 @@ few hundred kB of rows. A running sweep's state is kept and refreshed with what 
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from api import format as fmt
 from api._gc import settle
+from api._lru import LRU
 from api.dashboard import live, views
 from api.dashboard.state import LIVE_STATUSES, assemble, microbatches_of
 from api.engine._calibrate import describe
@@ -193,9 +192,7 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
 # sweep's counters too, so a re-opened or re-measured sweep is read afresh. A running sweep's state
 # is shared for LIVE_TTL_S, so that any number of open pages polling it cost one read per period,
 # and that read is incremental (api/dashboard/live.py): its trial rows stay formatted.
-_finished: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
-_finished_lock = threading.Lock()
-_FINISHED_KEEP = 8
+_finished: LRU[dict[str, Any]] = LRU(max_entries=8)
 LIVE_TTL_S = 2.0
 
 
@@ -219,10 +216,9 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
     # sweep_version: the counters every recorded result refreshes, and the calibration (a refit
     # changes the ranking's order and errors)
     key = (sweep.id, sweep.finished_at, *sweep_version(sweep))
-    with _finished_lock:
-        if key in _finished:
-            _finished.move_to_end(key)
-            return _finished[key]
+    kept = _finished.get(key)
+    if kept is not None:
+        return kept
     sweep = service.describe_sweep(session, sweep_id=sweep_id)
     entry = live.take(sweep)  # just finished: its kept rows need only what changed since
     if entry is not None:
@@ -230,10 +226,7 @@ def sweep_state(session: Session, *, sweep_id: int) -> dict[str, Any]:
             state = entry.refresh(session, sweep, sweep_header(sweep, entry.prob))
     else:
         state = _read_state(session, sweep)
-    with _finished_lock:
-        _finished[key] = state
-        while len(_finished) > _FINISHED_KEEP:
-            _finished.popitem(last=False)
+    _finished.put(key, state)
     settle()  # kept until evicted: out of later full collections (api/_gc.py)
     return state
 
@@ -251,7 +244,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     return assemble(sweep, prob, trials, service.ranking(session, sweep_id=sweep.id), header=sweep_header(sweep, prob))
 
 
-# --- migration (reshard) checks, issue 8 ------------------------------------------------------------
+# --- migration (reshard) checks ---------------------------------------------------------------------
 
 MIGRATION_TARGETS = 50  # the select of a "check migration" control offers the top of the ranking
 LISTED_MISMATCHES = 5

@@ -10,18 +10,16 @@ the rest; it needs no scikit-learn and takes ~0.3 s for 2,000 trials. ``evaluato
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from api._lru import LRU
 
 # Layout knobs a sampler varies; a parameter with one value in the sweep carries no information.
 PARAMS = ("tp", "pp", "dp", "cp", "ep", "zero", "mbs", "ac", "sp", "schedule", "vpp")
 MIN_TRIALS = 5
 
-_cache: OrderedDict[tuple[Any, str, int], dict[str, Any]] = OrderedDict()
-_cache_lock = threading.Lock()
-_CACHE_SIZE = 64
+_IMPORTANCES: LRU[dict[str, Any]] = LRU(max_entries=64)
 
 
 def _study_from(trials: Sequence[dict[str, Any]], params: list[str]):
@@ -54,20 +52,11 @@ def param_importance(
     whenever the sweep's results do, e.g. include its trial counts) is already cached. Too few
     completed trials, or no parameter that varies, gives empty lists and a note saying why.
     """
-    key = (cache_key, evaluator, seed)
-    if cache_key is not None:
-        with _cache_lock:
-            if key in _cache:
-                _cache.move_to_end(key)
-                return _cache[key]
-    done = [t for t in load() if t["status"] == "completed" and t.get("tokens_per_s_per_device")]
-    result = _compute(done, evaluator=evaluator, seed=seed)
-    if cache_key is not None:
-        with _cache_lock:
-            _cache[key] = result
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return result
+    def build() -> dict[str, Any]:
+        done = [t for t in load() if t["status"] == "completed" and t.get("tokens_per_s_per_device")]
+        return _compute(done, evaluator=evaluator, seed=seed)
+
+    return build() if cache_key is None else _IMPORTANCES.get_or_build((cache_key, evaluator, seed), build)
 
 
 def _compute(done: list[dict[str, Any]], *, evaluator: str, seed: int) -> dict[str, Any]:

@@ -1,29 +1,13 @@
 """A running sweep's trial rows, kept formatted between the dashboard's reads and refreshed with
-what changed since (data.sweep_state): at 10,000 trials, reading and formatting every row again
-each LIVE_TTL_S cost most of a core of the coordinator while any page of the sweep was open.
+what changed since (``data.sweep_state``), instead of reading and formatting every row each
+``LIVE_TTL_S``.
 
-What may change, from every statement that writes trials (api/store/_trials.py, _queue.py; the
-engine writes through them, api/engine/_lost.py included: a node lost is a ``record_result``):
+A row whose status is final (``FINAL``) never changes again, so a refresh reads only the rows above
+the highest id read, the rows not final when read, and ids missing from the sweep's row count.
+``Kept`` is a running sweep's whole kept state (rows, ranking, last state), returned again with the
+same version while none of its inputs changed.
 
-- new rows are inserted: the sweep's trials, re-runs after a restart (same number, ``attempt + 1``),
-  re-queued layouts after a node loss (a new number);
-- an UPDATE touches only a row that is still "running" — ``record_result`` (its result: completed,
-  failed, node lost), ``mark_interrupted`` (restart or failed sweep), ``restart_trial_clock`` (its
-  ``started_at`` when a re-run gets its devices) — each guarded by ``status == "running"``;
-- trials are never deleted, but with their sweep (whose id a new sweep may then take: the caller
-  keys the rows on the sweep's id and creation time).
-
-So a row whose status is final (``FINAL``) never changes again, and a refresh reads the rows with an
-id above the highest read, the rows read while not final (any other status: "running", or one this
-version does not know), and — when the sweep's row count says some are missing — the ids it has not
-read (PostgreSQL hands out ids at insert and rows appear at commit, so a row with a lower id can
-appear after a higher one). The queries are here rather than in a service because the row cache
-is the dashboard's (the services answer requests; none keeps state between them).
-
-``Kept`` is a running sweep's whole kept state: those rows, the ranking read again only when its
-tag moves (each recorded result, a refit), and the last state, returned again — same version, so
-the router's rendered pages and api/_answers.py's replays stay valid — while none of its inputs
-changed.
+Why this is complete (every statement that writes trials): docs/api.md#live-trial-rows.
 """
 
 from __future__ import annotations

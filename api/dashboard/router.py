@@ -1,25 +1,11 @@
 """Dashboard pages, served by the coordinator (server-rendered Jinja2, Plotly served locally).
 
-    GET  /                                   sweeps list + submit form
-    GET  /sweeps-table                       the list's table (HTML fragment: refreshed while any
-                                             sweep is queued or running)
-    POST /sweeps                             submit form (validated as POST /api/sweeps validates)
-    GET  /sweeps/{id}, /sweeps/{id}/tables, /sweeps/{id}/data.json
-                                             the sweep page, its tables and chart data, and their
-                                             cached answers (api/dashboard/sweep_pages.py)
-    GET  /sweeps/{id}/importance.json        parameter importance (Optuna), loaded after the page
-    GET  /sweeps/{id}/trials/{trial_id}      one trial: measurements, environment, error
-    GET  /sweeps/{id}/export?format=&layout= a ranked layout as a framework's config (api.export)
-    GET|POST /login                          token cookie when reads require auth
-    /dashboard/static/*, /dashboard/vendor/plotly.min.js   assets (plotly.js from the plotly package)
+The sweeps list and submit form (``/``, ``/sweeps-table``, ``POST /sweeps``), a sweep's page, tables,
+chart data and importance (``/sweeps/{id}...``), one trial, a ranked layout's export, ``/login`` and
+the static assets. Reads follow the API's rule, a browser sending the token as an http-only cookie set
+by ``/login``; submitting needs a token whenever tokens are configured.
 
-Reads follow the API's rule (a token only when ``read_requires_auth``); a browser sends it as an
-http-only cookie set by /login. Submitting needs a token whenever tokens are configured.
-
-A ranked layout's "check migration" control (static/migrate.js) posts to the API's own
-``POST /api/sweeps/{id}/reshard-check`` with the bearer token typed on the page (a writer token, as
-for the submit form); the page lists the sweep's past checks server-side (the cookie is enough to
-read them).
+The route table and the "check migration" control: docs/api.md#dashboard-routes.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from api._answers import remember
+from api._lru import LRU
 from api.dashboard import confirm_page, data, views
 from api.dashboard.router import (
     RANK_PAGE,
@@ -35,7 +36,7 @@ from api.dashboard.router import (
     templates,
 )
 from api.deps import SessionDep, SettingsDep, SweepId
-from api.routes._cache import VersionedCache, etag_matches
+from api.routes._cache import etag_matches
 from api.settings import Settings
 from tuner import NotFoundError
 
@@ -80,7 +81,7 @@ Page = Annotated[int, Query(ge=1, le=1_000_000)]
 # and what the viewer may do (a
 # read-only token sees no actions). A repeat load is then a dict lookup (a 10,000-trial page costs
 # ~55 ms of CPU to render), and its ETag (a digest of the bytes) answers If-None-Match with a 304.
-_rendered = VersionedCache(max_entries=64)
+_rendered: LRU = LRU(max_entries=64)
 
 
 def _checks_version(checks: list[dict[str, Any]]) -> tuple:
@@ -111,7 +112,7 @@ def _cached_html(request: Request, session: Any, settings: Settings, sweep_id: i
         return body, f'"dash-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
     version = (state["version"], _checks_version(checks))
-    entry = _rendered.get(key, version, lambda: _packed(*render()))
+    entry = _rendered.get_or_build(key, lambda: _packed(*render()), version=version)
     _remember(request, sweep_id, version)
     return _send(request, entry, "text/html; charset=utf-8")
 
@@ -179,6 +180,6 @@ def sweep_data(request: Request, sweep_id: SweepId, session: SessionDep, setting
         body = JSONResponse(state["bundle"] | {"status": state["sweep"]["status"]}).body
         return body, f'"data-{sweep_id}-{zlib.crc32(body):08x}-{len(body)}"'
 
-    entry = _rendered.get(("data.json", sweep_id), state["version"], lambda: _packed(*render()))
+    entry = _rendered.get_or_build(("data.json", sweep_id), lambda: _packed(*render()), version=state["version"])
     _remember(request, sweep_id, (state["version"], _checks_version(data.migration_checks(session, sweep_id=sweep_id))))
     return _send(request, entry, "application/json")

@@ -1,4 +1,4 @@
-"""SQLAlchemy model of reshard checks (issue 8), on the store's declarative ``Base`` (one Alembic history).
+"""SQLAlchemy model of reshard checks, on the store's declarative ``Base`` (one Alembic history).
 
 ``ReshardCheck``: one row per ``reshard-check`` run against a sweep's problem (model, cluster,
 training): the two layouts, the step counts, the verdict ("ok", "corrupted", "diverged", "failed")

@@ -24,10 +24,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from api._http import GuardedRoute, client_address
-from api.deps import ReaderDep
+from api._lru import LRU
+from api.deps import ReaderDep, SessionDep, SettingsDep
+from api.probes import service as probes
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanDevicesOut, PlanOut, PlanSizesOut
 from api.spec import PlanDevicesRequest, PlanRequest
 from tuner import (
+    DEFAULT_STACK,
     STACKS,
     ClusterSpec,
     ModelSpec,
@@ -83,28 +86,15 @@ class ClientBudget:
         return wait
 
 
-_CACHE: OrderedDict[tuple[ModelSpec, ClusterSpec, TrainingSpec], tuple[Any, float]] = OrderedDict()
-_CACHE_SIZE = 32
-_CACHE_LOCK = threading.Lock()
+# Plans, size and device comparisons kept as (answer, seconds it took): a pure function of the problem.
+_PLANS: LRU[tuple[Any, float]] = LRU(max_entries=32)
+_SIZES: LRU[tuple[Any, float]] = LRU(max_entries=32)
+_DEVICES: LRU[tuple[Any, float]] = LRU(max_entries=32)
 
 
-def _cached(key: tuple[ModelSpec, ClusterSpec, TrainingSpec]) -> tuple[Any, float] | None:
-    with _CACHE_LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None:
-            _CACHE.move_to_end(key)
-        return hit
-
-
-def _plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> tuple[Any, float]:
+def _timed(compute: Callable[[], Any]) -> tuple[Any, float]:
     started = time.perf_counter()
-    result = plan(model=model, cluster=cluster, training=training)
-    answer = (result, time.perf_counter() - started)
-    with _CACHE_LOCK:
-        _CACHE[(model, cluster, training)] = answer
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return answer
+    return compute(), time.perf_counter() - started
 
 
 ModelName = Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")]
@@ -137,6 +127,8 @@ Stack = Annotated[str, Query(max_length=50, description="The stack the model is 
 def get_plan(
     request: Request,
     caller: ReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
     model: ModelName,
     cluster: ClusterName,
     nodes: Annotated[int | None, Query(ge=1, le=100_000, description="Override the preset's node count.")] = None,
@@ -156,7 +148,7 @@ def get_plan(
     for the stack it is trained with (``stack``)."""
     m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    return _plan_answer(request, caller, m, c, t, top=top)
+    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=top)
 
 
 @router.post(
@@ -166,23 +158,29 @@ def get_plan(
     responses={**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **BODY_RESPONSES, 429: {
         "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}},
 )
-def post_plan(request: Request, caller: ReaderDep, body: PlanRequest) -> PlanOut:
+def post_plan(request: Request, caller: ReaderDep, session: SessionDep, settings: SettingsDep,
+              body: PlanRequest) -> PlanOut:
     """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
     m, c, t = body.to_problem()
     _check_devices(c)
-    return _plan_answer(request, caller, m, c, t, top=body.top)
+    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=body.top)
 
 
-def _plan_answer(request: Request, caller: Any, m: ModelSpec, c: ClusterSpec, t: TrainingSpec, *, top: int) -> PlanOut:
-    """The cached plan of (m, c, t), or a new one charged to an anonymous caller's budget first."""
-    answer = _cached((m, c, t))
+def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: ModelSpec, c: ClusterSpec,
+                 t: TrainingSpec, *, top: int) -> PlanOut:
+    """The cached plan of (m, c, t) on the cluster's stored probe where there is one (``backend``'s, as
+    ``meshtune plan`` does), or a new one charged to an anonymous caller's budget first."""
+    row, note = (None, "") if t.stack != DEFAULT_STACK else probes.stored_in(
+        session, model=m, cluster=c, training=t, backend=backend)
+    c, figures = probes.plan_figures(row=row, note=note, cluster=c, training=t)
+    answer = _PLANS.get((m, c, t))
     if answer is None:
         _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                                      remedy="plan it with `meshtune plan`, which has no such limit"))
-        answer = _plan(m, c, t)
+        answer = _PLANS.put((m, c, t), _timed(lambda: plan(model=m, cluster=c, training=t)))
     result, seconds = answer
-    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4))
+    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4), figures=figures)
 
 
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
@@ -238,9 +236,6 @@ def _charge(request: Request, caller: Any, cost: int) -> None:
             f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
 
 
-_SIZES: OrderedDict[tuple[Any, ...], tuple[Any, float]] = OrderedDict()
-
-
 @router.get(
     "/api/plan/sizes",
     response_model=PlanSizesOut,
@@ -279,7 +274,6 @@ def get_plan_sizes(
                         seconds=round(seconds, 4))
 
 
-_DEVICES: OrderedDict[tuple[Any, ...], tuple[Any, float]] = OrderedDict()
 DevicesResponses = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
     "model": ErrorOut, "description": "An anonymous client's planning budget is spent: wait Retry-After seconds."}}
 
@@ -338,12 +332,11 @@ def _devices_answer(request: Request, caller: Any, m: ModelSpec, clusters: list[
                           figure=devices_figure(points, title=title), seconds=round(seconds, 4))
 
 
-def _bounded(cache: OrderedDict[tuple[Any, ...], tuple[Any, float]], key: tuple[Any, ...], request: Request,
+def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], request: Request,
              caller: Any, m: ModelSpec, sizes: list[ClusterSpec], compute: Callable[[], Any]) -> tuple[Any, float]:
     """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
     cluster size (devices, candidate layouts) and charged to an anonymous caller's budget."""
-    with _CACHE_LOCK:
-        answer = cache.get(key)
+    answer = cache.get(key)
     if answer is not None:
         return answer
     cost = 0
@@ -352,10 +345,4 @@ def _bounded(cache: OrderedDict[tuple[Any, ...], tuple[Any, float]], key: tuple[
         cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
                                     remedy="plan it with `meshtune plan`, which has no such limit")
     _charge(request, caller, cost)
-    started = time.perf_counter()
-    answer = (compute(), time.perf_counter() - started)
-    with _CACHE_LOCK:
-        cache[key] = answer
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    return answer
+    return cache.put(key, _timed(compute))

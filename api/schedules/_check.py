@@ -1,16 +1,11 @@
 """After a fire's sweeps end: compare each layout tonight with the schedule's history, write alerts.
 
-``check_fire`` runs in one transaction whose first statement is the conditional "running ->
-completed/failed" update of the fire; a replica that loses that race writes nothing. Alerts are
-rows written in the same transaction, before any webhook is tried, so a failing webhook can delay
-an alert but never lose it.
+``check_fire`` runs in one transaction that first moves the fire out of "running" (a replica that
+loses that race writes nothing) and writes the alerts before any webhook is tried, so a failing
+webhook can delay an alert but never lose it. History is kept grouped by previous night
+(``history_by_fire``); the statistics are ``tuner._regression``.
 
-History = the measurements of the same schedule's previous completed fires (the newest
-``policy.history_nights``), measured with the same ``simulated`` flag as tonight's runs, kept
-grouped by fire (``history_by_fire``): one list of repeats per previous night, so the regression
-test compares tonight with the past nightly means and the night-to-night variation counts as noise
-(a flat list would fall back to the pooled-repeats test, which over-alarms when nights differ). The
-statistics are ``tuner._regression`` (documented there).
+The design: docs/api.md#checking-a-fire.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Cron and time-zone handling on croniter + zoneinfo, and the misfire policy as a pure function.
 
-Misfire policy (``plan_fires``), applied on every scheduler tick for each enabled schedule, to the
-cron fire times ``t`` with ``anchor < t <= now`` (``anchor`` = the schedule's latest recorded fire, or
-the instant it was created/enabled, whichever is later):
+``plan_fires``: of the fire times due since the schedule's anchor, the most recent runs once if it is
+within ``grace_s``, the others within the grace window are recorded ``coalesced``, older ones
+``missed``; at most ``MAX_RECORDED_MISSES`` of each kind are recorded per catch-up.
 
-- the most recent due fire runs if it is at most ``grace_s`` old (late by a tick, or the coordinator
-  was down briefly) — once, however many fires the outage spanned (coalesce);
-- every other due fire within the grace window is recorded as ``coalesced`` (folded into that run);
-- due fires older than the grace window are recorded as ``missed`` (never run).
-At most ``MAX_RECORDED_MISSES`` of the newest of each kind are recorded per catch-up, so a per-second
-cron that was down for a month does not write millions of rows; older ones are skipped silently (the
-gap in fire times shows them). Manual "run now" fires never move the anchor.
+The policy in full: docs/api.md#misfire-policy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """What a fire runs: the sweeps it creates, claimed and created in one transaction.
 
 ``fire_schedule`` inserts the fire row (ON CONFLICT DO NOTHING) and, only when that insert took
-effect, inserts the fire's sweeps as "queued" in the SAME transaction; the engine's runner
-(api.engine.SweepRunner) claims and runs them like any submitted sweep. A replica that dies before
-committing leaves nothing behind (the fire is still unclaimed and any replica can take it), so there
-is never a claimed fire without its sweeps nor a sweep without its fire.
+effect, the fire's sweeps as "queued" in the same transaction, so there is never a claimed fire
+without its sweeps nor a sweep without its fire. A re-measurement becomes one sweep listing the
+layouts with ``search.repeats``.
 
-The sweeps are inserted with ``api.store.insert_sweep`` rather than ``api.sweeps.service.create_sweep``
-because the service commits on its own, which would split the claim from the launch. Validation is
-the same: every spec is a validated ``SweepSpec`` (templates are re-validated at each fire, so a
-template that a later release no longer accepts fails its fire with the reason instead of running).
-
-A re-measurement ("the top-k layouts of sweep X, R times") becomes ONE sweep of the source sweep's
-problem with ``search.layouts`` set to those layouts and ``search.repeats=R``: the engine measures
-each listed layout R times (no sampler) and nothing else. ``check_fire`` groups its measurements by
-layout key, so one sweep per fire compares exactly like the per-layout sweeps of older fires did.
+Why the store's ``insert_sweep`` and not the sweeps service: docs/api.md#launching-a-fire.
 """
 
 from __future__ import annotations

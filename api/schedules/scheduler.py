@@ -1,23 +1,12 @@
 """The scheduler inside the coordinator: a thread that ticks every ``interval_s``.
 
-Each tick, in order:
-1. **fire** — for every enabled schedule, croniter gives the fire times due since the schedule's
-   last recorded cron fire; the misfire policy (``_cron.plan_fires``) says which one runs and which
-   are recorded as coalesced/missed; the fire to run is claimed and its sweeps created in one
-   transaction (``_launch.fire_schedule``). Any number of replicas may tick the same database: the
-   unique (schedule_id, fire_time) row inserted with ON CONFLICT DO NOTHING lets exactly one of them
-   launch each fire (APScheduler 3 cannot share a job store between processes — its FAQ, "How do I
-   share a single job store among one or more worker processes?" — so croniter computes the times
-   and the database decides who runs them).
-2. **check** — fires whose sweeps have all ended are compared with the schedule's history
-   (``_check.check_fire``), writing alerts.
-3. **deliver** — due alerts are POSTed to webhooks with retries (``webhook.deliver_due``).
+Each tick: **fire** the due schedules (misfire policy ``_cron.plan_fires``; the fire claimed and its
+sweeps created in one transaction, ``_launch.fire_schedule``, so exactly one replica launches each
+fire), **check** fires whose sweeps have all ended (``_check.check_fire``), **deliver** due alerts to
+webhooks (``webhook.deliver_due``). The sweeps are ordinary queued sweeps, run by the engine's runner.
 
-The sweeps themselves are run by the engine's runner (``api.engine.SweepRunner.run_pending``) in the
-same coordinator, or in any other replica — they are ordinary queued sweeps.
-
-Run on its own (no engine, no API), e.g. to watch fires: ``python -m api.schedules.scheduler
---database-url URL [--seconds N] [--interval S]``.
+Run on its own: ``python -m api.schedules.scheduler --database-url URL [--seconds N] [--interval S]``.
+The design: docs/api.md#the-scheduler.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from api.store._sweeps import (
     claim_sweep,
     count_sweeps_by_status,
     count_trials_by_status,
+    device_seconds_by_simulated,
     get_sweep,
     heartbeat,
     hold_sweep,
@@ -66,7 +67,6 @@ from api.store._sweeps import (
     set_fingerprint,
     set_sweep_status,
     sweeps_on_fingerprint,
-    total_device_seconds,
 )
 from api.store._timeline import TrialMemory, store_timeline, trial_timeline  # registers trial_memory
 from api.store._trials import (
@@ -113,6 +113,7 @@ __all__ = [
     "confirm_trials",
     "count_sweeps_by_status",
     "count_trials_by_status",
+    "device_seconds_by_simulated",
     "create_engine",
     "current_revision",
     "downgrade",
@@ -155,7 +156,6 @@ __all__ = [
     "set_sweep_status",
     "short_run_trials",
     "store_timeline",
-    "total_device_seconds",
     "trial_timeline",
     "upgrade",
     "url_problem",

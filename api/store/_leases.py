@@ -1,25 +1,12 @@
 """One device queue for every coordinator on this database, per cluster (``pool``: the cluster's
-identity, api/engine/_shared.py). Three tables:
+identity, api/engine/_shared.py).
 
-- ``cluster_members``: each coordinator using the cluster, its beat, and the devices it sees there;
-  the cluster's capacity is the least any live member sees (a coordinator that has not yet seen a
-  node come back, or one configured with a smaller figure, never lets the others over-grant);
-- ``device_waiters``: every sweep waiting for devices, whichever coordinator runs it;
-- ``device_leases``: every grant, kept after its release (``released_at``, ``release_cause``): the
-  table is the history an audit replays (``lease_intervals``).
+Tables ``cluster_members`` (each coordinator, its beat and the devices it sees), ``device_waiters``
+(every sweep waiting for devices) and ``device_leases`` (every grant, kept after release for audits).
+Every change is one transaction (``tend``) serialising the cluster's coordinators and ending with
+``_dispatch``: dead members' leases released, then free devices granted in ``queue_key`` order.
 
-Every change is one transaction (``tend``) that serialises the cluster's coordinators (PostgreSQL: a
-transaction-scoped advisory lock keyed by the pool; SQLite: the database's write lock, taken by the
-transaction's first statement) and ends with ``_dispatch``: the dead members' leases are released and
-their waiters dropped, then the free devices go to the waiters in ``queue_key`` order (fewest devices
-held by the owner, then priority, then the longest wait), whichever coordinator runs them. The order
-is strict (a head that does not fit holds back the rest) except for a waiter its owner's limit keeps
-out. A coordinator learns of a grant made in another's transaction by reading its own live leases.
-
-A member is live while it beats within ``ttl_s`` and is not a gone process of this host (as for sweep
-claims); its leases and waiters live with it, so a beat is one row per coordinator, not one per lease.
-Times are the database's clock on PostgreSQL (one clock for every coordinator), the process's on
-SQLite (one host).
+The protocol (locks, order, liveness, clocks): docs/store.md#device-queue-and-leases.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from api.store._types import UTCDateTime
+from workers import DIAGNOSTIC_OPTIONS
 
 SWEEP_STATUSES = ("queued", "running", "completed", "cancelled", "failed")
 FINISHED_SWEEP_STATUSES = ("completed", "cancelled", "failed")
@@ -109,10 +110,8 @@ class Sweep(Base):
 
     @property
     def diagnostic(self) -> bool:
-        """trial.options inject failures, slowness or a memory cap (api.spec.DIAGNOSTIC_OPTIONS): the
+        """trial.options inject failures, slowness or a memory cap (workers.DIAGNOSTIC_OPTIONS): the
         sweep's numbers are diagnostics, not real measurements of its layouts. Derived from the spec."""
-        from api.spec import DIAGNOSTIC_OPTIONS  # the spec's one list (api.spec imports no store)
-
         options = ((self.spec or {}).get("trial") or {}).get("options") or {}
         return any(options.get(k) is not None for k in DIAGNOSTIC_OPTIONS)
 

@@ -1,17 +1,12 @@
-"""The stored ranking, maintained as results land (issue 15): one row per (sweep, metric, layout) with
-the layout's aggregates and its place in the ranking, and one state row per sweep with its results
+"""The stored ranking, maintained as results land: one row per (sweep, metric, layout) with the
+layout's aggregates and its place in the ranking, and one state row per sweep with its results
 version. A ranking request reads a page of rows by rank instead of recomputing every trial.
 
-Write path (same transaction as the result): ``record_result`` calls ``fold_layout`` for the trial's
-layout — its aggregates are recomputed from that layout's few completed trials — and bumps the sweep's
-results version; ``refresh_sweep_cache`` (which the engine calls next) calls ``rerank``.
+``record_result`` calls ``fold_layout`` and bumps the results version in the result's transaction;
+``rerank`` redoes the pooled intervals, order and tie groups from the rows' columns, bit for bit the
+ranking recomputed from every trial.
 
-Exactly today's ranking: ``tuner._stats.rank`` pools the run-to-run noise over every repeated layout
-of the sweep, so one repeat moves every layout's interval. Each row therefore keeps the inputs of
-both interval formulas (``tuner._stats.interval``): its own unpooled interval, the mean of its log
-values, and its contribution to the pooled sum of squares; ``rerank`` pools them in the order
-``rank`` sees the groups (first measured trial number) and redoes the interval, order and tie groups
-from those columns, bit for bit (tests/test_ranking_incremental.py compares with the recomputation).
+How it stays exact: docs/store.md#stored-ranking.
 """
 
 from __future__ import annotations

@@ -281,12 +281,23 @@ def count_sweeps_by_status(session: Session) -> dict[str, int]:
     return {s: int(n) for s, n in session.execute(sa.select(Sweep.status, sa.func.count()).group_by(Sweep.status))}
 
 
-def count_trials_by_status(session: Session) -> dict[str, int]:
-    return {s: int(n) for s, n in session.execute(sa.select(Trial.status, sa.func.count()).group_by(Trial.status))}
+def count_trials_by_status(session: Session) -> dict[tuple[str, bool], int]:
+    """Trial attempts by (status, simulated): a simulated outcome is never counted as a real one."""
+    q = sa.select(Trial.status, Trial.simulated, sa.func.count()).group_by(Trial.status, Trial.simulated)
+    out: dict[tuple[str, bool], int] = {}
+    for status, simulated, n in session.execute(q):
+        out[(status, bool(simulated))] = out.get((status, bool(simulated)), 0) + int(n)
+    return out
 
 
-def total_device_seconds(session: Session) -> float:
-    return float(session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0))) or 0.0)
+def device_seconds_by_simulated(session: Session) -> dict[bool, float]:
+    """Device-seconds of every trial, real (False) apart from simulated (True): the simulate backend
+    reports the device time of the run it models, which no device spent."""
+    q = sa.select(Trial.simulated, sa.func.coalesce(sa.func.sum(Trial.device_seconds), 0.0)).group_by(Trial.simulated)
+    out = {False: 0.0, True: 0.0}
+    for simulated, seconds in session.execute(q):
+        out[bool(simulated)] += float(seconds or 0.0)
+    return out
 
 
 # --- sharing one cluster (api/engine/_share.py) ------------------------------------------------------

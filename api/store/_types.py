@@ -1,18 +1,10 @@
 """Column types shared by every table of the store.
 
-``UTCDateTime`` is the one timestamp type: every DateTime column uses it (tests/test_store_contract.py
-checks that none is a plain ``DateTime``). Why a type of our own: SQLite has no time-zone-aware type,
-and SQLAlchemy's SQLite ``DATETIME`` stores the wall time of the value it is given, dropping its offset,
-and reads back a naive datetime (SQLAlchemy docs, "SQLite: Date and Time Types"); PostgreSQL's
-``timestamptz`` keeps the instant but reads it back in the session's ``TimeZone``. So the same row
-came back as ``12:30`` (no zone: a JavaScript client takes it for local time) from SQLite and as
-``18:00+05:30`` from a PostgreSQL session in Asia/Kolkata. This type writes every value as UTC and
-hands back aware UTC datetimes on both backends.
+``UTCDateTime`` is the one timestamp type (every DateTime column uses it; tests/test_store_contract.py
+checks it): it writes every value as UTC and hands back aware UTC datetimes on SQLite and PostgreSQL
+alike, with the DDL of ``DateTime(timezone=True)``.
 
-The DDL is unchanged (``impl`` is ``DateTime(timezone=True)``: ``TIMESTAMP WITH TIME ZONE`` on
-PostgreSQL, the same text column on SQLite), so no migration is needed, and rows written before this
-type existed read back right: every writer already passed UTC (``utcnow()``), which SQLite stored as
-its UTC wall time.
+Why a type of its own: docs/store.md#column-types.
 """
 
 from __future__ import annotations

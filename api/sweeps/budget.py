@@ -1,4 +1,4 @@
-"""What a sweep's layouts would cost to train with, and what its search spent (issue 14).
+"""What a sweep's layouts would cost to train with, and what its search spent.
 
 A ranked layout's time and cost to train ``training.train_tokens`` come from its median *measured*
 tokens/s per device times the sweep's devices, at ``cluster.price_per_device_hour``; on the
@@ -9,15 +9,13 @@ is the sweep's recorded device-seconds (wall time x devices held, every trial).
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Any
 
+from api._lru import LRU
 from api.spec import SweepSpec
 from tuner import ClusterSpec, TrainingSpec, training_budget
 
-_PROBLEMS: OrderedDict[str, tuple[ClusterSpec, TrainingSpec] | None] = OrderedDict()
-_LOCK = threading.Lock()
+_PROBLEMS: LRU[tuple[ClusterSpec, TrainingSpec] | None] = LRU(max_entries=256)
 
 
 def problem(sweep: Any) -> tuple[ClusterSpec, TrainingSpec] | None:
@@ -26,20 +24,15 @@ def problem(sweep: Any) -> tuple[ClusterSpec, TrainingSpec] | None:
     the sweeps list ranks every sweep it shows, and validating a spec costs milliseconds."""
     spec = sweep.spec or {}
     key = json.dumps([spec.get("model"), spec.get("cluster"), spec.get("training")], sort_keys=True, default=str)
-    with _LOCK:
-        if key in _PROBLEMS:
-            _PROBLEMS.move_to_end(key)
-            return _PROBLEMS[key]
+    return _PROBLEMS.get_or_build(key, lambda: _problem_of(spec))
+
+
+def _problem_of(spec: dict[str, Any]) -> tuple[ClusterSpec, TrainingSpec] | None:
     try:
         _, cluster, training = SweepSpec.model_validate(spec).to_problem()
-        found: tuple[ClusterSpec, TrainingSpec] | None = (cluster, training)
     except ValueError:
-        found = None
-    with _LOCK:
-        _PROBLEMS[key] = found
-        while len(_PROBLEMS) > 256:
-            _PROBLEMS.popitem(last=False)
-    return found
+        return None
+    return cluster, training
 
 
 def row_budget(tokens_per_s_per_device: float | None, *, cluster: ClusterSpec, training: TrainingSpec,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Body, Query, Request, Response, status
 
 from api._answers import remember
 from api._http import GuardedRoute
+from api._lru import LRU
 from api.deps import (
     Limit,
     Offset,
@@ -20,7 +21,7 @@ from api.deps import (
     TrialId,
     WriterDep,
 )
-from api.routes._cache import VersionedCache, etag_matches, sweep_version
+from api.routes._cache import etag_matches, sweep_version
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND, ErrorOut
 from api.spec import SweepSpec
 from api.store import SWEEP_PRIORITIES, SWEEP_STATUSES, TRIAL_STATUSES
@@ -28,7 +29,7 @@ from api.sweeps import service
 from api.sweeps.schemas import ParetoOut, RankingOut, SweepOut, SweepPage, TransferOut, TrialOut, TrialPage
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
-_cache = VersionedCache(max_entries=256)  # ranking pages and Pareto answers, by version
+_cache: LRU = LRU(max_entries=256)  # ranking pages and Pareto answers, by version
 
 READ = {k: ERROR_RESPONSES[k] for k in (401, 403, 422)}
 READ_ONE = {**READ, **NOT_FOUND}
@@ -137,7 +138,8 @@ def ranking(
     if etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
     key = (str(session.get_bind().url), sweep_id, metric, kind, offset, limit)
-    body = _cache.get(key, tag, lambda: _ranking_body(session, sweep_id, metric, wants_csv, limit, offset))
+    body = _cache.get_or_build(key, lambda: _ranking_body(session, sweep_id, metric, wants_csv, limit, offset),
+                               version=tag)
     if wants_csv:
         headers["Content-Disposition"] = f'attachment; filename="sweep-{sweep_id}-ranking.csv"'
     remember(request, probe_key=("ranking", sweep_id, metric), version=tag,
@@ -160,8 +162,8 @@ def transfer(
 
     tag = service.ranking_tag(session, sweep_id=sweep_id)
     key = (str(session.get_bind().url), sweep_id, "transfer", stack)
-    body = _cache.get(key, tag, lambda: TransferOut.model_validate(
-        transfer_of(session, sweep_id=sweep_id, stack=stack).to_dict()).model_dump_json().encode())
+    body = _cache.get_or_build(key, lambda: TransferOut.model_validate(
+        transfer_of(session, sweep_id=sweep_id, stack=stack).to_dict()).model_dump_json().encode(), version=tag)
     return Response(body, media_type="application/json")
 
 
@@ -184,7 +186,7 @@ def _cached(session: SessionDep, sweep_id: int, what: tuple, compute):  # noqa: 
     """``compute()`` for this sweep, reused until the sweep's next recorded trial (404 if unknown)."""
     version = sweep_version(service.get_sweep(session, sweep_id=sweep_id))
     key = (str(session.get_bind().url), sweep_id, *what)
-    return _cache.get(key, version, compute)
+    return _cache.get_or_build(key, compute, version=version)
 
 
 @router.get("/{sweep_id}/pareto", response_model=ParetoOut, summary="Throughput vs peak memory", responses=READ_ONE)

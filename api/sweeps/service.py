@@ -8,8 +8,7 @@ The ranking (``ranking``, ``ranking_tag``, ``ranking_csv``) is in ``api.sweeps.r
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
+from api._lru import LRU
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable
 from api.paging import check_page
@@ -51,11 +51,12 @@ class ParetoPoint:
 
 @dataclass
 class Counts:
-    """What /metrics exports."""
+    """What /metrics exports: trials and device time kept apart by ``simulated`` (True: the simulate
+    backend's model of a run, no device spent it)."""
 
     sweeps_by_status: dict[str, int]
-    trials_by_status: dict[str, int]
-    device_seconds: float
+    trials_by_status: dict[tuple[str, bool], int]
+    device_seconds: dict[bool, float]
 
 
 def create_sweep(
@@ -167,9 +168,7 @@ def get_trial(session: Session, *, sweep_id: int, trial_id: int) -> Trial:
     return trial
 
 
-_CACHE_LOCK = threading.Lock()
-_CACHE: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-_CACHE_SIZE = 64
+_VIEWS: LRU[Any] = LRU(max_entries=64)
 
 
 def _cached(session: Session, sweep: Sweep, what: str, build: Any) -> Any:
@@ -181,16 +180,7 @@ def _cached(session: Session, sweep: Sweep, what: str, build: Any) -> Any:
         sweep.n_failed, sweep.n_pruned, sweep.device_seconds, sweep.best_tokens_per_s_per_device,
         repr(sweep.calibration),
     )
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    value = build()
-    with _CACHE_LOCK:
-        _CACHE[key] = value
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    return value
+    return _VIEWS.get_or_build(key, build)
 
 
 def pareto(session: Session, *, sweep_id: int) -> list[ParetoPoint]:
@@ -247,5 +237,5 @@ def counts(session: Session) -> Counts:
     return Counts(
         sweeps_by_status=store.count_sweeps_by_status(session),
         trials_by_status=store.count_trials_by_status(session),
-        device_seconds=store.total_device_seconds(session),
+        device_seconds=store.device_seconds_by_simulated(session),
     )

@@ -1,4 +1,4 @@
-"""ranked_layouts and ranking_states: the ranking maintained as results land (issue 15), with a
+"""ranked_layouts and ranking_states: the ranking maintained as results land, with a
 backfill of every existing sweep
 
 Revision ID: k0001

@@ -1,5 +1,5 @@
 """trials.rank_nodes: the node each rank's process ran on (where the placement landed), as the
-Ray backend records it (issue 15)
+Ray backend records it
 
 Revision ID: n0001
 Revises: k0001

@@ -1,5 +1,5 @@
 """schedules.priority: the queue priority (high, normal, low) of the sweeps a schedule fires, so a
-nightly schedule can yield to interactive sweeps or go ahead of them (issue 15)
+nightly schedule can yield to interactive sweeps or go ahead of them
 
 Revision ID: p0001
 Revises: n0001

@@ -1,5 +1,5 @@
 """sweeps.priority: the queue's priority of a sweep (high, normal, low), for sharing one cluster
-between sweeps and owners (issue 15)
+between sweeps and owners
 
 Revision ID: q0001
 Revises: t0001

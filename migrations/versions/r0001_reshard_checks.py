@@ -1,4 +1,4 @@
-"""reshard checks: verdicts of moving a run between layouts through a DCP checkpoint (issue 8)
+"""reshard checks: verdicts of moving a run between layouts through a DCP checkpoint
 
 Revision ID: r0001
 Revises: s0001

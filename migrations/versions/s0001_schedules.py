@@ -1,5 +1,5 @@
 """schedules, their fires (unique per schedule and fire time: the single-fire guarantee), alerts and
-webhook delivery attempts (issue 7)
+webhook delivery attempts
 
 Revision ID: s0001
 Revises: 0001

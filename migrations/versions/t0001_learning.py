@@ -1,5 +1,5 @@
 """sweeps.fingerprint (the cluster a sweep measured, for learning across sweeps) and
-trials.calibration_version (the calibration a trial's predictions were made under) (issue 13)
+trials.calibration_version (the calibration a trial's predictions were made under)
 
 Revision ID: t0001
 Revises: r0001

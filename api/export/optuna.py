@@ -1,25 +1,12 @@
-"""A sweep's trials as an Optuna study in a standard Optuna storage (issue 15), so that Optuna's own
-tools (``optuna-dashboard``, ``optuna.load_study``, its plots and importance) read meshtune's data.
+"""A sweep's trials as an Optuna study in a standard Optuna storage, so that Optuna's own tools
+(``optuna-dashboard``, ``optuna.load_study``, its plots and importance) read meshtune's data.
 
-The storage is Optuna's ``RDBStorage`` with its own schema and migration history, never meshtune's
-database: both have a ``trials`` table, and Optuna's Alembic stamps ``alembic_version`` (see
-FIELD-NOTES, api/store/_db.py). By default it is a SQLite file beside the embedded store
-(``$MESHTUNE_HOME/optuna.db``), or any Optuna storage URL (a PostgreSQL database or schema of its own).
+The storage is Optuna's ``RDBStorage``, never meshtune's database (default
+``$MESHTUNE_HOME/optuna.db``). Export is incremental, on demand (``meshtune optuna-export SWEEP``) or
+kept in sync by an ``OptunaMirror`` beside the API (``meshtune serve --optuna-storage URL``), outside
+the engine's result transaction.
 
-Export on demand (``meshtune optuna-export SWEEP``), incremental: each meshtune trial becomes one
-Optuna trial, tagged with its row id (user attribute ``meshtune_trial_id``), so exporting again adds
-only the trials that finished since — a running sweep can be re-exported as often as wanted, and no
-trial is added twice. Or kept in sync as results land: ``meshtune serve --optuna-storage URL`` runs
-an ``OptunaMirror`` beside the API, which re-exports every sweep whose results version moved
-(api/store/_ranking.py) every few seconds — outside the engine's result transaction, which stays
-one database's, so a slow or unavailable Optuna storage never holds up a sweep.
-
-Mapping: study ``"{sweep id}-{sweep name}"``, direction maximize; params are the layout's knobs
-(integers as IntDistribution, ``ac``/``schedule``/``sp`` categorical); value is the measured
-tokens/s per device (the ranking's metric; the whole job's tokens/s is a user attribute); a failure
-(oom, timeout, crash, nan) or a layout pruned by the memory model is a FAIL trial with user
-attributes ``status``, ``error`` and ``infeasible`` (pruned, oom, timeout: the constraints the
-sampler was told). Trials still running or interrupted (re-run as a later attempt) are left out.
+The storage, the sync and the trial mapping: docs/api.md#optuna-export.
 """
 
 from __future__ import annotations
