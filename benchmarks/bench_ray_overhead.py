@@ -42,7 +42,7 @@ def main() -> int:
 
     import ray
 
-    from api.cli.run_trial import build_request
+    from workers.cli_request import build_request
     from workers.ray_backend import RayBackend
 
     ns = argparse.Namespace(model=args.model, cluster=args.cluster, layout=args.layout,

@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _layout(flag: str, text: str) -> Any:
-    from api.cli.run_trial import parse_layout
+    from workers.cli_request import parse_layout
 
     try:
         return parse_layout(text)

@@ -19,9 +19,9 @@ import json
 import sys
 
 from workers import TrialRequest, TrialResult
-from workers.cli_request import build_request, parse_layout, parse_options
+from workers.cli_request import build_request
 
-__all__ = ["build_request", "parse_layout", "parse_options", "register", "run"]
+__all__ = ["register", "run"]
 GiB = 2**30
 
 

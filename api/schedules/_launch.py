@@ -60,11 +60,8 @@ def top_layouts(session: Session, *, sweep_id: int, k: int) -> list[Layout]:
 
 def check_reference_layouts(spec: SweepSpec) -> None:
     """The same check ``api.sweeps.service.create_sweep`` makes on a submitted spec."""
-    known = getattr(tuner, "REFERENCE_LAYOUTS", None)
-    if known is None:
-        return
     for i, name in enumerate(spec.search.reference_layouts):
-        if name not in known:
+        if name not in tuner.REFERENCE_LAYOUTS:
             raise SpecError(f"template.search.reference_layouts[{i}]={name!r} is not a known reference layout")
 
 
