@@ -38,10 +38,12 @@ class Budget:
         return limit is not None and self.spent >= limit
 
     def _search_done(self) -> bool:
-        return self._search_stop() is not None
+        return self._search_stop(explain=False) is not None
 
-    def _search_stop(self) -> str | None:
-        """Why the search stops now (one line, the sweep's ``stop_reason``); None while it goes on."""
+    def _search_stop(self, *, explain: bool = True) -> str | None:
+        """Why the search stops now (one line, the sweep's ``stop_reason``); None while it goes on.
+        ``explain=False``: a proposer with nothing more is not explained yet (its reason is read once
+        the trials in flight are recorded: ``_exhausted_reason``)."""
         rows = self._search_rows()
         if self._over_device_budget():
             what = "simulated device-seconds" if self.spec.backend == "simulate" else "device-seconds"
@@ -50,7 +52,7 @@ class Budget:
         if self.problem.listed:  # every listed layout once, whatever max_trials and patience say
             if len(rows) >= len(self.problem.space):
                 return f"every listed layout was tried ({len(self.problem.space):,} in search.layouts)"
-            return self._exhausted
+            return self._why_exhausted(explain)
         if len(rows) >= self.search.max_trials:
             return f"reached max_trials={self.search.max_trials}"
         if self.search.patience is not None:
@@ -66,10 +68,14 @@ class Budget:
                 k = self.search.patience
                 return f"patience={k}: {k} trials without beating the best" + (
                     f" ({best:,.0f} tokens/s per device)" if best is not None else " (none measured)")
-        return self._exhausted
+        return self._why_exhausted(explain)
 
-    # Why the proposer had nothing more to propose (``_exhausted_reason``), once it had not.
-    _exhausted: str | None = None
+    _exhausted = False  # the proposer had nothing more to propose (set by the loop)
+
+    def _why_exhausted(self, explain: bool) -> str | None:
+        if not self._exhausted:
+            return None
+        return self._exhausted_reason() if explain else "exhausted"
 
     def _exhausted_reason(self) -> str:
         """The proposer returned nothing: every layout was proposed, or say what keeps the unseen ones

@@ -266,7 +266,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
         else:
             proposal = self.proposer.propose(self.seen)
             if proposal is None:
-                self._exhausted = self._exhausted_reason()  # never a silent end: why, one line
+                self._exhausted = True
                 return False
             (layout, handle), source = proposal, ("listed" if self.problem.listed else "sampler")
         self.seen.add(layout.key)

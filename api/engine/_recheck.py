@@ -1,12 +1,12 @@
 """How far a sweep trusts what it inherited: earlier sweeps' fits weighed by the evidence behind them,
 then re-checked against the sweep's own first measurements.
 
-Weighing: an inherited fit's weights are pulled toward the analytical prior in log space by
-n / (n + EVIDENCE_N0), n the measurements it was fitted on (a fit on 4 keeps half of its departure
-from the prior, one on 40 nearly all of it); its uncertainty is its held-out error widened to a new
-layout's predictive spread, s * sqrt(1 + p / n) for p fitted parts (the prediction interval of a
-least-squares fit: Seber & Lee, Linear Regression Analysis, 2nd ed., 2003, Sec. 5.3), never below the
-error assumed before any measurement.
+Weighing: an inherited fit's weights are MAP estimates around the analytical prior
+(api.engine._calibrate.fit_weights), so a fit on few measurements already stays near the prior; its
+uncertainty is its held-out error widened to a new layout's predictive spread, s * sqrt(1 + p / n)
+for p fitted parts on n measurements (the prediction interval of a least-squares fit: Seber & Lee,
+Linear Regression Analysis, 2nd ed., 2003, Sec. 5.3), never below the error assumed before any
+measurement. That spread is the headroom an inherited memory model leaves, and what the re-check allows.
 
 Re-checking: over the sweep's own first ``RECHECK_TRIALS`` search measurements, sum((log(predicted /
 measured) / sd)^2) is chi-square with k degrees of freedom while the inherited model holds (an OOM
@@ -24,22 +24,12 @@ from typing import Any
 import numpy as np
 
 from api.engine import _calibrate as cal
-from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W
 
 EVIDENCE_N0 = cal.MIN_JUDGED  # a fit on as many measurements as it takes to judge one keeps half its pull
 RECHECK_TRIALS = 5  # the sweep's first measurements an inherited model is tested on
 RECHECK_ALPHA = 0.001  # the chance of dropping an inherited model that holds, per part
 TIME_SD_FLOOR = cal.FIT_LOG_SIGMA  # step times: the misfit a fit allows one measurement
 MEMORY_SD_FLOOR = 0.10  # peaks: the memory error assumed before any peak (api.engine._model.MEMORY_SIGMA)
-
-
-def shrink(weights: np.ndarray, prior: np.ndarray, n: int) -> np.ndarray:
-    """``weights`` pulled toward ``prior`` by the evidence n: log-space for a scale, linear for a
-    column whose prior is 0 (the per-step constant)."""
-    lam = n / (n + EVIDENCE_N0) if n > 0 else 0.0
-    w = np.asarray(weights, dtype=float)
-    out = np.where(prior > 0, prior * np.power(np.maximum(w, 1e-30) / np.where(prior > 0, prior, 1.0), lam), w * lam)
-    return out.astype(float)
 
 
 def predictive_sd(sigma: float | None, n: int, p: int, floor: float) -> float:
@@ -49,8 +39,9 @@ def predictive_sd(sigma: float | None, n: int, p: int, floor: float) -> float:
 
 
 def weigh(earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``earlier`` (api.engine._learned) with each accepted fit pulled toward the prior by its
-    evidence and its uncertainty recorded (``calibration["evidence"]``): what Problem.inherit takes."""
+    """``earlier`` (api.engine._learned) with the uncertainty of each accepted fit recorded
+    (``calibration["evidence"]``) and an inherited memory model's error widened to it: what
+    Problem.inherit takes."""
     out = []
     for e in earlier:
         e = copy.deepcopy(e)
@@ -59,15 +50,11 @@ def weigh(earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t = c.get("time") or {}
         if t.get("accepted"):
             n = int(t.get("n") or 0)
-            w = shrink(np.array([t["weights"][k] for k in cal.TIME_PARTS]), PRIOR_TIME_W, n)
-            t["weights"] = cal.named(w, cal.TIME_PARTS)
             sigma = t.get("loo_rms_log_error") if t.get("loo_rms_log_error") is not None else t.get("prior_rms_log_error")
             evidence["time"] = {"n": n, "sd": predictive_sd(sigma, n, len(t.get("fitted") or ()), TIME_SD_FLOOR)}
         m = c.get("memory") or {}
         if m.get("accepted"):
             n = int(m.get("n") or 0)
-            w = shrink(np.array([m["weights"][k] for k in cal.MEMORY_PARTS]), PRIOR_MEM_W, n)
-            m["weights"] = cal.named(w, cal.MEMORY_PARTS)
             sd = predictive_sd(c.get("memory_sigma"), n, len(cal.MEMORY_PARTS), MEMORY_SD_FLOOR)
             c["memory_sigma"] = sd  # the headroom an inherited memory model leaves grows as its evidence shrinks
             evidence["memory"] = {"n": n, "sd": sd}
