@@ -52,9 +52,9 @@ def db(tmp_path):
     engine.dispose()
 
 
-def _run(settings, sessions, search, backend=None, **over):  # noqa: ANN001, ANN202
-    spec = SweepSpec.model_validate({**TINY, "name": "end", **over, "search": {
-        "sampler": "surrogate", "warm_start_top_k": 1, "remeasure_top_k": 1, "repeats": 2, **search}})
+def _run(settings, sessions, search, backend=None, sampler="surrogate", **over):  # noqa: ANN001, ANN202
+    defaults = {"warm_start_top_k": 1, "remeasure_top_k": 1, "repeats": 2, **({"sampler": sampler} if sampler else {})}
+    spec = SweepSpec.model_validate({**TINY, "name": "end", **over, "search": {**defaults, **search}})
     with sessions() as s:
         sweep_id = svc.create_sweep(s, spec=spec, owner="t").id
     factory = (lambda spec: backend) if backend is not None else None
@@ -114,6 +114,16 @@ def test_a_sweep_whose_trials_all_run_out_of_memory_ends_with_a_reason(db):
     else:
         assert final.stop_reason == (f"every layout of the space was tried ({space}: {final.n_failed} ran, "
                                      f"{final.n_pruned} pruned by the memory model)")
+
+
+def test_listed_layouts_and_the_device_budget_say_so(db):
+    _, settings, sessions = db
+    listed = _run(settings, sessions, {"layouts": [{"tp": 2}, {"tp": 4}], "warm_start_top_k": 0}, sampler=None)
+    assert listed.stop_reason == "every listed layout was tried (2 in search.layouts)"
+    budget = _run(settings, sessions, {"max_trials": 50, "max_device_seconds": 1e-6, "remeasure_top_k": 0})
+    assert re.fullmatch(r"device budget spent: [\d,.]+ of max_device_seconds=1e-06 simulated device-seconds",
+                        budget.stop_reason), budget.stop_reason
+    assert budget.n_trials < 50
 
 
 def test_cancelled_and_failed_sweeps_say_so(db):
