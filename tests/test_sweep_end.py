@@ -167,6 +167,7 @@ def test_learn_from_naming_a_missing_or_another_clusters_sweep_is_refused(db, tm
                             headers=ALICE)
             assert r.status_code == 422, r.text
             assert r.json()["detail"].startswith(message), r.json()
+            assert r.json()["errors"][0]["field"] == "search.learn_from[0]"
         r = client.post("/api/sweeps", json={**TINY, "name": "n", "search": {"learn_from": "sometimes"}},
                         headers=ALICE)
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "search.learn_from"
