@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 
 import pytest
 import yaml
@@ -216,3 +217,29 @@ def test_an_inherited_model_the_new_sweeps_measurements_contradict_is_dropped_an
         rf"its uncertainty of \d+%", notes[0]), notes
     assert not second.calibration.get("learned_from")
     assert notes[0] in calibration_lines(second.calibration)
+
+
+def test_what_its_first_measurements_contradicted_stays_dropped_on_resume(db):
+    """Stopped after its third result and resumed: the resumed loop inherits again, replays the
+    stored rows and drops the same model with the same note (a function of the recorded rows)."""
+    _, settings, sessions = db
+    first = _run(settings, sessions, {"max_trials": 8}, backend=Misread(memory=2.0))
+    spec = SweepSpec.model_validate({**TINY, "name": "resumed", "search": {"max_trials": 8, "remeasure_top_k": 0}})
+    with sessions() as s:
+        sweep_id = svc.create_sweep(s, spec=spec, owner="t").id
+    stop, finished = threading.Event(), []
+
+    def on_progress(event):  # noqa: ANN001, ANN202
+        if event["event"] == "finished":
+            finished.append(event["trial"].number)
+            if len(finished) == 3:
+                stop.set()
+
+    runner = SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: Misread())
+    halted = runner.run_sweep(sweep_id, stop_event=stop, on_progress=on_progress)
+    assert halted.status == "running" and halted.stop_reason is None  # unfinished: no reason yet
+    notes = halted.calibration["notes"]
+    assert len(notes) == 1 and f"memory model of sweep #{first.id}" in notes[0]
+    final = runner.run_sweep(sweep_id)
+    assert final.status == "completed" and final.stop_reason == "reached max_trials=8"
+    assert final.calibration["notes"] == notes and not final.calibration.get("learned_from")

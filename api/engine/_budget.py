@@ -93,7 +93,8 @@ class Budget:
             ooms = sum(t.status == "oom" for t in rows)
             peaks = sum(t.status == "completed" and bool(t.peak_memory_bytes) for t in rows)
             learned = getattr(self.problem, "learned_from", None)
-            inherited = f", inherited from sweep {', '.join(f'#{i}' for i in learned)}" if learned else ""
+            inherited = (f", inherited from sweep{'s' if len(learned) > 1 else ''} "
+                         + ", ".join(f"#{i}" for i in learned)) if learned else ""
             return (f"the memory model predicts none of the {len(unseen):,} unseen layouts fits (learned from "
                     f"{peaks} measured peaks and {ooms} OOMs{inherited})")
         return (f"the {self.search.sampler} sampler proposed nothing more while {len(unseen):,} unseen layouts "
