@@ -1,6 +1,8 @@
 """What each outcome teaches the sweep (mixed into SweepLoop): the sampler is told every result,
 failures as infeasible; the memory model and the calibration learn from the measurements; the host's
-noise is pooled over repeats; earlier sweeps on the same cluster fingerprint seed the model.
+noise is pooled over repeats; earlier sweeps on the same cluster fingerprint (or those the spec's
+``search.learn_from`` names) seed the model, which the sweep's own first measurements re-check
+(api.engine._recheck): what they contradict is dropped, and the calibration's notes say so.
 """
 
 from __future__ import annotations
