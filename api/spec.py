@@ -115,6 +115,9 @@ class ConfirmSettings(RequestModel):
                               "10 x trial.measure_steps).")
 
 
+MAX_LEARN_FROM = 20  # sweeps a new sweep may name in search.learn_from
+
+
 class SearchSettings(RequestModel):
     sampler: Literal["surrogate", "tpe", "nsga2", "gp", "random", "grid"] = Field(
         "surrogate", description="How layouts are proposed: surrogate (default: the analytical model's parts "
@@ -151,6 +154,31 @@ class SearchSettings(RequestModel):
         "measured steps each, as their own phase (not in the ranking), and report the short-run order "
         "against the long-run order (`meshtune confirm` asks the same of a completed sweep).",
     )
+
+    learn_from: Literal["auto", "none"] | list[int] = Field(
+        "auto", description="What the sweep starts from: auto (default: what the newest earlier sweeps on the same "
+        "cluster fingerprint learned: calibration, memory model, residuals), none (a cold sweep, nothing "
+        "inherited), or a list of sweep ids of the same cluster (learn from those only). What is inherited is "
+        "weighed by the measurements behind it and dropped, said in the calibration's notes, when the sweep's own "
+        f"first measurements contradict it. At most {MAX_LEARN_FROM} ids.",
+    )
+
+    @field_validator("learn_from", mode="before")
+    @classmethod
+    def _learn_from(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ("auto", "none"):
+            raise ValueError(f"search.learn_from={value!r} is not auto, none or a list of sweep ids")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("search.learn_from=[] names no sweep: give sweep ids, or none for a cold sweep")
+            if len(value) > MAX_LEARN_FROM:
+                raise ValueError(f"search.learn_from lists {len(value)} sweeps; at most {MAX_LEARN_FROM}")
+            for i, v in enumerate(value):
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**31 - 1:
+                    raise ValueError(f"search.learn_from[{i}]={v!r} is not a sweep id")
+            if len(set(value)) != len(value):
+                raise ValueError(f"search.learn_from={value!r} names a sweep twice")
+        return value
 
     @field_validator("max_trials")
     @classmethod

@@ -366,11 +366,13 @@ def test_running_sweep_refreshes_itself(page, coordinator):
         "() => document.querySelector('[data-fact=\"summary.best_tokens_per_s_per_device\"]').textContent.includes('123')",
         timeout=30_000,
     )
-    # When the sweep ends the page says so and stops polling.
+    assert not page.page.locator("#stop-reason").is_visible()  # running: no reason yet
+    # When the sweep ends the page says so, and why, and stops polling.
     with store.session_scope(coordinator["sessions"]) as session:
-        store.set_sweep_status(session, sweep_id=sid, status="completed")
+        store.set_sweep_status(session, sweep_id=sid, status="completed", stop_reason="reached max_trials=5")
     page.page.wait_for_function("() => document.getElementById('refreshed').textContent === 'finished'", timeout=30_000)
     assert page.page.locator('[data-fact="status"]').inner_text() == "completed"
+    assert page.page.locator("#stop-reason").inner_text() == "Stopped: reached max_trials=5"
     requests: list[str] = []
     page.page.on("request", lambda r: requests.append(r.url))
     page.page.wait_for_timeout(1500)

@@ -95,6 +95,8 @@ def fires_by_status(sessions, schedule_id: int) -> dict[str, list[datetime]]:
          "exceeds regression.history_nights=3"),
         ({"template": {**SIM_TEMPLATE, "space": {"tp": [3]}}}, "template.space.tp", "no valid layout"),
         ({"template": {**SIM_TEMPLATE, "backend": "nosuch:mod"}}, "template.backend", "cannot import module"),
+        ({"template": {**SIM_TEMPLATE, "search": {"learn_from": [987654]}}}, "template.search.learn_from[0]",
+         "sweep 987654 does not exist"),
     ],
 )
 def test_bad_schedule_is_422_naming_the_field(client, change, field, needle) -> None:

@@ -166,6 +166,8 @@ def print_sweep(console: Any, sweep: Any) -> None:
                       "are not real measurements[/yellow]")
     if sweep.error:
         console.print(f"[red]error:[/red] {sweep.error}")
+    elif getattr(sweep, "stop_reason", None):  # a failed sweep's reason is its error, said above
+        console.print(f"stopped: {sweep.stop_reason}")
 
 
 def workload_text(workload: str | None) -> str:

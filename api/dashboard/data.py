@@ -175,6 +175,7 @@ def sweep_header(sweep: Any, prob: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": sweep.id, "name": sweep.name, "status": sweep.status, "owner": sweep.owner,
         "backend": sweep.backend, "sampler": sweep.sampler, "error": sweep.error,
+        "stop_reason": sweep.stop_reason,
         "started": sweep.started_at or sweep.created_at, "budget": prob["budget"] or "?",
         "model_label": prob["model_label"], "cluster_label": prob["cluster_label"],
         "global_batch": prob["global_batch"], "simulated": sweep.backend == "simulate",

@@ -111,6 +111,7 @@ def assemble(sweep: Any, prob: dict[str, Any], trials: list[dict[str, Any]], ran
         bundle["summary"].update(best_tokens_per_s_per_device=views.sig(top.median),
                                  best_label=views.layout_label(top.layout), best_trial_id=rows[0]["id"])
     bundle["status"] = sweep.status
+    bundle["stop_reason"] = sweep.stop_reason  # why it ended (a live page shows it when it does)
     bundle["live"] = sweep.status in LIVE_STATUSES
     header["tied_sentence"] = fmt.tied_sentence(tied, best_known=best_known or not rows)
     header["simulated"] = header["simulated"] or ranking.simulated or any(t["simulated"] for t in trials)

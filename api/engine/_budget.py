@@ -3,7 +3,9 @@
 Budgets: ``max_trials`` counts search trial numbers (pruned ones included); ``max_device_seconds``
 stops new trials once the recorded trials have held devices that long; ``patience`` stops after k
 trials that ran (not pruned) in number order without beating the best measured tokens/s per device.
-Then re-measurement tops contenders up adaptively (``_remeasure_plan``).
+Then re-measurement tops contenders up adaptively (``_remeasure_plan``). Why the search stopped is
+one line (``_search_stop``), stored as the sweep's ``stop_reason`` when it ends; a proposer with
+nothing more to propose while unseen layouts remain is never a silent end (``_exhausted_reason``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from tuner import Layout, rank
 
 
 class Budget:
-    """Reads the loop's ``rows``, ``spent``, ``search`` and ``problem`` (set by SweepLoop)."""
+    """Reads the loop's ``rows``, ``spent``, ``search``, ``spec``, ``seen`` and ``problem`` (set by SweepLoop)."""
 
     rows: dict[int, store.Trial]
     spent: float
     search: Any
+    spec: Any
     problem: Any
+    seen: set[str]
     _rows: Callable[[], list[store.Trial]]  # SweepLoop's
 
     def _search_rows(self) -> list[store.Trial]:
@@ -33,13 +37,23 @@ class Budget:
         return limit is not None and self.spent >= limit
 
     def _search_done(self) -> bool:
+        return self._search_stop(explain=False) is not None
+
+    def _search_stop(self, *, explain: bool = True) -> str | None:
+        """Why the search stops now (one line, the sweep's ``stop_reason``); None while it goes on.
+        ``explain=False``: a proposer with nothing more is not explained yet (its reason is read once
+        the trials in flight are recorded: ``_exhausted_reason``)."""
         rows = self._search_rows()
         if self._over_device_budget():
-            return True
+            what = "simulated device-seconds" if self.spec.backend == "simulate" else "device-seconds"
+            return (f"device budget spent: {self.spent:,.0f} of max_device_seconds="
+                    f"{self.search.max_device_seconds:g} {what}")
         if self.problem.listed:  # every listed layout once, whatever max_trials and patience say
-            return len(rows) >= len(self.problem.space) or self._exhausted
+            if len(rows) >= len(self.problem.space):
+                return f"every listed layout was tried ({len(self.problem.space):,} in search.layouts)"
+            return self._why_exhausted(explain)
         if len(rows) >= self.search.max_trials:
-            return True
+            return f"reached max_trials={self.search.max_trials}"
         if self.search.patience is not None:
             ran = sorted((t for t in rows if t.status not in ("pruned", "running")), key=lambda t: t.number)
             best, since = None, 0
@@ -50,10 +64,40 @@ class Budget:
                 else:
                     since += 1
             if since >= self.search.patience:
-                return True
-        return self._exhausted
+                k = self.search.patience
+                return f"patience={k}: {k} trials without beating the best" + (
+                    f" ({best:,.0f} tokens/s per device)" if best is not None else " (none measured)")
+        return self._why_exhausted(explain)
 
-    _exhausted = False
+    _exhausted = False  # the proposer had nothing more to propose (set by the loop)
+
+    def _why_exhausted(self, explain: bool) -> str | None:
+        if not self._exhausted:
+            return None
+        return self._exhausted_reason() if explain else "exhausted"
+
+    def _exhausted_reason(self) -> str:
+        """The proposer returned nothing: every layout was proposed, or say what keeps the unseen ones
+        out (the memory model predicting that none of them fits, or the sampler itself)."""
+        space = self.problem.space
+        unseen = [lay for lay in space.layouts if lay.key not in self.seen]
+        rows = self._search_rows()
+        if not unseen:
+            pruned = sum(t.status == "pruned" for t in rows)
+            what = "listed layout (search.layouts)" if self.problem.listed else "layout of the space"
+            return (f"every {what} was tried ({len(space):,}: {len(space) - pruned:,} ran, {pruned:,} pruned by "
+                    "the memory model)")
+        fits = sum(bool(self.problem.predict(lay).fits) for lay in unseen)
+        if not fits:
+            ooms = sum(t.status == "oom" for t in rows)
+            peaks = sum(t.status == "completed" and bool(t.peak_memory_bytes) for t in rows)
+            learned = getattr(self.problem, "learned_from", None)
+            inherited = (f", inherited from sweep{'s' if len(learned) > 1 else ''} "
+                         + ", ".join(f"#{i}" for i in learned)) if learned else ""
+            return (f"the memory model predicts none of the {len(unseen):,} unseen layouts fits (learned from "
+                    f"{peaks} measured peaks and {ooms} OOMs{inherited})")
+        return (f"the {self.search.sampler} sampler proposed nothing more while {len(unseen):,} unseen layouts "
+                f"remain ({fits:,} of them predicted to fit)")
 
     def _remeasure_plan(self) -> list[tuple[Layout, int]]:
         """The next round of re-measurements, adaptive: rank every completed measurement (search and

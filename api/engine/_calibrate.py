@@ -322,6 +322,7 @@ def describe(calibration: dict | None) -> list[str]:
                    f"headroom from a memory error of {c.get('memory_sigma', 0):.1%}")
     if c.get("learned_from"):
         out.append("learned from earlier sweeps on this cluster: " + ", ".join(f"#{i}" for i in c["learned_from"]))
+    out += list(c.get("notes") or ())  # what the sweep dropped of what it inherited, and why
     if c.get("noise"):
         noise = PooledNoise(**c["noise"])
         out.append(noise_warning(noise) or f"host noise: repeats of one layout spread by {noise.sigma:.1%} "

@@ -12,7 +12,8 @@ From each earlier sweep (newest first, at most ``LIMIT``) a new one takes its ca
 weights and memory model, see api.engine._model.Problem.inherit) and the residuals of its measured
 layouts under that calibration, which the surrogate proposer uses as data with extra noise — for
 another model too: what the calibration misses on a cluster (a GEMM-size cliff, a congested link)
-tends to miss the same layouts' shapes.
+tends to miss the same layouts' shapes. ``search.learn_from`` chooses: auto (the above), none (a cold
+sweep) or sweep ids (those only). What is inherited is weighed and re-checked: api.engine._recheck.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ def fingerprint(env: dict[str, Any] | None, backend: str) -> str | None:
 
 
 def earlier(session: Any, *, fingerprint: str, sweep_id: int, scaled: Any,
-            probe_id: int | None = None) -> list[dict[str, Any]]:
-    """Per earlier sweep on ``fingerprint`` that modelled the cluster with probe ``probe_id`` (None:
-    the datasheet; a calibration is relative to the figures it was fitted on): id, calibration and
-    (scaled features, residual) pairs; ``scaled(layout)`` maps a layout to the new sweep's feature space."""
+            probe_id: int | None = None, sweep_ids: list[int] | None = None) -> list[dict[str, Any]]:
+    """Per earlier sweep on ``fingerprint`` (``sweep_ids``: those sweeps instead, the spec's
+    ``search.learn_from``, checked on submission) that modelled the cluster with probe ``probe_id``
+    (None: the datasheet; a calibration is relative to the figures it was fitted on), newest first:
+    id, calibration and (scaled features, residual) pairs; ``scaled(layout)`` maps a layout to the
+    new sweep's feature space."""
     out = []
-    for sw in store.sweeps_on_fingerprint(session, fingerprint=fingerprint, before_id=sweep_id, limit=LIMIT):
+    if sweep_ids is not None:
+        sweeps = [sw for sw in (store.get_sweep(session, sweep_id=i) for i in sorted(sweep_ids, reverse=True))
+                  if sw is not None]
+    else:
+        sweeps = store.sweeps_on_fingerprint(session, fingerprint=fingerprint, before_id=sweep_id, limit=LIMIT)
+    for sw in sweeps:
         if ((sw.calibration or {}).get("probe") or {}).get("id") != probe_id:
             continue
         try:

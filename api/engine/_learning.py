@@ -1,17 +1,22 @@
 """What each outcome teaches the sweep (mixed into SweepLoop): the sampler is told every result,
 failures as infeasible; the memory model and the calibration learn from the measurements; the host's
-noise is pooled over repeats; earlier sweeps on the same cluster fingerprint seed the model.
+noise is pooled over repeats; earlier sweeps on the same cluster fingerprint (or those the spec's
+``search.learn_from`` names) seed the model, which the sweep's own first measurements re-check
+(api.engine._recheck): what they contradict is dropped, and the calibration's notes say so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from api import store
-from api.engine import _learned
+from api.engine import _learned, _recheck
 from api.engine._surrogate import SurrogateProposer
 from tuner import ClusterSpec, Layout, cluster_spec, pooled_noise
 
@@ -30,6 +35,18 @@ def hardware(section: Any) -> ClusterSpec | None:
         return None
 
 
+def _sweeps(ids: list[int]) -> str:
+    return ("sweep " if len(ids) == 1 else "sweeps ") + ", ".join(f"#{i}" for i in ids)
+
+
+def _contradiction(what: str, measured: str, source: tuple[int, dict[str, Any]], hit: tuple[int, float]) -> str:
+    """The note of an inherited model the sweep's own measurements contradict (api.engine._recheck)."""
+    (sweep_id, evidence), (k, ratio) = source, hit
+    return (f"inherited {what} of sweep #{sweep_id} (fitted on {evidence['n']} measurements) dropped with the rest "
+            f"of its learning: it predicted {ratio:.2f}x the {measured} of this sweep's first {k} "
+            f"measurement{'s' if k != 1 else ''}, beyond its uncertainty of {math.expm1(evidence['sd']):.0%}")
+
+
 class Learning:
     """Reads the loop's ``r``, ``sweep_id``, ``spec``, ``problem``, ``proposer`` (set by SweepLoop)."""
 
@@ -40,22 +57,39 @@ class Learning:
     proposer: Any
     fingerprint: str | None
     inherited_fp: str | None
+    earlier: list[dict[str, Any]]  # what was inherited, weighed (api.engine._recheck.weigh)
     _rows: Callable[[], list[store.Trial]]  # SweepLoop's
 
     def _inherit(self) -> None:
-        """Start from what earlier sweeps on this cluster fingerprint learned (api.engine._learned)."""
+        """Start from what earlier sweeps on this cluster learned (api.engine._learned), as the spec's
+        ``search.learn_from`` says: auto (by fingerprint), none (nothing) or those sweeps only;
+        weighed by the evidence behind each fit (api.engine._recheck)."""
+        self.earlier = []
+        learn_from = self.spec.search.learn_from
         with self.r.sessions() as s:
             sweep = store.get_sweep(s, sweep_id=self.sweep_id)
             self.fingerprint = sweep.fingerprint
-            mine = hardware((sweep.spec or {}).get("cluster"))
-            fp = sweep.fingerprint or store.latest_fingerprint(
-                s, backend=self.spec.backend, same_cluster=lambda c: mine is not None and hardware(c) == mine,
-                before_id=self.sweep_id)
+            if learn_from == "none":  # a cold sweep: no fingerprint is guessed, nothing is dropped later
+                self.inherited_fp = None
+                return
+            listed = learn_from if isinstance(learn_from, list) else None
+            if listed is not None:  # one fingerprint among them (api/sweeps/service.py check_learn_from)
+                fp = next((sw.fingerprint for sw in (store.get_sweep(s, sweep_id=i) for i in listed)
+                           if sw is not None and sw.fingerprint), None)
+            else:
+                mine = hardware((sweep.spec or {}).get("cluster"))
+                fp = sweep.fingerprint or store.latest_fingerprint(
+                    s, backend=self.spec.backend, same_cluster=lambda c: mine is not None and hardware(c) == mine,
+                    before_id=self.sweep_id)
             self.inherited_fp = fp
             if fp is not None:
-                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler,
-                                                     probe_id=self.problem.probe_id))
+                self._take(s, fp, listed)
+
+    def _take(self, session: Any, fp: str, listed: list[int] | None) -> None:
+        scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
+        self.earlier = _recheck.weigh(_learned.earlier(session, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler,
+                                                       probe_id=self.problem.probe_id, sweep_ids=listed))
+        self.problem.inherit(self.earlier)
 
     def _note_fingerprint(self, row: store.Trial) -> None:
         """The first measurement names the sweep's cluster; a wrong provisional guess is undone."""
@@ -68,12 +102,59 @@ class Learning:
         if fp != self.inherited_fp and self.problem.learned_from:
             log.info("sweep %s: cluster fingerprint %s differs from the provisional %s; inherited learning dropped",
                      self.sweep_id, fp, self.inherited_fp)
-            self.problem.forget_inherited()
+            self._drop_inherited(f"inherited learning from {_sweeps(self.problem.learned_from)} dropped: this "
+                                 f"sweep's first measurement has another cluster fingerprint ({fp}, not "
+                                 f"{self.inherited_fp})")
             self.inherited_fp = fp
-            with self.r.sessions() as s:
-                scaler = SurrogateProposer(self.problem.space, problem=self.problem, seed=0).scaled
-                self.problem.inherit(_learned.earlier(s, fingerprint=fp, sweep_id=self.sweep_id, scaled=scaler,
-                                                     probe_id=self.problem.probe_id))
+            listed = self.spec.search.learn_from
+            if not isinstance(listed, list):  # auto: the sweeps of the real fingerprint; listed ones were the user's
+                with self.r.sessions() as s:
+                    self._take(s, fp, None)
+            self._save_calibration()
+
+    def _recheck_inherited(self) -> bool:
+        """Drop the inherited learning when the sweep's own first search measurements contradict its
+        time or memory model beyond the uncertainty its evidence allows (api.engine._recheck); the
+        calibration's notes say which, from which sweep, and by how much. Returns whether it dropped
+        it (the caller stores the calibration). A function of the recorded rows: a resume decides alike."""
+        p = self.problem
+        if not p.learned_from or not getattr(self, "earlier", None):
+            return False
+        first = sorted((t for t in self._rows() if t.phase == "search" and t.status in ("completed", "oom")),
+                       key=lambda t: t.number)[:_recheck.RECHECK_TRIALS]
+        mem = _recheck.source(self.earlier, "memory", p.inherited_mem_w)
+        if mem is not None:
+            pred, measured, lower = [], [], []
+            for t in first:
+                known = p.peaks.get(t.layout_key) if t.status == "completed" else None
+                if known is not None:  # the peak as the memory model compares it (Problem.observe)
+                    mparts, peak = known
+                elif t.status == "oom":
+                    mparts, peak = p.parts(Layout(**t.layout))[1], float(p.cluster.device_memory)
+                else:
+                    continue
+                pred.append(float(np.dot(mparts, p.inherited_mem_w)))
+                measured.append(float(peak))
+                lower.append(t.status == "oom")
+            hit = _recheck.contradicted(pred, measured, mem[1]["sd"], lower)
+            if hit is not None:
+                return self._drop_inherited(_contradiction("memory model", "peaks", mem, hit))
+        tim = _recheck.source(self.earlier, "time", p.inherited_time_w)
+        if tim is not None:
+            done = [t for t in first if t.status == "completed" and t.step_time_s]
+            pred = [float(np.dot(p.parts(Layout(**t.layout))[0], p.inherited_time_w)) for t in done]
+            hit = _recheck.contradicted(pred, [float(t.step_time_s) for t in done], tim[1]["sd"])
+            if hit is not None:
+                return self._drop_inherited(_contradiction("time model", "step times", tim, hit))
+        return False
+
+    def _drop_inherited(self, note: str) -> bool:
+        log.info("sweep %s: %s", self.sweep_id, note)
+        self.problem.forget_inherited()
+        self.earlier = []
+        notes = [n for n in self.problem.calibration.get("notes", []) if n != note]
+        self.problem.calibration = {**self.problem.calibration, "notes": [*notes, note]}
+        return True
 
     def _update_noise(self) -> None:
         """The host's run-to-run noise, pooled over every repeated layout (tuner._stats)."""

@@ -93,6 +93,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
         self.any_lost = False  # a row lost with its node exists (then _requeue_next is asked)
         self.last_beat = 0.0
         self.backend_error: BackendError | None = None  # the first one; the loop drains, then raises it
+        self.stop_reason: str | None = None  # why the search stopped (None: a confirm round alone)
 
     # --- state from the store ---------------------------------------------------------------------
 
@@ -129,6 +130,8 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
             rerun = self._recover()
             self._inherit()
             rows = self._rebuild()
+            if self._recheck_inherited():  # resumed: what its first measurements contradicted stays dropped
+                self._save_calibration()
             self.seen = {t.layout_key for t in rows if t.phase == "search"}
             warm = [] if self.problem.listed else self.problem.warm_start(self.search)
             self.warm = [(lay, src) for lay, src in warm if lay.key not in self.seen]
@@ -166,7 +169,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
             with store.session_scope(self.r.sessions) as s:
                 store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
                 store.set_sweep_status(s, sweep_id=self.sweep_id, status="completed", only_from=("running",),
-                                       runner_id=self.r.runner_id)
+                                       runner_id=self.r.runner_id, stop_reason=self.stop_reason)
         self._progress("end")
 
     def _trial_id(self, ticket: Ticket) -> str:
@@ -223,6 +226,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
                         continue
                     if self.in_flight:
                         break  # re-measurement starts from the final search results
+                    self.stop_reason = self._search_stop()  # the sweep's stop_reason when it ends
                     phase, remeasure = "remeasure", self._remeasure_plan()
                 if not remeasure and not self.in_flight:  # adaptive: the next round from the results so far
                     remeasure = self._remeasure_plan()
@@ -391,6 +395,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
             if row.status == "completed":
                 self._note_fingerprint(row)
             changed = self.problem.observe(row)  # an OOM's bytes and every peak teach the memory model
+            changed = (ticket.phase == "search" and self._recheck_inherited()) or changed  # contradicted: dropped
             if ticket.phase == "search":
                 self._teach(ticket.layout, ticket.handle, row)
             else:

@@ -312,7 +312,8 @@ class SweepRunner:
         trials are marked interrupted with the cause. A stale runner changes nothing."""
         with store.session_scope(self.sessions) as s:
             failed = store.set_sweep_status(s, sweep_id=sweep_id, status="failed", error=reason,
-                                            only_from=("running",), runner_id=self.runner_id)
+                                            only_from=("running",), runner_id=self.runner_id,
+                                            stop_reason=f"failed: {reason}")
             sweep = store.get_sweep(s, sweep_id=sweep_id)
             ours = sweep is not None and sweep.runner_id == self.runner_id
             if failed or (ours and sweep.status in store.FINISHED_SWEEP_STATUSES):

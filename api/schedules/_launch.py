@@ -71,6 +71,9 @@ def fire_specs(session: Session, *, schedule: Schedule, fire_time: datetime) -> 
     if schedule.kind == "template":
         spec = SweepSpec.model_validate({**(schedule.template or {}), "name": f"{schedule.name} @ {stamp}"[:200]})
         check_reference_layouts(spec)
+        from api.sweeps.service import check_learn_from
+
+        check_learn_from(session, spec=spec)  # a sweep it learns from may have been deleted since
         return [spec]
     assert schedule.kind == "remeasure", schedule.kind
     if schedule.source_sweep_id is None:

@@ -21,6 +21,7 @@ from api.schedules._launch import fire_schedule
 from api.schedules.models import ALERT_KINDS, DELIVERY_STATUSES, FIRE_STATUSES, Schedule, ScheduleFire
 from api.schedules.schemas import ScheduleIn, ScheduleOut, ScheduleUpdate
 from api.store._models import utcnow
+from api.sweeps.service import check_learn_from
 from tuner import ConflictError, NotFoundError, SpecError
 
 
@@ -41,6 +42,7 @@ def create_schedule(session: Session, *, data: ScheduleIn, owner: str | None) ->
     if data.template is not None:
         try:
             check_runnable(data.template)  # no valid layout / unknown backend: 422 now, not a failed fire later
+            check_learn_from(session, spec=data.template)  # search.learn_from: sweeps of this cluster
         except SpecError as exc:
             raise SpecError(f"template.{exc}") from None
         values.update(kind="template", template=data.template.model_dump(mode="json"),

@@ -79,6 +79,9 @@ class Sweep(Base):
     backend: Mapped[str] = mapped_column(String(200))
     sampler: Mapped[str] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Why it ended, one line (api/engine/_budget.py: max_trials, device budget, patience, every layout
+    # tried, nothing left predicted to fit; cancelled; failed with its cause); null while it runs.
+    stop_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Fitted tuner.CalibrationFactors (as a dict) and the fit's quality; used for later predictions.
     calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # The cluster fingerprint of its measurements (device, torch, NCCL from the trials' env): a later

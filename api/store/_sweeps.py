@@ -65,11 +65,12 @@ def set_sweep_status(
     error: str | None = None,
     only_from: tuple[str, ...] | None = None,
     runner_id: str | None = None,
+    stop_reason: str | None = None,
 ) -> bool:
     """Set the status (and finished_at for final states); with ``only_from`` only from those states,
     with ``runner_id`` only while that runner owns the sweep (a coordinator whose sweep was taken over
     must not end it for the new owner). Returns whether a row changed (a conditional UPDATE, so
-    concurrent writers cannot both win)."""
+    concurrent writers cannot both win). ``stop_reason``: why it ended (one line), kept unless given."""
     values: dict[str, Any] = {"status": status}
     now = utcnow()
     if status in FINISHED_SWEEP_STATUSES:
@@ -78,6 +79,8 @@ def set_sweep_status(
         values["started_at"] = sa.func.coalesce(Sweep.started_at, now)
     if error is not None:
         values["error"] = error
+    if stop_reason is not None:
+        values["stop_reason"] = stop_reason[:2000]
     stmt = sa.update(Sweep).where(Sweep.id == sweep_id)
     if only_from is not None:
         stmt = stmt.where(Sweep.status.in_(only_from))

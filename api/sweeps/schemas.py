@@ -19,6 +19,10 @@ class SweepOut(ResponseModel):
     sampler: str = Field(description="Optuna sampler: tpe, nsga2, gp, random or grid; 'layouts' when search.layouts lists them.")
     spec: dict[str, Any] = Field(description="The submitted sweep spec, as validated (defaults filled in).")
     error: str | None = Field(None, description="Why the sweep failed, when its status is 'failed'.")
+    stop_reason: str | None = Field(
+        None, description="Why the sweep ended, one line: reached max_trials, its device budget "
+        "(max_device_seconds), patience, every layout tried, the memory model predicting that none of the "
+        "unseen layouts fits, cancelled, or failed with its cause; null while it runs.")
     created_at: datetime = Field(description="When the sweep was submitted (UTC).")
     started_at: datetime | None = Field(None, description="When its first trial started (UTC).")
     finished_at: datetime | None = Field(None, description="When it completed, failed or was cancelled (UTC).")

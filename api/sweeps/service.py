@@ -86,6 +86,7 @@ def create_sweep(
         except tuner.LayoutError as exc:
             raise SpecError(f"search.reference_layouts[{i}]={name!r} does not fit this sweep: {exc}") from None
     check_runnable(spec)  # a space with no valid layout, an unknown backend: 422 now, not a failed sweep later
+    check_learn_from(session, spec=spec)
     if settings is not None:
         check_owner_limits(session, settings=settings, owner=owner, devices=cluster.devices)
     sweep = store.insert_sweep(
@@ -94,6 +95,38 @@ def create_sweep(
     )
     session.commit()
     return sweep
+
+
+def check_learn_from(session: Session, *, spec: SweepSpec) -> None:
+    """``search.learn_from`` as sweep ids: each must exist and have measured this sweep's cluster (the
+    same backend and hardware, and one cluster fingerprint among them); else SpecError naming the
+    field and the value (422, exit 2), before anything is stored."""
+    from api.engine._learning import hardware
+
+    ids = spec.search.learn_from
+    if not isinstance(ids, list):
+        return
+    mine = hardware(spec.model_dump(mode="json")["cluster"])
+    seen: dict[str, int] = {}
+    for i, sweep_id in enumerate(ids):
+        field = f"search.learn_from[{i}]={sweep_id}"
+        sw = store.get_sweep(session, sweep_id=sweep_id)
+        if sw is None:
+            raise SpecError(f"{field}: sweep {sweep_id} does not exist")
+        if sw.backend != spec.backend:
+            raise SpecError(f"{field}: sweep {sweep_id} ran on backend {sw.backend!r}, not this sweep's "
+                            f"{spec.backend!r}: another cluster")
+        if hardware((sw.spec or {}).get("cluster")) != mine:
+            raise SpecError(f"{field}: sweep {sweep_id} measured another cluster ({sw.spec.get('cluster')!r}) than "
+                            f"this sweep's")
+        if sw.fingerprint is None:
+            raise SpecError(f"{field}: sweep {sweep_id} has measured nothing yet (no cluster fingerprint): "
+                            "nothing to learn from")
+        other = next((j for fp, j in seen.items() if fp != sw.fingerprint), None)
+        if other is not None:
+            raise SpecError(f"{field}: sweep {sweep_id} measured another cluster fingerprint ({sw.fingerprint}) "
+                            f"than sweep {other}")
+        seen.setdefault(sw.fingerprint, sweep_id)
 
 
 def check_owner_limits(session: Session, *, settings: Settings, owner: str | None, devices: int) -> None:
@@ -214,7 +247,9 @@ def cancel_sweep(session: Session, *, sweep_id: int, actor: Principal | None = N
     sweep's owner or an admin may (api.auth.require_owner); None is an in-process caller (the CLI)."""
     sweep = get_sweep(session, sweep_id=sweep_id)
     require_owner(actor, owner=_acting_owner(session, sweep.owner), what=f"sweep {sweep_id}")
-    if not store.set_sweep_status(session, sweep_id=sweep_id, status="cancelled", only_from=("queued", "running")):
+    who = f" by {actor.name}" if actor is not None else ""
+    if not store.set_sweep_status(session, sweep_id=sweep_id, status="cancelled", only_from=("queued", "running"),
+                                  stop_reason=f"cancelled{who} after {sweep.n_trials} trials"):
         session.rollback()
         sweep = get_sweep(session, sweep_id=sweep_id)
         raise ConflictError(f"sweep {sweep_id} is already {sweep.status}; only queued or running sweeps can be cancelled")

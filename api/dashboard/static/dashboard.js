@@ -129,6 +129,8 @@
     });
     const sim = document.getElementById("fact-simulated-time");
     if (sim) sim.hidden = !s.summary.device_time_simulated;
+    const stop = document.getElementById("stop-reason"); // why the sweep ended, once it has
+    if (stop && s.stop_reason && !document.querySelector(".banner.err")) stop.hidden = false;
   }
 
   async function drawAll(b) {
