@@ -5,7 +5,7 @@ effect, the fire's sweeps as "queued" in the same transaction, so there is never
 without its sweeps nor a sweep without its fire. A re-measurement becomes one sweep listing the
 layouts with ``search.repeats``.
 
-Why the store's ``insert_sweep`` and not the sweeps service: docs/api.md#launching-a-fire.
+The sweeps are created by the sweeps service in the fire's transaction: docs/api.md#launching-a-fire.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-import tuner
 from api import store
 from api.schedules import _store
 from api.schedules.models import Schedule
 from api.spec import SearchSettings, SweepSpec
+from api.sweeps import service as svc
 from tuner import Layout, NotFoundError, SpecError
 
 
@@ -52,29 +52,15 @@ def remeasure_spec(source: SweepSpec, layouts: list[Layout], *, repeats: int, na
 
 def top_layouts(session: Session, *, sweep_id: int, k: int) -> list[Layout]:
     """The k best measured layouts of a sweep (the engine's ranking order)."""
-    from api.sweeps.service import ranking
-
-    rows = ranking(session, sweep_id=sweep_id).rows[:k]
+    rows = svc.ranking(session, sweep_id=sweep_id).rows[:k]
     return [Layout(**row.layout) for row in rows]
-
-
-def check_reference_layouts(spec: SweepSpec) -> None:
-    """The same check ``api.sweeps.service.create_sweep`` makes on a submitted spec."""
-    for i, name in enumerate(spec.search.reference_layouts):
-        if name not in tuner.REFERENCE_LAYOUTS:
-            raise SpecError(f"template.search.reference_layouts[{i}]={name!r} is not a known reference layout")
 
 
 def fire_specs(session: Session, *, schedule: Schedule, fire_time: datetime) -> list[SweepSpec]:
     """The sweeps a fire of ``schedule`` runs (raises SpecError/NotFoundError when it cannot run)."""
     stamp = fire_time.strftime("%Y-%m-%d %H:%M:%S")
     if schedule.kind == "template":
-        spec = SweepSpec.model_validate({**(schedule.template or {}), "name": f"{schedule.name} @ {stamp}"[:200]})
-        check_reference_layouts(spec)
-        from api.sweeps.service import check_learn_from
-
-        check_learn_from(session, spec=spec)  # a sweep it learns from may have been deleted since
-        return [spec]
+        return [SweepSpec.model_validate({**(schedule.template or {}), "name": f"{schedule.name} @ {stamp}"[:200]})]
     assert schedule.kind == "remeasure", schedule.kind
     if schedule.source_sweep_id is None:
         raise NotFoundError("source_sweep_id: the sweep to re-measure was deleted")
@@ -105,6 +91,9 @@ def fire_schedule(
         return None
     try:
         specs = fire_specs(session, schedule=schedule, fire_time=fire_time)
+        for spec in specs:  # the sweeps service's own checks (a sweep it learns from may be gone since)
+            svc.check_submission(session, spec=spec, owner=f"schedule:{schedule.id}",
+                                 priority=schedule.priority or "normal")
     except (SpecError, NotFoundError, ValueError) as exc:
         reason = f"cannot launch: {exc}"
         _store.finish_fire(session, fire_id=fire_id, status="failed", error=reason)
@@ -114,12 +103,7 @@ def fire_schedule(
             detail={"error": reason}, deliver=bool(schedule.webhook_url),
         )
         return fire_id
-    sweep_ids = []
-    for spec in specs:
-        sweep = store.insert_sweep(
-            session, name=spec.name, owner=f"schedule:{schedule.id}", spec=spec.model_dump(mode="json"),
-            backend=spec.backend, sampler=spec.sampler_label, priority=schedule.priority or "normal",
-        )
-        sweep_ids.append(sweep.id)
+    sweep_ids = [svc.create_sweep(session, spec=spec, owner=f"schedule:{schedule.id}",
+                                  priority=schedule.priority or "normal", commit=False).id for spec in specs]
     _store.set_fire_sweeps(session, fire_id=fire_id, sweep_ids=sweep_ids)
     return fire_id

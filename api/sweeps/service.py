@@ -61,18 +61,34 @@ class Counts:
 
 def create_sweep(
     session: Session, *, spec: SweepSpec, owner: str | None, runner_id: str | None = None, priority: str = "normal",
-    settings: Settings | None = None,
+    settings: Settings | None = None, commit: bool = True,
 ) -> Sweep:
     """Store a validated spec as a queued sweep (the engine picks it up); with ``runner_id`` as a
     sweep already running under that runner (``meshtune sweep`` runs it in the foreground).
     ``priority`` orders the queue after fair share; with ``settings`` the owner's limits are checked
-    (``check_owner_limits``)."""
+    (``check_owner_limits``). ``commit=False``: in the caller's transaction (a schedule's fire claims
+    its time and creates its sweeps in one)."""
+    check_submission(session, spec=spec, owner=owner, priority=priority, settings=settings)
+    sweep = store.insert_sweep(
+        session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
+        sampler=spec.sampler_label, runner_id=runner_id, priority=priority,
+    )
+    if commit:
+        session.commit()
+    return sweep
+
+
+def check_submission(session: Session, *, spec: SweepSpec, owner: str | None, priority: str = "normal",
+                     settings: Settings | None = None) -> None:
+    """Everything a sweep is refused for before it is stored, one line naming the field and value
+    (SpecError: 422 / exit 2; ConflictError: 409): its priority, reference layouts, a space with no
+    valid layout or an unknown backend, ``search.learn_from``, and with ``settings`` the owner's limits."""
     import tuner
 
     if priority not in store.SWEEP_PRIORITIES:
         raise SpecError(f"priority={priority!r} is not a priority (one of {', '.join(store.SWEEP_PRIORITIES)})")
 
-    known = getattr(tuner, "REFERENCE_LAYOUTS", {})
+    known = tuner.REFERENCE_LAYOUTS
     model, cluster, training = spec.to_problem()
     for i, name in enumerate(spec.search.reference_layouts):
         if name not in known:
@@ -89,12 +105,6 @@ def create_sweep(
     check_learn_from(session, spec=spec)
     if settings is not None:
         check_owner_limits(session, settings=settings, owner=owner, devices=cluster.devices)
-    sweep = store.insert_sweep(
-        session, name=spec.name, owner=owner, spec=spec.model_dump(mode="json"), backend=spec.backend,
-        sampler=spec.sampler_label, runner_id=runner_id, priority=priority,
-    )
-    session.commit()
-    return sweep
 
 
 def check_learn_from(session: Session, *, spec: SweepSpec) -> None:
