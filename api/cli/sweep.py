@@ -62,13 +62,10 @@ def load_spec(path: str, *, backend: str | None = None, max_trials: int | None =
     """A validated SweepSpec from a file; errors are SpecError naming the file and the field."""
     from pydantic import ValidationError
 
-    import tuner
     from api.spec import SweepSpec
+    from tuner import read_spec_file
 
-    read = getattr(tuner, "read_spec_file", None)
-    if read is None:
-        from tuner import read_spec_file as read
-    data = read(path)
+    data = read_spec_file(path)
     if backend:
         data["backend"] = backend
     if model is not None:
