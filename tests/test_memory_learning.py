@@ -8,7 +8,7 @@ import pytest
 
 import tuner
 from api import store
-from api.engine import SweepRunner
+from api.engine import Problem, SweepRunner
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -74,3 +74,48 @@ def test_memory_twice_or_half_the_model_still_reaches_the_best(tmp_path, factor)
           f"{sum(t.status == 'oom' for t in rows)} oom, best {max(measured) / best:.3f}")
     assert len(rows) == 50  # ran to max_trials: no silent early stop
     assert max(measured) >= 0.98 * best
+
+
+TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}
+
+
+class MixedSigns(Roofline):
+    """Model states at 0.3x, activations at 4x what the model predicts (overhead as predicted): on a
+    device where the model says three layouts fit, none of them does, and eight others do."""
+
+    name = "mixed-signs"
+
+    def memory(self, layout, model, cluster, training) -> float:
+        m = tuner.estimate_memory(layout, model=model, cluster=cluster, training=training)
+        return 0.3 * (m.params + m.grads + m.optimizer + m.buffers) + 4.0 * m.activations + m.overhead
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe", "surrogate"])
+def test_when_nothing_left_is_predicted_to_fit_the_likeliest_layouts_run(tmp_path, sampler):
+    """Once the layouts predicted to fit have run out of memory, the model predicts that nothing
+    left fits: the search goes on with the layouts most likely to fit. Before, the OOM scaled the
+    whole model and every later proposal of every sampler was recorded as pruned, none launched."""
+    model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
+    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    peaks = sorted(tuner.estimate_memory(x, model=model, cluster=cluster, training=training).total for x in layouts)
+    cap = peaks[2]  # three layouts fit as the model predicts memory
+    cluster_spec = {"preset": "cpu-local", "device_memory": cap}
+    truth = MixedSigns()
+    problem = Problem.from_spec(SweepSpec.model_validate({**TINY, "cluster": cluster_spec}))
+    doomed = {lay.key for lay in problem.space.layouts if problem.predict(lay).fits}
+    assert len(doomed) == 3 and not any(truth.memory(lay, model, cluster, training) <= cap
+                                        for lay in problem.space.layouts if lay.key in doomed)
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+    engine, sessions = store.open_store(url)
+    settings = Settings(database_url=url, home=tmp_path, max_concurrent_trials=1)
+    spec = SweepSpec.model_validate({**TINY, "cluster": cluster_spec, "name": sampler, "backend": "simulate", "search": {
+        "sampler": sampler, "max_trials": 12, "warm_start_top_k": 3, "remeasure_top_k": 0}})
+    with sessions() as s:
+        sweep_id = svc.create_sweep(s, spec=spec, owner="t").id
+    SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: TruthBackend(truth)).run_sweep(sweep_id)
+    with sessions() as s:
+        rows = sorted(store.all_trials(s, sweep_id=sweep_id), key=lambda t: t.number)
+    engine.dispose()
+    assert rows[0].layout_key in doomed and rows[0].status == "oom"
+    assert len(rows) == 12  # went on to max_trials
+    assert sum(t.status == "completed" for t in rows) >= 4  # and found what fits
