@@ -250,20 +250,19 @@ class Problem:
             self._local = (self.version, LocalMemory(self._x.shape[1], len(cal.MEMORY_PARTS), peaks, ooms))
         return self._local[1]
 
-    def _memory_of(self, layout: Layout, mparts: list[float]) -> tuple[int, float, bool, str | None]:
-        """(predicted bytes, sd of its log, whether it fits, why not) for one layout."""
+    def _memory_of(self, layout: Layout, mparts: list[float]) -> tuple[int, bool]:
+        """(predicted bytes, whether it fits) for one layout."""
         i = self.space.index.get(layout.key)
         if i is not None and self._arrays is not None:
             m = self.memory_arrays()
-            return int(m["bytes"][i]), float(m["sd"][i]), bool(m["fits"][i]), self._why_not(layout, mparts)
+            return int(m["bytes"][i]), bool(m["fits"][i])
         local = self.local_memory()
-        mu, sd = local.query(self._scaled(layout)[None, :])
-        memory = self._bytes(np.array([mparts]), mu)[0]
+        mu, _ = local.query(self._scaled(layout)[None, :])
+        memory = int(self._bytes(np.array([mparts]), mu)[0])
         if layout.key in self.ooms:
             memory = max(memory, math.ceil(self.ooms[layout.key][1]))
         dominated = bool(local.dominated(np.array([mparts], dtype=float))[0])
-        fits = memory <= self.cluster.device_memory and not dominated and layout.key not in self.ooms
-        return int(memory), float(sd[0]), fits, self._why_not(layout, mparts)
+        return memory, memory <= self.cluster.device_memory and not dominated and layout.key not in self.ooms
 
     def _bytes(self, mparts: np.ndarray, mu: np.ndarray) -> np.ndarray:
         # bytes, up: a bound raised to the device's memory stays reached
@@ -301,11 +300,11 @@ class Problem:
 
     def predict(self, layout: Layout) -> Prediction:
         tparts, mparts, useful = self.parts(layout)
-        memory, _, fits, why = self._memory_of(layout, mparts)
+        memory, fits = self._memory_of(layout, mparts)
         step = float(np.dot(tparts, self.time_w))
         if not fits:
             calibrated = " (calibrated)" if self.version else ""
-            cause = why or (f"pruned by the memory model: predicted {memory} bytes{calibrated} per device exceeds "
+            cause = self._why_not(layout, mparts) or (f"pruned by the memory model: predicted {memory} bytes{calibrated} per device exceeds "
                             f"device_memory={self.cluster.device_memory}")
             return Prediction(memory, None, None, None, False, cause, self.version)
         tps = self.tokens / step / layout.world_size if step > 0 else None
@@ -395,14 +394,11 @@ class Problem:
         layout = Layout(**row.layout)
         self._where[layout.key] = self._scaled(layout)
         if row.status == "oom":
-            # A lower bound, never the peak: it needed more than the device has; CUDA names the failing
-            # allocation, on top of what was in use (``bytes_in_use`` where the backend reports it; the
-            # peak it reached before failing was in use once). Either alone is a bound too.
-            err = row.error or {}
-            requested = float(err.get("bytes_requested") or 0)
-            in_use = float(err.get("bytes_in_use") or 0)
-            need = max(float(self.cluster.device_memory), float(row.peak_memory_bytes or 0), in_use + requested,
-                       requested)
+            # A lower bound, never the peak: it needed more than the device has, and CUDA names the
+            # failing allocation, which came on top of what was in use (an OOM row's peak bytes: what
+            # the backend saw allocated when it failed).
+            requested = float((row.error or {}).get("bytes_requested") or 0)
+            need = max(float(self.cluster.device_memory), float(row.peak_memory_bytes or 0) + requested)
             old = self.ooms.get(layout.key)
             self.ooms[layout.key] = (self.parts(layout)[1], max(need, old[1] if old else 0.0))
         elif row.status == "completed" and row.peak_memory_bytes:
