@@ -32,11 +32,15 @@ class MemoryOff(Roofline):
 
 
 class CudaStyle(TruthBackend):
+    """An OOM as CUDA reports it: what was in use when an allocation failed (99% of the device) and
+    that allocation (half of what was still to come), never the peak."""
+
     def run(self, request):
         result = super().run(request)
-        if result.status == "oom":  # what CUDA says: the allocation that failed, not the peak
-            result.error.bytes_requested = 2 * 2**30
-            result.peak_memory_bytes = None
+        if result.status == "oom":
+            in_use = int(0.99 * request.cluster.device_memory)
+            result.error.bytes_requested = max(1, (result.peak_memory_bytes - in_use) // 2)
+            result.peak_memory_bytes = in_use
         return result
 
 
@@ -112,7 +116,7 @@ def test_when_nothing_left_is_predicted_to_fit_the_likeliest_layouts_run(tmp_pat
         "sampler": sampler, "max_trials": 12, "warm_start_top_k": 3, "remeasure_top_k": 0}})
     with sessions() as s:
         sweep_id = svc.create_sweep(s, spec=spec, owner="t").id
-    SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: TruthBackend(truth)).run_sweep(sweep_id)
+    SweepRunner(settings, sessions=sessions, backend_factory=lambda spec: CudaStyle(truth)).run_sweep(sweep_id)
     with sessions() as s:
         rows = sorted(store.all_trials(s, sweep_id=sweep_id), key=lambda t: t.number)
     engine.dispose()
