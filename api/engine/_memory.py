@@ -20,15 +20,14 @@ import numpy as np
 
 from api.engine._surrogate import _gp
 
-# Memory error assumed before any peak was measured: the spread of the memory model against the
+# Memory error assumed far from any measured peak: the spread of the memory model against the
 # workers' measured peaks in tests/test_tuner_memory.py is within 10%; allocator fragmentation and
-# communicator buffers on a real cluster add to it. Once peaks are measured, the GP's prior spread
-# (the sd far from them) is chosen from SIGNAL_SIGMAS by marginal likelihood: as consistent as the
-# residuals turn out to be, below MEMORY_SIGMA only once SPREAD_PEAKS peaks say so (a peak or two
-# agree with any spread).
+# communicator buffers on a real cluster add to it. The GP's prior spread (its sd far from measured
+# layouts) is chosen from SIGNAL_SIGMAS by marginal likelihood, never below it: peaks that agree
+# with each other say little of layouts unlike them (a floor of 2% launched twice the OOMs on the
+# roofline truth of benchmarks/bench_search.py).
 MEMORY_SIGMA = 0.10
-SIGNAL_SIGMAS = (0.02, 0.05, MEMORY_SIGMA, 0.2, 0.4, 0.8)
-SPREAD_PEAKS = 5
+SIGNAL_SIGMAS = (MEMORY_SIGMA, 0.2, 0.4, 0.8)
 MEMORY_NOISE = 0.01  # log spread of one layout's measured peak between runs
 OOM_EXTRA = 0.02  # an OOM needed at least its bound: counted a little above it
 BOUND_ROUNDS = 3  # OOM bounds the posterior still violates join as observations, this many rounds
@@ -50,7 +49,6 @@ class LocalMemory:
         self.mean = float(np.mean(ys)) if len(ys) else 0.0
         self.xs = np.array([x for x, _, _ in self.peaks]).reshape(len(ys), self.dim)
         self.ys, self.noise = ys, np.full(len(ys), MEMORY_NOISE ** 2)
-        self.sigs = tuple(v for v in SIGNAL_SIGMAS if len(ys) >= SPREAD_PEAKS or v >= MEMORY_SIGMA)
         self.oom_parts = np.array([p for *_, p in self.ooms]).reshape(len(self.ooms), self.n_parts)
         if not self.ooms:
             return
@@ -74,13 +72,13 @@ class LocalMemory:
         if not len(ys):
             return np.full(len(xc), self.mean), np.full(len(xc), MEMORY_SIGMA)
         noise = np.full(len(ys), MEMORY_NOISE ** 2)
-        return _gp(xs, ys, noise, xc, self.mean, self.sigs)
+        return _gp(xs, ys, noise, xc, self.mean, SIGNAL_SIGMAS)
 
     def query(self, xc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Posterior mean and sd of log(true peak / base) at scaled features ``xc`` (rows)."""
         if not len(self.ys):
             return np.full(len(xc), self.mean), np.full(len(xc), MEMORY_SIGMA)
-        return _gp(self.xs, self.ys, self.noise, xc, self.mean, self.sigs)
+        return _gp(self.xs, self.ys, self.noise, xc, self.mean, SIGNAL_SIGMAS)
 
     def dominated(self, parts: np.ndarray) -> np.ndarray:
         """Rows of ``parts`` (memory parts per layout) that need at least as much of every part as
