@@ -84,8 +84,9 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     assert len(infeasible) == len(failed) and all(t.state.name == "COMPLETE" and t.values[0] == 0.0 for t in infeasible)
     assert not any(t.state.name == "FAIL" for t in told)  # failures teach: never FAIL-and-forget
     # The failures teach: in the second half fewer doomed (tp=1) runs are *launched* than tp=1's share
-    # of the space would launch by chance — the sampler steers away and the memory model, scaled by
-    # the OOMs' bytes, prunes before any device time is spent (pruned proposals are not launches).
+    # of the space would launch by chance — the sampler steers away and the memory model, raised
+    # around each OOM (its neighbours, every layout needing as much of each part), prunes before any
+    # device time is spent (pruned proposals are not launches).
     space = loop.problem.space.layouts
     late = [t for t in rows if t.number >= 15]
     launched_ooms = sum(t.status == "oom" for t in late)

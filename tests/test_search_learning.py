@@ -11,6 +11,7 @@ import pytest
 from api import store
 from api.engine import Problem, SweepRunner
 from api.engine import _calibrate as cal
+from api.engine._memory import MEMORY_SIGMA
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -79,20 +80,39 @@ def test_fitted_weights_stay_physical_where_the_data_are_mute():
         assert np.sqrt(np.mean(np.log(parts @ w / measured) ** 2)) < 0.1
 
 
-def test_an_oom_teaches_the_memory_model_for_the_rest_of_the_sweep():
+def test_an_oom_teaches_its_layout_and_neighbours_never_every_prediction():
+    """An OOM whose bytes exceed the prediction once scaled the whole memory model until the OOMed
+    layout was predicted not to fit, and pruned every layout predicted to need as much: a layout that
+    had run at X was then predicted at 2.6 X, and a sweep on a cluster with more memory than the
+    model thinks stopped with nothing left to launch. Now the bound is local (its layout, its
+    neighbours, every layout needing at least as much of each memory part), and a measured peak
+    stays what was measured."""
     problem = Problem.from_spec(SweepSpec.model_validate(TINY))
-    problem.arrays()
+    _, parts = problem.arrays()
+    device = problem.cluster.device_memory
     fits = [lay for lay in problem.space.layouts if problem.predict(lay).fits]
     fits.sort(key=lambda lay: problem.predict(lay).memory_bytes)
-    oomed = fits[len(fits) // 2]
-    bigger = [lay for lay in fits if problem.predict(lay).memory_bytes >= problem.predict(oomed).memory_bytes]
-    device = problem.cluster.device_memory
+    oomed, ran = fits[len(fits) // 2], fits[0]
+    peak = int(1.1 * problem.raw_memory_bytes(ran))
+    problem.observe(SimpleNamespace(layout=dataclasses.asdict(ran), status="completed", peak_memory_bytes=peak,
+                                    error=None))
+    # CUDA reports the failing allocation (here twice the device): a lower bound, never the peak
     problem.observe(SimpleNamespace(layout=dataclasses.asdict(oomed), status="oom", peak_memory_bytes=None,
-                                    error={"bytes_requested": 1 << 20}))
-    assert not problem.predict(oomed).fits
-    assert not any(problem.predict(lay).fits for lay in bigger)  # nothing predicted to need as much runs
-    assert problem.predict(oomed).memory_bytes >= device  # the model now predicts it does not fit
-    assert problem.memory_sigma > 0.10 and problem.version >= 1  # its error grew: more headroom
+                                    error={"bytes_requested": 2 * device}))
+    assert problem.version >= 2
+    assert problem.predict(ran).memory_bytes == pytest.approx(peak, rel=0.03)  # it ran at that
+    assert not problem.predict(oomed).fits and problem.predict(oomed).memory_bytes >= 2 * device
+    i = problem.space.index[oomed.key]
+    dominating = [lay for lay in problem.space.layouts if np.all(parts[problem.space.index[lay.key]] >= parts[i])]
+    assert dominating and not any(problem.predict(lay).fits for lay in dominating)
+    assert all("as much of every memory part" in problem.predict(lay).prune_cause
+               for lay in dominating if lay.key != oomed.key)
+    others = [lay for lay in fits if lay.key not in {oomed.key, ran.key} and lay not in dominating]
+    still = [lay for lay in others if problem.predict(lay).fits]
+    assert len(still) >= len(others) // 2  # the layouts that do not need as much of every part still run
+    # the uncertainty is local: next to the measured peak small, far from measurements the prior's
+    _, sd = problem.memory_margin()
+    assert sd[problem.space.index[ran.key]] < 0.03 < MEMORY_SIGMA <= float(np.max(sd))
 
 
 @pytest.fixture

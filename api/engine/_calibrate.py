@@ -37,8 +37,8 @@ learned from it (bench_search.py --truth none, after learning: a 0.10 gain, 9 in
 launched trials over 10 seeds; placements, 25.5 instead of 8 over 4 seeds; neither changed a cold sweep).
 
 Memory: the same form over the memory model's parts (model states, activations, overhead), fitted to
-measured peaks, judged by held-out rms log error; an OOM is a lower bound (the layout needs more than
-the device has, or than the bytes it reported), enforced on the fit.
+measured peaks, judged by held-out rms log error. OOMs are not fitted: a lower bound teaches its
+layout and its neighbours (api.engine._memory), never every layout through a weight.
 """
 
 from __future__ import annotations
@@ -238,46 +238,24 @@ def _same_order(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(np.sign(a[:, None] - a[None, :]), np.sign(b[:, None] - b[None, :])))
 
 
-def judge_memory(parts: np.ndarray, measured: np.ndarray, lower_parts: np.ndarray, lower_bytes: np.ndarray,
-                 prior: np.ndarray) -> dict:
-    """Fit memory weights to measured peaks (rows of ``parts``/``measured``) and OOM lower bounds
-    (``lower_parts``/``lower_bytes``: the layout needed more than this); judged by held-out rms log
-    error against the prior. With no peak measured yet, the OOMs alone scale the prior up."""
+def judge_memory(parts: np.ndarray, measured: np.ndarray, prior: np.ndarray, *, n_oom: int = 0) -> dict:
+    """Fit memory weights to measured peaks (rows of ``parts``/``measured``), judged by held-out rms
+    log error against the prior. OOMs are not fitted here: a lower bound says something of its layout
+    and its neighbours (api.engine._memory), not of every layout through a weight; ``n_oom`` is
+    only recorded."""
     n = len(measured)
     prior_err = _rms_log(parts @ prior, measured) if n else float("nan")
-    out = {"n": n, "n_oom": len(lower_bytes), "prior_rms_log_error": _f(prior_err)}
+    out = {"n": n, "n_oom": n_oom, "prior_rms_log_error": _f(prior_err)}
     weights, accepted, loo_err = prior.copy(), False, float("nan")
     if n >= 3:
         free = supported(parts, measured, prior, order=(2, 0, 1))  # a constant first: CPU baselines
         if free:
-            loo = np.array([parts[i] @ _fit_mem(parts[np.arange(n) != i], measured[np.arange(n) != i],
-                                                lower_parts, lower_bytes, prior, free) for i in range(n)])
+            keep = [np.arange(n) != i for i in range(n)]
+            loo = np.array([parts[i] @ fit_weights(parts[k], measured[k], prior, free) for i, k in enumerate(keep)])
             loo_err = _rms_log(loo, measured)
             if loo_err <= prior_err:
-                weights, accepted = _fit_mem(parts, measured, lower_parts, lower_bytes, prior, free), True
-    weights = _enforce_lower(weights, lower_parts, lower_bytes)
+                weights, accepted = fit_weights(parts, measured, prior, free), True
     return {**out, "accepted": accepted, "weights": named(weights, MEMORY_PARTS), "loo_rms_log_error": _f(loo_err)}
-
-
-def _fit_mem(parts, measured, lower_parts, lower_bytes, prior, free) -> np.ndarray:
-    w = fit_weights(parts, measured, prior, free)
-    for _ in range(2):  # OOMs the fit still under-predicts join as rows at their bound
-        short = (lower_parts @ w < lower_bytes) if len(lower_bytes) else np.zeros(0, bool)
-        if not short.any():
-            break
-        w = fit_weights(np.vstack([parts, lower_parts[short]]), np.concatenate([measured, 1.02 * lower_bytes[short]]),
-                        prior, free)
-    return w
-
-
-def _enforce_lower(w: np.ndarray, lower_parts: np.ndarray, lower_bytes: np.ndarray) -> np.ndarray:
-    """Scale the whole model up until every OOMed layout is predicted to need at least its bound:
-    the least change that stops predicting a known OOM as fitting."""
-    if not len(lower_bytes):
-        return w
-    pred = lower_parts @ w
-    need = float(np.max(lower_bytes / np.maximum(pred, 1.0)))
-    return w * max(1.0, need)
 
 
 def _rms_log(pred: np.ndarray, measured: np.ndarray) -> float:
@@ -319,7 +297,7 @@ def describe(calibration: dict | None) -> list[str]:
         err = m.get("loo_rms_log_error") if m.get("accepted") else m.get("prior_rms_log_error")
         out.append(f"memory model from {m.get('n')} peaks and {m.get('n_oom')} OOMs: error "
                    f"{'-' if err is None else f'{err:.1%}'} ({'fitted' if m.get('accepted') else 'prior'}); "
-                   f"headroom from a memory error of {c.get('memory_sigma', 0):.1%}")
+                   "headroom from the uncertainty at each layout (measured peaks and OOM bounds nearby)")
     if c.get("learned_from"):
         out.append("learned from earlier sweeps on this cluster: " + ", ".join(f"#{i}" for i in c["learned_from"]))
     out += list(c.get("notes") or ())  # what the sweep dropped of what it inherited, and why

@@ -260,18 +260,21 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
 
     def _launch_search(self) -> bool:
         """Propose one layout; prune it or start it. False when nothing more can be proposed now."""
+        likeliest = None
         if self.warm:
             layout, source = self.warm.pop(0)
             handle = None
         else:
-            proposal = self.proposer.propose(self.seen)
+            # Nothing left predicted to fit: the layout most likely to, launched (never pruned).
+            likeliest = None if self.problem.listed else self.problem.fallback(self.seen)
+            proposal = (likeliest, None) if likeliest is not None else self.proposer.propose(self.seen)
             if proposal is None:
                 self._exhausted = True
                 return False
             (layout, handle), source = proposal, ("listed" if self.problem.listed else "sampler")
         self.seen.add(layout.key)
         prediction = self.problem.predict(layout)
-        if not prediction.fits:
+        if not prediction.fits and likeliest is None:
             number = self._take_number()
             with store.session_scope(self.r.sessions) as s:
                 self._hold(s)

@@ -7,12 +7,14 @@ per-step constant, memory = weighted parts of the memory model; each fit is kept
 (time) or predicts (memory) held-out measurements at least as well as the prior. Every change bumps
 ``calibration["version"]``; each trial row stores the version its predictions were made under.
 
-What failures teach: an OOM is a lower bound on its layout's memory (the device's memory or the bytes
-it reported, whichever is more); the memory model is scaled until it predicts every OOMed layout
-not to fit, and no layout predicted to need at least as much as an OOMed one is launched. The memory
-error (held-out rms log error of the memory model; ``MEMORY_SIGMA`` before any peak was measured,
-at least the shortfall of an OOM) sets the headroom warm start leaves and the surrogate's
-probability that a layout fits.
+Memory is learned locally (api.engine._memory): the part weights are fitted to measured peaks only;
+a GP over the layouts corrects the rest, so a layout that ran at X is predicted near X; an OOM is a
+lower bound on its layout's need (the device's memory, or what was in use plus the failing allocation
+CUDA reports, whichever is more: never its peak) and on its neighbours', and a layout needing at least
+as much of every part as an OOMed one is predicted not to fit. The GP's sd at a layout is its
+headroom (warm start, the surrogate's probability of fitting). When no unseen layout is predicted to
+fit, ``fallback`` names the one most likely to (the loop launches it: the uncertainty is the reason
+to measure).
 
 A prediction's record, the prior weights and re-prediction under a stored calibration
 (``predict_under``): api.engine._prediction.
@@ -30,19 +32,16 @@ import numpy as np
 
 import tuner
 from api.engine import _calibrate as cal
+from api.engine._memory import MEMORY_SIGMA, LocalMemory
 from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction, cluster_under
 from api.engine._prediction import predict_under as predict_under  # re-exported: callers import it from here
 from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
-from api.engine._space import LayoutSpace
+from api.engine._space import LayoutSpace, _features, knob_values
 from api.spec import SearchSettings, SweepSpec
 from tuner import Capabilities, ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
 
 REFIT_AT = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200)
 MAX_FIT_SAMPLES = 60
-# Memory error assumed before the sweep measured any peak: the spread of the memory model against
-# the workers' measured peaks in tests/test_tuner_memory.py is within 10%; allocator fragmentation
-# and communicator buffers on a real cluster add to it (an assumption, replaced by measurement).
-MEMORY_SIGMA = 0.10
 HEADROOM_Z = 1.645  # one-sided 95%: warm start launches what fits with this many memory errors to spare
 log = logging.getLogger("meshtune.engine")
 
@@ -135,6 +134,10 @@ class Problem:
         else:
             self.enumeration = None
         self.space = LayoutSpace(layouts, cluster.devices)
+        raw = self.space._features  # scaled as the surrogate scales them: [0, 1] over the space
+        self._feat_lo, span = raw.min(axis=0), np.ptp(raw, axis=0)
+        self._feat_span = np.where(span > 0, span, 1.0)
+        self._x = (raw - self._feat_lo) / self._feat_span
         self.tokens = training.global_batch * model.seq_len
         self.time_w, self.mem_w = PRIOR_TIME_W.copy(), PRIOR_MEM_W.copy()
         self.inherited_time_w: np.ndarray | None = None
@@ -144,10 +147,11 @@ class Problem:
         self.inherited_residuals: list[tuple[np.ndarray, float]] = []
         self.inherited_programs: dict[str, Any] | None = None  # an earlier sweep's per-program weights
         self.learned_from: list[int] = []
-        self.oom_parts: list[list[float]] = []
-        self.oom_bytes: list[float] = []
-        self.oom_keys: set[str] = set()
+        self.ooms: dict[str, tuple[list[float], float]] = {}  # layout key -> (memory parts, bytes it needed at least)
         self.peaks: dict[str, tuple[list[float], float]] = {}  # layout key -> (memory parts, measured peak)
+        self._where: dict[str, np.ndarray] = {}  # layout key -> its scaled features (measured ones)
+        self._local: tuple[int, LocalMemory] | None = None  # (version, the GP fitted under it)
+        self._memory_all: tuple[int, dict[str, np.ndarray]] | None = None  # every layout's, under a version
         self._arrays: tuple[np.ndarray, np.ndarray, float] | None = None
         self.calibration: dict[str, Any] = {"version": 0}
         self._fitted_at = 0
@@ -228,23 +232,80 @@ class Problem:
 
     # --- predictions -----------------------------------------------------------------------------
 
-    def _oom_floor(self) -> float:
-        """The least predicted memory of an OOMed layout: nothing predicted to need as much runs."""
-        if not self.oom_parts:
-            return float("inf")
-        return float(np.min(np.array(self.oom_parts) @ self.mem_w))
+    def _scaled(self, layout: Layout) -> np.ndarray:
+        i = self.space.index.get(layout.key)
+        if i is not None:
+            return self._x[i]
+        dp = self.space.devices / max(1, layout.tp * layout.pp * layout.cp * layout.ep)
+        return np.clip((np.array(_features(knob_values(layout), dp)) - self._feat_lo) / self._feat_span, -0.5, 1.5)
+
+    def local_memory(self) -> LocalMemory:
+        """The GP over log(true / weighted-parts memory), fitted under the calibration in force."""
+        if self._local is None or self._local[0] != self.version:
+            def base(parts: list[float]) -> float:
+                return max(float(np.dot(parts, self.mem_w)), 1.0)
+            peaks = [(self._where[k], base(p), b) for k, (p, b) in sorted(self.peaks.items())]
+            ooms = [(self._where[k], base(p), b, np.asarray(p, dtype=float))
+                    for k, (p, b) in sorted(self.ooms.items())]
+            self._local = (self.version, LocalMemory(self._x.shape[1], len(cal.MEMORY_PARTS), peaks, ooms))
+        return self._local[1]
+
+    def _memory_of(self, layout: Layout, mparts: list[float]) -> tuple[int, bool]:
+        """(predicted bytes, whether it fits) for one layout."""
+        i = self.space.index.get(layout.key)
+        if i is not None and self._arrays is not None:
+            m = self.memory_arrays()
+            return int(m["bytes"][i]), bool(m["fits"][i])
+        local = self.local_memory()
+        mu, _ = local.query(self._scaled(layout)[None, :])
+        memory = int(self._bytes(np.array([mparts]), mu)[0])
+        if layout.key in self.ooms:
+            memory = max(memory, math.ceil(self.ooms[layout.key][1]))
+        dominated = bool(local.dominated(np.array([mparts], dtype=float))[0])
+        return memory, memory <= self.cluster.device_memory and not dominated and layout.key not in self.ooms
+
+    def _bytes(self, mparts: np.ndarray, mu: np.ndarray) -> np.ndarray:
+        # bytes, up: a bound raised to the device's memory stays reached
+        return np.ceil(np.maximum(mparts @ self.mem_w, 1.0) * np.exp(mu)).astype(np.int64)
+
+    def memory_arrays(self) -> dict[str, np.ndarray]:
+        """Every layout's predicted bytes ("bytes"), the sd of its log ("sd") and whether it fits
+        ("fits": predicted within the device's memory, not OOMed, needing less of some part than
+        every OOMed layout), under the calibration in force (computed once per version)."""
+        if self._memory_all is None or self._memory_all[0] != self.version:
+            _, m = self.arrays()
+            local = self.local_memory()
+            mu, sd = local.query(self._x)
+            memory = self._bytes(m, mu)
+            out = np.zeros(len(m), bool)
+            for key, (_, need) in self.ooms.items():
+                i = self.space.index.get(key)
+                if i is not None:
+                    memory[i] = max(int(memory[i]), math.ceil(need))
+                    out[i] = True
+            out |= local.dominated(m)
+            fits = (memory <= self.cluster.device_memory) & ~out
+            self._memory_all = (self.version, {"bytes": memory, "sd": sd, "fits": fits, "ruled_out": out})
+        return self._memory_all[1]
+
+    def _why_not(self, layout: Layout, mparts: list[float]) -> str | None:
+        if layout.key in self.ooms:
+            return "pruned by the memory model: it ran out of memory in this sweep"
+        parts = np.asarray(mparts, dtype=float)
+        for key, (p, _) in sorted(self.ooms.items()):
+            if np.all(parts >= np.asarray(p) * (1.0 - 1e-9)):
+                return (f"pruned by the memory model: it needs at least as much of every memory part "
+                        f"({', '.join(cal.MEMORY_PARTS)}) as {key}, which ran out of memory in this sweep")
+        return None
 
     def predict(self, layout: Layout) -> Prediction:
         tparts, mparts, useful = self.parts(layout)
-        memory = math.ceil(float(np.dot(mparts, self.mem_w)))  # bytes, up: a scaled-up OOM bound stays reached
+        memory, fits = self._memory_of(layout, mparts)
         step = float(np.dot(tparts, self.time_w))
-        if memory > self.cluster.device_memory or memory >= self._oom_floor() or layout.key in self.oom_keys:
+        if not fits:
             calibrated = " (calibrated)" if self.version else ""
-            cause = (f"pruned by the memory model: predicted {memory} bytes{calibrated} per device exceeds "
-                     f"device_memory={self.cluster.device_memory}")
-            if memory <= self.cluster.device_memory:
-                cause = (f"pruned by the memory model: predicted {memory} bytes per device, as much as a layout "
-                         f"that ran out of memory in this sweep (predicted {int(self._oom_floor())})")
+            cause = self._why_not(layout, mparts) or (f"pruned by the memory model: predicted {memory} bytes{calibrated} per device exceeds "
+                            f"device_memory={self.cluster.device_memory}")
             return Prediction(memory, None, None, None, False, cause, self.version)
         tps = self.tokens / step / layout.world_size if step > 0 else None
         return Prediction(memory, step if step > 0 else None, tps, useful, True, None, self.version)
@@ -256,18 +317,47 @@ class Problem:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(step > 0, np.log(self.tokens / self.cluster.devices / np.maximum(step, 1e-30)), np.nan)
 
-    def memory_margin(self) -> tuple[np.ndarray, float]:
+    def memory_margin(self) -> tuple[np.ndarray, np.ndarray]:
         """(log(device_memory / predicted peak) of every layout, -inf where an OOM rules it out;
-        the memory model's error in the same log units)."""
-        _, m = self.arrays()
-        pred = np.maximum(m @ self.mem_w, 1.0)
-        margin = np.log(self.cluster.device_memory / pred)
-        margin[pred >= self._oom_floor()] = -np.inf
-        return margin, self.memory_sigma
+        the memory model's uncertainty at each layout in the same log units)."""
+        m = self.memory_arrays()
+        margin = np.log(self.cluster.device_memory / m["bytes"].astype(float))
+        margin[m["ruled_out"]] = -np.inf
+        return margin, m["sd"]
+
+    def fallback(self, exclude: set[str]) -> Layout | None:
+        """When no layout outside ``exclude`` is predicted to fit: the one most likely to (the
+        highest probability of fitting, ties by predicted throughput); None when one is predicted to
+        fit, or every layout was tried."""
+        fits = self.memory_arrays()["fits"]
+        unseen = np.ones(len(self.space), bool)
+        for key in exclude:
+            i = self.space.index.get(key)
+            if i is not None:
+                unseen[i] = False
+        if not unseen.any() or (fits & unseen).any():
+            return None
+        return self.likeliest(exclude)
+
+    def likeliest(self, exclude: set[str]) -> Layout | None:
+        """The layout outside ``exclude`` most likely to fit (ties by predicted throughput); None
+        when every layout was tried."""
+        margin, sd = self.memory_margin()
+        z = margin / np.maximum(sd, 1e-6)
+        prior = np.nan_to_num(self.prior_log_tokens(), nan=-np.inf)
+        for key in exclude:
+            i = self.space.index.get(key)
+            if i is not None:
+                z[i] = np.nan
+        ok = np.flatnonzero(~np.isnan(z))
+        if not len(ok):
+            return None
+        best = ok[np.lexsort((prior[ok], z[ok]))[-1]]
+        return self.space.layouts[int(best)]
 
     def warm_start(self, search: SearchSettings) -> list[tuple[Layout, str]]:
         """Reference layouts the user named, then the model's top-k predicted layouts that fit with
-        ``HEADROOM_Z`` memory errors to spare (no warm start into a layout the model barely fits)."""
+        ``HEADROOM_Z`` times the memory model's uncertainty at each to spare (no warm start into a layout the model barely fits)."""
         out: list[tuple[Layout, str]] = []
         refs = getattr(tuner, "REFERENCE_LAYOUTS", {})
         for i, name in enumerate(search.reference_layouts):
@@ -284,8 +374,8 @@ class Problem:
             out.append((layout, "reference"))
         if search.warm_start_top_k > 0:
             prior = self.prior_log_tokens()
-            margin, sigma = self.memory_margin()
-            ok = np.flatnonzero(np.isfinite(prior) & (margin >= HEADROOM_Z * sigma))
+            margin, sd = self.memory_margin()
+            ok = np.flatnonzero(np.isfinite(prior) & (margin >= HEADROOM_Z * sd))
             if not len(ok):  # nothing fits with that headroom: the plan's rule, room before tight ones
                 ok = np.flatnonzero(np.isfinite(prior) & (margin >= -math.log1p(-tuner.MEMORY_HEADROOM)))
             if not len(ok):  # the ones that fit at all
@@ -302,12 +392,15 @@ class Problem:
         """Learn a finished trial's memory: a peak (completed) or a lower bound (oom). Returns whether
         the memory model changed (then the caller stores ``self.calibration``)."""
         layout = Layout(**row.layout)
+        self._where[layout.key] = self._scaled(layout)
         if row.status == "oom":
-            need = max(float(self.cluster.device_memory), float(row.peak_memory_bytes or 0),
-                       float((row.error or {}).get("bytes_requested") or 0))
-            self.oom_parts.append(self.parts(layout)[1])
-            self.oom_bytes.append(need)
-            self.oom_keys.add(layout.key)
+            # A lower bound, never the peak: it needed more than the device has, and CUDA names the
+            # failing allocation, which came on top of what was in use (an OOM row's peak bytes: what
+            # the backend saw allocated when it failed).
+            requested = float((row.error or {}).get("bytes_requested") or 0)
+            need = max(float(self.cluster.device_memory), float(row.peak_memory_bytes or 0) + requested)
+            old = self.ooms.get(layout.key)
+            self.ooms[layout.key] = (self.parts(layout)[1], max(need, old[1] if old else 0.0))
         elif row.status == "completed" and row.peak_memory_bytes:
             mparts = self.parts(layout)[1]
             peak = float(row.peak_memory_bytes)
@@ -322,17 +415,16 @@ class Problem:
         return True
 
     def _fit_memory(self) -> None:
+        """Part weights from the measured peaks (the OOMs teach locally: api.engine._memory);
+        ``memory_sigma``: the weights' held-out error, what the figures report (the headroom is
+        the local GP's sd)."""
         parts = np.array([p for p, _ in self.peaks.values()]).reshape(-1, len(cal.MEMORY_PARTS))
         peaks = np.array([b for _, b in self.peaks.values()])
-        lower = np.array(self.oom_parts).reshape(-1, len(cal.MEMORY_PARTS))
         prior = self.inherited_mem_w if self.inherited_mem_w is not None else PRIOR_MEM_W
-        result = cal.judge_memory(parts, peaks, lower, np.array(self.oom_bytes), prior)
+        result = cal.judge_memory(parts, peaks, prior, n_oom=len(self.ooms))
         self.mem_w = np.array([result["weights"][k] for k in cal.MEMORY_PARTS])
         err = result["loo_rms_log_error"] if result["accepted"] else result["prior_rms_log_error"]
         sigma = err if err is not None and len(peaks) >= 3 else max(self.memory_sigma, MEMORY_SIGMA)
-        if len(lower):  # an OOM the model had predicted to fit: its error was at least that big
-            shortfall = float(np.max(np.log(np.array(self.oom_bytes) / np.maximum(lower @ PRIOR_MEM_W, 1.0))))
-            sigma = max(sigma, shortfall if not len(peaks) else 0.0)
         self.memory_sigma = max(sigma, 0.01)
         self._store(memory=result, memory_sigma=self.memory_sigma)
 

@@ -27,9 +27,10 @@ exposed gradient traffic, pipeline sends, a per-step constant: api.engine._calib
 
 Each proposal is the enumerated, unseen layout with the largest expected improvement (Jones et al.
 1998) over the best measured one, times the probability that it fits in memory under the memory
-model's measured error (constrained EI, Gardner et al. 2014), times the probability that it does not
-fail like the crashed/timed-out layouts near it. Only layouts the memory model predicts to fit are
-candidates. Everything is a deterministic function of the measurements (ties broken by the seed), so
+model's uncertainty at that layout (constrained EI, Gardner et al. 2014; the memory GP is the
+problem's, api.engine._memory), times the probability that it does not fail like the
+crashed/timed-out layouts near it. Only layouts the memory model predicts to fit are candidates;
+when none is left, the one most likely to fit (``Problem.likeliest``). Everything is a deterministic function of the measurements (ties broken by the seed), so
 a resume proposes what the first run would have.
 """
 
@@ -45,7 +46,6 @@ from api.engine import _calibrate as cal
 from api.engine._space import LayoutSpace, _features, knob_values
 from tuner import Layout
 
-HEADROOM_Z = 1.645  # as api.engine._model.HEADROOM_Z (not imported: _model imports this module's users)
 NOISE_SIGMA = 0.03  # default run-to-run noise of log tokens/s before the sweep measures its own
 TRANSFER_SIGMA = 0.08  # extra noise of a residual measured on another model or sweep
 LENGTH_SCALES = (0.2, 0.35, 0.6, 1.0)
@@ -55,8 +55,6 @@ WEIGHT_SIGMA = 2.0  # prior sd of log(w_k / w0_k): an overlap can hide a collect
 FIT_SIGMA = 0.05  # what the weights alone leave unexplained, per layout (the GP models the rest)
 THETA_BOUNDS = (-6.0, 3.0)  # a weight between 1/400 and 20 times the one in force
 CANDIDATE_MARGIN_Z = 1.0  # candidates: predicted to fit by this many (local) memory errors, if any do
-MEMORY_NOISE = 0.01  # log spread of one layout's measured peak between runs
-OOM_EXTRA = 0.02  # an OOM needed at least its reported bytes: counted a little above them
 TRANSFER_W_SIGMA = 0.3  # extra sd of a per-program weight fitted on another model of the cluster
 LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measured step
 
@@ -74,6 +72,13 @@ def _cdf(z: np.ndarray) -> np.ndarray:
 def _matern52(d: np.ndarray, length: float) -> np.ndarray:
     r = math.sqrt(5.0) * d / length
     return (1.0 + r + r * r / 3.0) * np.exp(-r)
+
+
+def _distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Euclidean distances between the rows of ``a`` and ``b`` (without an (a, b, d) temporary:
+    a memory GP queries every layout of a 16,000-layout space)."""
+    d2 = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * (a @ b.T)
+    return np.sqrt(np.maximum(d2, 0.0))
 
 
 def _gp(xs: np.ndarray, ys: np.ndarray, noise: np.ndarray, xc: np.ndarray, mean: float,
@@ -95,7 +100,7 @@ def _gp(xs: np.ndarray, ys: np.ndarray, noise: np.ndarray, xc: np.ndarray, mean:
                 best = (ll, length, sig, chol, alpha)
     assert best is not None, "a diagonal noise term keeps the kernel matrix positive definite"
     _, length, sig, chol, alpha = best
-    d_cx = np.sqrt(((xc[:, None, :] - xs[None, :, :]) ** 2).sum(-1))
+    d_cx = _distances(xc, xs)
     k_cx = sig * sig * _matern52(d_cx, length)
     mu = mean + k_cx @ alpha
     v = np.linalg.solve(chol, k_cx.T)
@@ -174,7 +179,6 @@ class SurrogateProposer:
         self.tie = np.random.default_rng(seed).random(len(space))  # seeded tie-break
         self.obs: dict[int, list[float]] = {}  # layout index -> measured log tokens/s per device
         self.failed: set[int] = set()
-        self.peaks: dict[int, float] = {}  # layout index -> measured peak bytes (an OOM: its bound)
         self.fit: WeightFit | None = None
 
     def scaled(self, layout: Layout) -> np.ndarray:
@@ -192,11 +196,7 @@ class SurrogateProposer:
             self.failed.add(i)  # infeasible with its cost: lowers the proposals around it
         elif violation <= 0 and values and values[0] and values[0] > 0:
             self.obs.setdefault(i, []).append(math.log(values[0]))
-            if len(values) > 1 and values[1] and values[1] > 0:
-                self.peaks[i] = max(float(values[1]), self.peaks.get(i, 0.0))
-        elif status == "oom" and values and len(values) > 1 and values[1]:
-            self.peaks[i] = float(values[1]) * (1.0 + OOM_EXTRA)  # it needed at least this
-        # oom / pruned: the memory model learns it (Problem.observe), which removes such layouts
+        # peaks and OOMs: the problem's memory model learns them (Problem.observe)
 
     # --- the posterior -----------------------------------------------------------------------------
 
@@ -254,19 +254,6 @@ class SurrogateProposer:
         mean = float(np.mean(ys[: len(self.obs)])) if self.obs else float(np.mean(ys))
         return _gp(xs, ys, noise, self.x[cand], mean, SIGNAL_SIGMAS)
 
-    def memory_posterior(self, cand: np.ndarray, sigma: float) -> tuple[np.ndarray, np.ndarray]:
-        """Mean and sd of log(true peak / the memory model's) at candidates: a GP over the measured
-        peaks and OOM bounds (an OOM counts as needing its bound), so a layout near one that needed
-        more than predicted is predicted to need more too (the constraint's own GP, Gardner et al. 2014)."""
-        if not self.peaks:
-            return np.zeros(len(cand)), np.full(len(cand), sigma)
-        _, mem = self.problem.arrays()
-        pred = np.maximum(mem @ np.asarray(self.problem.mem_w, dtype=float), 1.0)
-        idx = np.array(sorted(self.peaks))
-        ys = np.log(np.array([self.peaks[i] for i in idx]) / pred[idx])
-        sigs = tuple(max(sigma, 0.01) * f for f in (0.5, 1.0, 2.0))
-        return _gp(self.x[idx], ys, np.full(len(ys), MEMORY_NOISE ** 2), self.x[cand], 0.0, sigs)
-
     def _fail_probability(self, cand: np.ndarray) -> np.ndarray:
         if not self.failed:
             return np.zeros(len(cand))
@@ -280,7 +267,7 @@ class SurrogateProposer:
         """(candidate indices, acquisition) over the unseen layouts the memory model lets run."""
         fit = self._weights()
         prior = fit.mean()
-        margin, sigma = self.problem.memory_margin()
+        margin, mem_sd_all = self.problem.memory_margin()
         unseen = np.isfinite(prior)
         for key in exclude:
             i = self.space.index.get(key)
@@ -292,8 +279,7 @@ class SurrogateProposer:
         cand = np.flatnonzero(unseen & (margin >= 0))
         if not len(cand):
             return cand, np.zeros(0)
-        mem_mu, mem_sd = self.memory_posterior(cand, sigma)
-        local = margin[cand] - mem_mu  # log headroom after what nearby peaks taught
+        local, mem_sd = margin[cand], mem_sd_all[cand]  # log headroom after what nearby peaks and OOMs taught
         keep = local >= CANDIDATE_MARGIN_Z * mem_sd
         if keep.any():
             cand, local, mem_sd = cand[keep], local[keep], mem_sd[keep]
@@ -310,8 +296,11 @@ class SurrogateProposer:
         return cand, ei * p_fit * (1.0 - self._fail_probability(cand))
 
     def propose(self, exclude: set[str]) -> tuple[Layout, Any] | None:
+        """The best candidate; when the memory model predicts that nothing left fits, the layout
+        most likely to (the uncertainty is the reason to measure); None once every layout was tried."""
         cand, score = self.scores(exclude)
         if not len(cand):
-            return None
+            layout = self.problem.likeliest(exclude)
+            return None if layout is None else (layout, None)
         best = np.lexsort((self.tie[cand], score))[-1]
         return self.space.layouts[int(cand[best])], None
