@@ -14,8 +14,8 @@ default settings except ``max_trials``. Per sweep: **launched** trials (pruned o
 device time) until a layout within 2% of the true noise-free best was measured, OOMs launched,
 how the sweep ended (status and ``stop_reason`` where the engine records one) and, for a sweep that
 ended before ``max_trials``, how many unseen layouts truly fit. Then, per generated world, a second
-sweep on the same cluster fingerprint, after one of the same model and after one of another model,
-against the cold one (same seed). The table aggregates the generated worlds per method (medians
+sweep on the same cluster fingerprint, after one of the same model (the cold sweep itself) and
+after one of another model (``--first-trials``, default 20), against the cold one (same seed). The table aggregates the generated worlds per method (medians
 over worlds and seeds) and lists each hand-written truth and special world apart.
 
     python benchmarks/bench_search.py --quick                        # 3 worlds, 20 trials, minutes
@@ -151,7 +151,8 @@ def run_world(family: str, name: str, truth, problem: dict, other: dict | None, 
                 out.append(second)
                 print(f"  seed {seed} second sweep, same model: " + line(second), flush=True)
                 with Store() as st:
-                    st.sweep(truth, other, METHODS[method], seed + 100, args.max_trials, f"{name}-other")
+                    st.sweep(truth, other, METHODS[method], seed + 100, args.first_trials or args.max_trials,
+                             f"{name}-other")
                     trials, end, wall = st.sweep(truth, problem, METHODS[method], seed, args.max_trials, f"{name}-after")
                 rec = score(trials, end, tps, args.max_trials, wall)
                 rec.update(family=family, world=name, method=method, seed=seed, n_valid=n_valid, kind="other-model",
@@ -233,6 +234,8 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=60)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--no-second", action="store_true", help="skip the second sweeps")
+    ap.add_argument("--first-trials", type=int, default=20,
+                    help="max_trials of the other model's first sweep (0: --max-trials)")
     ap.add_argument("--quick", action="store_true", help="3 worlds, 20 trials, no hand-written truth")
     ap.add_argument("--json", help="also write every run's record here")
     ap.add_argument("--merge", nargs="+", help="print the table from these --json files and exit")
@@ -261,22 +264,28 @@ def main() -> None:
           flush=True)
     records: list[dict] = []
     t0 = time.perf_counter()
+
+    def save() -> None:  # after every world: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"max_trials": args.max_trials, "records": records}, indent=1))
+
     for w in range(args.world_start, args.world_start + args.worlds):
         world = generate(w)
         other = {**world.problem, "model": world.other_model}
         run_world("generated", world.name, world, world.problem, other, args, records)
+        save()
     specials = [] if args.special == "none" else list(SPECIAL) if args.special == "all" else [args.special]
     for name in specials:
         world = by_name(name)
         run_world("special", name, world, world.problem, {**world.problem, "model": world.other_model}, args, records)
+        save()
     hand = registry()
     for name in truths:
         run_world("hand-written", name, hand[name], PROBLEMS[name], None, args, records)
+        save()
     print(f"\n{len(records)} sweeps in {time.perf_counter() - t0:.0f}s; load now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print(table(records, args.max_trials), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"max_trials": args.max_trials, "records": records}, indent=1))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,13 @@ def ring(kind: str, nbytes: float, n: int, bw: float, lat: float) -> float:
     return frac * nbytes / bw + steps * lat
 
 
+def layer_activation_bytes(t: float, h: int, tp: int, sp: bool, bpe: int) -> float:
+    """Activations one transformer layer keeps for its backward, per rank: t*h*(10 + 24/tp) bytes in
+    bf16 without sequence parallelism, t*h*34/tp with it (Korthikanti et al. 2022, Table 2, without
+    the attention-score term that flash attention does not store)."""
+    return t * h * (34 / tp if sp else 10 + 24 / tp) * bpe / 2
+
+
 def microbatches(layout, training) -> int:
     return max(1, training.global_batch // (layout.dp * layout.ep * layout.mbs))
 

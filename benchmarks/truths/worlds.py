@@ -20,7 +20,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from benchmarks.truths import GiB, Truth, layout_luck, param_counts, spans
+from benchmarks.truths import GiB, Truth, layer_activation_bytes, layout_luck, param_counts, spans
 
 PARTS = ("weights", "grads", "optimizer", "activations", "logits", "buffers")
 N_WORLDS = 20
@@ -174,8 +174,8 @@ class World(Truth):
         w, g, o = self.state_parts(layout, model, training)
         if layout.ac == "full":
             per_layer = 2 * t * h  # the layer's input, kept as a checkpoint
-        else:  # Korthikanti et al. 2022, Table 2, without the score term flash attention does not keep
-            per_layer = t * h * (34 / layout.tp if layout.sp else 10 + 24 / layout.tp) * bpe / 2
+        else:
+            per_layer = layer_activation_bytes(t, h, layout.tp, layout.sp, bpe)
             if model.experts:  # the routed tokens' expert activations (3 matmuls' inputs and outputs)
                 per_layer += model.top_k * t * 3 * model.expert_ffn / layout.tp * bpe
             if layout.ac == "selective":
