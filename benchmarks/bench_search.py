@@ -241,10 +241,14 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", help="print the table from these --json files and exit")
     args = ap.parse_args()
     if args.merge:
-        recs, mt = [], set()
+        recs, mt, seen = [], set(), set()
         for p in args.merge:
             d = json.loads(Path(p).read_text())
-            recs += d["records"]
+            for r in d["records"]:  # overlapping runs: the first file's record of a sweep counts
+                key = (r["world"], r["method"], r["seed"], r["kind"])
+                if key not in seen:
+                    seen.add(key)
+                    recs.append(r)
             mt.add(d["max_trials"])
         if len(mt) != 1:
             raise SystemExit(f"--merge: the files ran different max_trials {sorted(mt)}")
