@@ -13,10 +13,11 @@ For each world and seed the default search (surrogate), TPE and random each run 
 default settings except ``max_trials``. Per sweep: **launched** trials (pruned ones excluded: no
 device time) until a layout within 2% of the true noise-free best was measured, OOMs launched,
 how the sweep ended (status and ``stop_reason`` where the engine records one) and, for a sweep that
-ended before ``max_trials``, how many unseen layouts truly fit. Then, per generated world, a second
+ended before ``max_trials``, how many unseen layouts truly fit. Then, per world, a second
 sweep on the same cluster fingerprint, after one of the same model (the cold sweep itself) and
-after one of another model (``--first-trials``, default 20), against the cold one (same seed). The table aggregates the generated worlds per method (medians
-over worlds and seeds) and lists each hand-written truth and special world apart.
+after one of another model (``--first-trials``, default 20), against the cold one (same seed).
+The table aggregates the generated worlds per method (medians over worlds and seeds) and lists
+each hand-written truth and special world apart.
 
     python benchmarks/bench_search.py --quick                        # 3 worlds, 20 trials, minutes
     python benchmarks/bench_search.py --json a.json --worlds 10      # split over processes, then
@@ -52,6 +53,8 @@ PROBLEMS = {
     "congested": {"model": "mixtral-8x7b", "cluster": {**H100, "nodes": 4}, "training": {"global_batch_tokens": 2097152}},
     "jittery": {"model": "llama3-8b", "cluster": {**H100, "nodes": 4}, "training": {"global_batch_tokens": 2097152}},
 }
+# the other model of a learning-across-models second sweep, on the same cluster
+OTHER = {"roofline": "llama3-8b", "congested": "llama3-8b", "jittery": "llama3-1b"}
 METHODS = {  # default search settings, only the sampler differs (api.spec.SearchSettings)
     "surrogate": {},
     "tpe": {"sampler": "tpe"},
@@ -285,7 +288,8 @@ def main() -> None:
         save()
     hand = registry()
     for name in truths:
-        run_world("hand-written", name, hand[name], PROBLEMS[name], None, args, records)
+        run_world("hand-written", name, hand[name], PROBLEMS[name], {**PROBLEMS[name], "model": OTHER[name]}, args,
+                  records)
         save()
     print(f"\n{len(records)} sweeps in {time.perf_counter() - t0:.0f}s; load now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
