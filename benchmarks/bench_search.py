@@ -1,24 +1,33 @@
-"""Search efficiency of the sweep engine against ground truths meshtune's model was not written from.
+"""Search efficiency of the sweep engine on worlds meshtune's model was not written for.
 
-Three truths (benchmarks/truths: ``roofline``, ``congested``, ``jittery``), each its own GEMM
-efficiency curve, exposed collectives, memory overheads and per-layout noise, each on its own problem
-with >= 1,000 valid layouts. They plug into the real engine and store (SQLite) through
-benchmarks/truth_backend.py (results labelled simulated). For each truth and seed every method runs a
-full sweep, one trial at a time, and we count **launched** trials (pruned-by-model ones excluded: they
-cost no device time) until a layout whose noise-free true throughput is within 2% of the true best
-was measured, and the OOMs launched in the whole sweep. Reported: the median over seeds, next to
-random search's exact expectation without replacement ((N+1)/(K+1) for K targets among N layouts).
+Ground truths (all simulated, labelled so): the three hand-written ones (benchmarks/truths:
+``roofline``, ``congested``, ``jittery``, each on its own problem with 10,000-22,000 valid layouts)
+and the generated misspecified worlds (benchmarks/truths/worlds.py: ``world-0`` .. ``world-19``,
+memory per part from 0.5x to 3x of the textbook counts with mixed signs, fixed overheads, their own
+GEMM curves, exposed communication, luck and noise; llama3-8b/70b or mixtral-8x7b on 16-32 H100),
+plus ``world-mem2x`` / ``world-memhalf`` (memory 2x / half the model's own prediction). Every
+world reports OOMs as CUDA does: the failing allocation and what was in use, never the peak
+(benchmarks/truth_backend.py). They plug into the real engine and a fresh SQLite store per run.
 
-Then learning across sweeps: on the ``roofline`` cluster a sweep of llama3-8b runs first; a sweep of
-llama3-70b on the same cluster fingerprint then starts from what it learned, against a cold one.
+For each world and seed the default search (surrogate), TPE and random each run one sweep with
+default settings except ``max_trials``. Per sweep: **launched** trials (pruned ones excluded: no
+device time) until a layout within 2% of the true noise-free best was measured, OOMs launched,
+how the sweep ended (status and ``stop_reason`` where the engine records one) and, for a sweep that
+ended before ``max_trials``, how many unseen layouts truly fit. Then, per world, a second
+sweep on the same cluster fingerprint, after one of the same model (the cold sweep itself) and
+after one of another model (``--first-trials``, default 20), against the cold one (same seed).
+The table aggregates the generated worlds per method (medians over worlds and seeds) and lists
+each hand-written truth and special world apart.
 
-    python benchmarks/bench_search.py --seeds 10 --max-trials 30      # the README's table
-    python benchmarks/bench_search.py --truth none --seeds 10 --max-trials 30   # learning across sweeps only
+    python benchmarks/bench_search.py --quick                        # 3 worlds, 20 trials, minutes
+    python benchmarks/bench_search.py --json a.json --worlds 10      # split over processes, then
+    python benchmarks/bench_search.py --merge a.json b.json c.json   # one table from their records
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -36,6 +45,7 @@ from api.spec import SweepSpec  # noqa: E402
 from api.sweeps import service as svc  # noqa: E402
 from benchmarks.truth_backend import TruthBackend  # noqa: E402
 from benchmarks.truths import registry  # noqa: E402
+from benchmarks.truths.worlds import SPECIAL, by_name, generate  # noqa: E402
 
 H100 = {"preset": "h100-sxm"}
 PROBLEMS = {
@@ -43,14 +53,14 @@ PROBLEMS = {
     "congested": {"model": "mixtral-8x7b", "cluster": {**H100, "nodes": 4}, "training": {"global_batch_tokens": 2097152}},
     "jittery": {"model": "llama3-8b", "cluster": {**H100, "nodes": 4}, "training": {"global_batch_tokens": 2097152}},
 }
-TRANSFER = ("roofline", {"model": "llama3-8b", "cluster": {**H100, "nodes": 8}, "training": {"global_batch_tokens": 4194304}})
-METHODS = {
-    "surrogate": {"sampler": "surrogate", "warm_start_top_k": 3},  # the default (api.spec.SearchSettings)
-    "tpe+warm": {"sampler": "tpe", "warm_start_top_k": 3},  # Optuna 5 TPE: multivariate by default
-    "random": {"sampler": "random", "warm_start_top_k": 0},
+# the other model of a learning-across-models second sweep, on the same cluster
+OTHER = {"roofline": "llama3-8b", "congested": "llama3-8b", "jittery": "llama3-1b"}
+METHODS = {  # default search settings, only the sampler differs (api.spec.SearchSettings)
+    "surrogate": {},
+    "tpe": {"sampler": "tpe"},
+    "random": {"sampler": "random", "warm_start_top_k": 0},  # no model-ranked warm start: the baseline
 }
-# Optuna's GPSampler costs ~100 s of coordinator time per 40-trial sweep on one core: --gp adds it.
-GP = {"gp+warm": {"sampler": "gp", "warm_start_top_k": 3}}
+TARGET = 0.98  # within 2% of the true noise-free best
 
 
 def truth_table(truth, problem: dict) -> tuple[int, dict[str, float]]:
@@ -66,115 +76,224 @@ def truth_table(truth, problem: dict) -> tuple[int, dict[str, float]]:
     return len(valid), out
 
 
-def run_sweep(sessions, settings, truth, problem: dict, search: dict, seed: int, max_trials: int, name: str):
-    spec = SweepSpec.model_validate({**problem, "name": name, "backend": "simulate", "search": {
-        **search, "max_trials": max_trials, "remeasure_top_k": 0, "seed": seed}})
-    with sessions() as s:
-        sweep_id = svc.create_sweep(s, spec=spec, owner="bench").id
-    backend = lambda spec, seed=seed: TruthBackend(truth, seed=seed)  # noqa: E731
-    SweepRunner(settings, sessions=sessions, backend_factory=backend).run_sweep(sweep_id)
-    with sessions() as s:
-        return sorted(store.all_trials(s, sweep_id=sweep_id), key=lambda t: t.number)
+class Store:
+    """One SQLite store in a temporary directory (a fresh cluster history)."""
+
+    def __enter__(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        url = f"sqlite:///{Path(self.tmp.name) / 'bench.db'}"
+        self.engine, self.sessions = store.open_store(url)
+        self.settings = Settings(database_url=url, home=Path(self.tmp.name), max_concurrent_trials=1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.dispose()
+        self.tmp.cleanup()
+
+    def sweep(self, truth, problem: dict, search: dict, seed: int, max_trials: int, name: str):
+        spec = SweepSpec.model_validate({**problem, "name": name, "backend": "simulate", "search": {
+            **search, "max_trials": max_trials, "seed": seed}})
+        with self.sessions() as s:
+            sweep_id = svc.create_sweep(s, spec=spec, owner="bench").id
+        backend = lambda spec, seed=seed: TruthBackend(truth, seed=seed)  # noqa: E731
+        t0 = time.perf_counter()
+        SweepRunner(self.settings, sessions=self.sessions, backend_factory=backend).run_sweep(sweep_id)
+        wall = time.perf_counter() - t0
+        with self.sessions() as s:
+            row = store.get_sweep(s, sweep_id=sweep_id)
+            trials = sorted(store.all_trials(s, sweep_id=sweep_id), key=lambda t: t.number)
+            # stop_reason is new in the engine: read it where it exists, the status says the rest
+            end = {"status": str(getattr(row.status, "value", row.status)),
+                   "stop_reason": getattr(row, "stop_reason", None),
+                   "learned_from": list((row.calibration or {}).get("learned_from", []) or [])}
+        return trials, end, wall
 
 
-def score(rows, truth: dict[str, float], target: float) -> tuple[int | None, int]:
+def score(trials, end: dict, tps: dict[str, float], max_trials: int, wall: float) -> dict:
+    best = max(tps.values())
     launched, ooms, reached = 0, 0, None
-    for t in rows:
+    for t in trials:
         if t.status == "pruned":
             continue
         launched += 1
         ooms += t.status == "oom"
-        if reached is None and t.status == "completed" and truth.get(t.layout_key, 0.0) >= target:
+        if reached is None and t.status == "completed" and tps.get(t.layout_key, 0.0) >= TARGET * best:
             reached = launched
-    return reached, ooms
+    # the search's own trials (re-measurements of the leaders come after it and do not count)
+    searched = len({t.number for t in trials if getattr(t, "phase", "search") == "search"})
+    early = searched < max_trials
+    tried = {t.layout_key for t in trials}
+    # what an unfinished sweep left: untried layouts the truth says fit (a measurement would say so)
+    unseen_fit = sum(k not in tried for k in tps) if early else 0
+    return {"reached": reached, "launched": launched, "ooms": ooms, "rows": searched, "early": early,
+            "unseen_fit": unseen_fit, "wall_s": round(wall, 1), **end}
 
 
-def med(vals: list[int | None], cap: int) -> str:
+def run_world(family: str, name: str, truth, problem: dict, other: dict | None, args, out: list[dict]) -> None:
+    n_valid, tps = truth_table(truth, problem)
+    best = max(tps.values())
+    n_target = sum(v >= TARGET * best for v in tps.values())
+    cl = problem["cluster"]["nodes"] * 8
+    print(f"\n== {name} ({problem['model']} on {cl} H100): {n_valid} valid layouts, {len(tps)} truly fit, "
+          f"{n_target} within 2% of the best (random expects {(n_valid + 1) / (n_target + 1):.0f} trials)", flush=True)
+    seeds = range(args.seed_start, args.seed_start + args.seeds)
+    for seed in seeds:
+        for method in args.methods:
+            with Store() as st:
+                trials, end, wall = st.sweep(truth, problem, METHODS[method], seed, args.max_trials, f"{name}-{method}")
+                rec = score(trials, end, tps, args.max_trials, wall)
+                second = None
+                if method == "surrogate" and other is not None and not args.no_second:
+                    trials, end, wall = st.sweep(truth, problem, METHODS[method], seed, args.max_trials, f"{name}-again")
+                    second = score(trials, end, tps, args.max_trials, wall)
+            rec.update(family=family, world=name, method=method, seed=seed, n_valid=n_valid, kind="first")
+            out.append(rec)
+            print(f"  seed {seed} {method}: " + line(rec), flush=True)
+            if second is not None:
+                second.update(family=family, world=name, method=method, seed=seed, n_valid=n_valid, kind="same-model")
+                out.append(second)
+                print(f"  seed {seed} second sweep, same model: " + line(second), flush=True)
+                with Store() as st:
+                    st.sweep(truth, other, METHODS[method], seed + 100, args.first_trials or args.max_trials,
+                             f"{name}-other")
+                    trials, end, wall = st.sweep(truth, problem, METHODS[method], seed, args.max_trials, f"{name}-after")
+                rec = score(trials, end, tps, args.max_trials, wall)
+                rec.update(family=family, world=name, method=method, seed=seed, n_valid=n_valid, kind="other-model",
+                           other=other["model"])
+                out.append(rec)
+                print(f"  seed {seed} second sweep, after {other['model']}: " + line(rec), flush=True)
+
+
+def line(r: dict) -> str:
+    end = r["status"] + (f" ({r['stop_reason']})" if r.get("stop_reason") else "")
+    early = f", ended after {r['rows']} search trials with {r['unseen_fit']} unseen fitting layouts" if r["early"] else ""
+    learned = f", learned from {r['learned_from']}" if r.get("learned_from") else ""
+    return (f"2% at {r['reached'] or '-'} launched, {r['launched']} launched, {r['ooms']} OOM, {end}{early}{learned}, "
+            f"{r['wall_s']:.0f}s")
+
+
+def med(vals: list, cap: int) -> str:
+    if not vals:
+        return "-"
     m = statistics.median(v if v is not None else cap + 1 for v in vals)
     return f">{cap}" if m > cap else f"{m:g}"
 
 
-def run_truth(name: str, truth, args, table: list[str]) -> None:
-    n_valid, truth_tps = truth_table(truth, PROBLEMS[name])
-    best = max(truth_tps.values())
-    targets = sum(v >= 0.98 * best for v in truth_tps.values())
-    expect = (n_valid + 1) / (targets + 1)
-    print(f"\n== truth '{name}' ({PROBLEMS[name]['model']}, {PROBLEMS[name]['cluster']['nodes'] * 8} H100): "
-          f"{n_valid} valid layouts, {len(truth_tps)} fit; {targets} within 2% of the best", flush=True)
-    methods = {**METHODS, **(GP if args.gp else {})}
-    res = {m: ([], []) for m in methods}
-    secs = {m: 0.0 for m in methods}
-    for seed in range(args.seed_start, args.seed_start + args.seeds):
-        for method, search in methods.items():
-            # a fresh store per sweep: every sweep here is cold (nothing learned from the others)
-            with tempfile.TemporaryDirectory() as tmp:
-                url = f"sqlite:///{Path(tmp) / 'bench.db'}"
-                engine, sessions = store.open_store(url)
-                settings = Settings(database_url=url, home=Path(tmp), max_concurrent_trials=1)
-                t0 = time.perf_counter()
-                rows = run_sweep(sessions, settings, truth, PROBLEMS[name], search, seed, args.max_trials,
-                                 f"{name}-{method}-{seed}")
-                secs[method] += time.perf_counter() - t0
-                engine.dispose()
-            reached, ooms = score(rows, truth_tps, 0.98 * best)
-            res[method][0].append(reached)
-            res[method][1].append(ooms)
-        print(f"  seed {seed}: " + ", ".join(f"{m}={res[m][0][-1] or '-'}/{res[m][1][-1]}oom" for m in methods),
-              flush=True)
-    for method, (reach, ooms) in res.items():
-        table.append(f"| {name} | {n_valid} | {method} | {med(reach, args.max_trials)} | "
-                     f"{sum(r is not None for r in reach)}/{len(reach)} | {statistics.median(ooms):g} | "
-                     f"{expect:.0f} | {secs[method] / len(reach):.1f} |")
+def table(records: list[dict], max_trials: int) -> str:
+    """The README's table: one row per family (generated worlds together) and method, then the
+    second sweeps against the cold ones."""
+    def fam(r: dict) -> str:
+        return "generated worlds" if r["family"] == "generated" else r["world"]
 
-
-def run_transfer(args) -> None:
-    name, first = TRANSFER
-    truth = registry()[name]
-    problem = PROBLEMS[name]
-    _, truth_tps = truth_table(truth, problem)
-    target = 0.98 * max(truth_tps.values())
-    cold, warm = [], []
-    for seed in range(args.seed_start, args.seed_start + args.seeds):
-        for out, learn in ((cold, False), (warm, True)):
-            with tempfile.TemporaryDirectory() as tmp:
-                url = f"sqlite:///{Path(tmp) / 'bench.db'}"
-                engine, sessions = store.open_store(url)
-                settings = Settings(database_url=url, home=Path(tmp), max_concurrent_trials=1)
-                if learn:  # another model on the same cluster first
-                    run_sweep(sessions, settings, truth, first, METHODS["surrogate"], seed + 100, args.max_trials, "first")
-                rows = run_sweep(sessions, settings, truth, problem, METHODS["surrogate"], seed, args.max_trials, "second")
-                out.append(score(rows, truth_tps, target)[0])
-                with sessions() as s:
-                    learned = (store.get_sweep(s, sweep_id=rows[0].sweep_id).calibration or {}).get("learned_from", [])
-                if learn and not learned:
-                    raise SystemExit("the second sweep learned from no earlier sweep: the transfer was not exercised")
-                engine.dispose()
-        print(f"  seed {seed}: cold={cold[-1] or '-'} after {first['model']}={warm[-1] or '-'} "
-              f"(learned from sweeps {learned})", flush=True)
-    print(f"\nlearning across sweeps ({name} cluster; {problem['model']} after a {first['model']} sweep): "
-          f"median launched trials to within 2% over {args.seeds} seeds: cold {med(cold, args.max_trials)}, "
-          f"after learning {med(warm, args.max_trials)}")
+    rows = ["| world | method | runs | median launched to 2% | reached 2% within "
+            f"{max_trials} | median OOMs launched | ended early | early without stop_reason | "
+            "early with unseen fitting layouts | s/sweep |", "|---|---|---|---|---|---|---|---|---|---|"]
+    firsts = [r for r in records if r["kind"] == "first"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in firsts:
+        groups.setdefault((fam(r), r["method"]), []).append(r)
+    for (f, m), rs in groups.items():
+        n = len(rs)
+        reach = sum(r["reached"] is not None for r in rs)
+        early = [r for r in rs if r["early"]]
+        rows.append(f"| {f} | {m} | {n} | {med([r['reached'] for r in rs], max_trials)} | {reach}/{n} "
+                    f"({100 * reach / n:.0f}%) | {statistics.median(r['ooms'] for r in rs):g} | {len(early)} | "
+                    f"{sum(not r.get('stop_reason') for r in early)} | {sum(r['unseen_fit'] > 0 for r in early)} | "
+                    f"{statistics.mean(r['wall_s'] for r in rs):.0f} |")
+    cold = {(r["world"], r["seed"]): r for r in firsts if r["method"] == "surrogate"}
+    seconds = [r for r in records if r["kind"] != "first"]
+    if seconds:
+        rows += ["", "| world | second sweep (surrogate) | runs | median launched to 2%: cold | second | "
+                 "worlds where second <= cold | second ended early without stop_reason |", "|---|---|---|---|---|---|---|"]
+        sg: dict[tuple[str, str], list[dict]] = {}
+        for r in seconds:
+            sg.setdefault((fam(r), r["kind"]), []).append(r)
+        for (f, kind), rs in sg.items():
+            per_world: dict[str, tuple[list, list]] = {}
+            for r in rs:
+                c, w = per_world.setdefault(r["world"], ([], []))
+                c.append(cold[(r["world"], r["seed"])]["reached"])
+                w.append(r["reached"])
+            cap = max_trials + 1
+            ok = sum(statistics.median(v if v is not None else cap for v in w)
+                     <= statistics.median(v if v is not None else cap for v in c) for c, w in per_world.values())
+            label = "same model" if kind == "same-model" else f"after {rs[0].get('other', 'another model')}"
+            if f == "generated worlds" and kind == "other-model":
+                label = "after another model"
+            rows.append(f"| {f} | {label} | {len(rs)} | {med([cold[(r['world'], r['seed'])]['reached'] for r in rs], max_trials)} "
+                        f"| {med([r['reached'] for r in rs], max_trials)} | {ok}/{len(per_world)} | "
+                        f"{sum(r['early'] and not r.get('stop_reason') for r in rs)} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--seed-start", type=int, default=0, help="first seed (to split the seeds over processes)")
-    ap.add_argument("--max-trials", type=int, default=40)
-    ap.add_argument("--truth", choices=[*PROBLEMS, "all", "none"], default="all")
-    ap.add_argument("--no-transfer", action="store_true")
-    ap.add_argument("--gp", action="store_true", help="also Optuna's GPSampler (slow)")
+    ap.add_argument("--worlds", type=int, default=20, help="generated worlds world-<start>.. (0: none)")
+    ap.add_argument("--world-start", type=int, default=0)
+    ap.add_argument("--special", choices=["all", "none", *SPECIAL], default="all")
+    ap.add_argument("--truths", default="all", help="hand-written truths: all, none or a comma list")
+    ap.add_argument("--seeds", type=int, default=1, help="search seeds per world")
+    ap.add_argument("--seed-start", type=int, default=0)
+    ap.add_argument("--max-trials", type=int, default=60)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--no-second", action="store_true", help="skip the second sweeps")
+    ap.add_argument("--first-trials", type=int, default=20,
+                    help="max_trials of the other model's first sweep (0: --max-trials)")
+    ap.add_argument("--quick", action="store_true", help="3 worlds, 20 trials, no hand-written truth")
+    ap.add_argument("--json", help="also write every run's record here")
+    ap.add_argument("--merge", nargs="+", help="print the table from these --json files and exit")
     args = ap.parse_args()
-    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} on {os.cpu_count()} CPUs",
+    if args.merge:
+        recs, mt, seen = [], set(), set()
+        for p in args.merge:
+            d = json.loads(Path(p).read_text())
+            for r in d["records"]:  # overlapping runs: the first file's record of a sweep counts
+                key = (r["world"], r["method"], r["seed"], r["kind"])
+                if key not in seen:
+                    seen.add(key)
+                    recs.append(r)
+            mt.add(d["max_trials"])
+        if len(mt) != 1:
+            raise SystemExit(f"--merge: the files ran different max_trials {sorted(mt)}")
+        print(table(recs, mt.pop()))
+        return
+    if args.quick:
+        args.worlds, args.max_trials, args.truths, args.special = min(args.worlds, 3), 20, "none", "none"
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"--methods: unknown {bad}; choose from {list(METHODS)}")
+    truths = [] if args.truths == "none" else list(registry()) if args.truths == "all" else args.truths.split(",")
+    unknown = [t for t in truths if t not in PROBLEMS]
+    if unknown:
+        raise SystemExit(f"--truths: unknown {unknown}; choose from {list(PROBLEMS)}")
+    print(f"load: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; simulated truths",
           flush=True)
-    table = ["| truth | valid layouts | method | median launched trials to 2% | reached | median OOMs launched | "
-             "random expected | s/sweep |", "|---|---|---|---|---|---|---|---|"]
-    for name, truth in registry().items():
-        if args.truth in (name, "all"):
-            run_truth(name, truth, args, table)
-    print("\n" + "\n".join(table))
-    if not args.no_transfer:
-        run_transfer(args)
+    records: list[dict] = []
+    t0 = time.perf_counter()
+
+    def save() -> None:  # after every world: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"max_trials": args.max_trials, "records": records}, indent=1))
+
+    for w in range(args.world_start, args.world_start + args.worlds):
+        world = generate(w)
+        other = {**world.problem, "model": world.other_model}
+        run_world("generated", world.name, world, world.problem, other, args, records)
+        save()
+    specials = [] if args.special == "none" else list(SPECIAL) if args.special == "all" else [args.special]
+    for name in specials:
+        world = by_name(name)
+        run_world("special", name, world, world.problem, {**world.problem, "model": world.other_model}, args, records)
+        save()
+    hand = registry()
+    for name in truths:
+        run_world("hand-written", name, hand[name], PROBLEMS[name], {**PROBLEMS[name], "model": OTHER[name]}, args,
+                  records)
+        save()
+    print(f"\n{len(records)} sweeps in {time.perf_counter() - t0:.0f}s; load now "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(table(records, args.max_trials), flush=True)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,13 @@ def ring(kind: str, nbytes: float, n: int, bw: float, lat: float) -> float:
     return frac * nbytes / bw + steps * lat
 
 
+def layer_activation_bytes(t: float, h: int, tp: int, sp: bool, bpe: int) -> float:
+    """Activations one transformer layer keeps for its backward, per rank: t*h*(10 + 24/tp) bytes in
+    bf16 without sequence parallelism, t*h*34/tp with it (Korthikanti et al. 2022, Table 2, without
+    the attention-score term that flash attention does not store)."""
+    return t * h * (34 / tp if sp else 10 + 24 / tp) * bpe / 2
+
+
 def microbatches(layout, training) -> int:
     return max(1, training.global_batch // (layout.dp * layout.ep * layout.mbs))
 
@@ -195,21 +202,26 @@ class Truth:
         return 0.0
 
     # --- memory helpers -----------------------------------------------------------------------------
-    def model_state_bytes(self, layout, model, training) -> float:
-        """Weights, gradients and Adam state of the fullest pp stage (stage 0 holds the embedding)."""
+    def state_parts(self, layout, model, training) -> tuple[float, float, float]:
+        """(weights, gradients, Adam state) bytes of the fullest pp stage (stage 0 holds the embedding):
+        bf16 weights, fp32 gradients, fp32 master + m + v, each sharded per its ZeRO stage
+        (Rajbhandari et al. 2020, Fig. 1)."""
         dense, expert = param_counts(model)
         h = model.hidden
         dense_rank = (dense * model.layers / layout.pp + model.vocab * h) / layout.tp
         expert_rank = expert * model.layers / layout.pp / layout.tp / layout.ep
         shard_d = layout.dp * layout.cp * layout.ep
         shard_e = layout.dp * layout.cp
-        out = 0.0
+        w = gr = opt = 0.0
         for n, g in ((dense_rank, shard_d), (expert_rank, shard_e)):
-            w = 2 * n / (g if layout.zero >= 3 else 1)
-            gr = 4 * n / (g if layout.zero >= 2 else 1)
-            opt = 12 * n / (g if layout.zero >= 1 else 1)
-            out += w + gr + opt
-        return out
+            w += 2 * n / (g if layout.zero >= 3 else 1)
+            gr += 4 * n / (g if layout.zero >= 2 else 1)
+            opt += 12 * n / (g if layout.zero >= 1 else 1)
+        return w, gr, opt
+
+    def model_state_bytes(self, layout, model, training) -> float:
+        """Weights, gradients and Adam state of the fullest pp stage, together."""
+        return sum(self.state_parts(layout, model, training))
 
     def in_flight(self, layout, training) -> int:
         """Micro-batches whose activations stage 0 holds at its peak."""

@@ -11,7 +11,7 @@ Table 2, without the attention-score term that flash attention does not store).
 
 from __future__ import annotations
 
-from benchmarks.truths import GiB, Truth
+from benchmarks.truths import GiB, Truth, layer_activation_bytes
 
 
 class Roofline(Truth):
@@ -33,7 +33,7 @@ class Roofline(Truth):
         if layout.ac == "full":
             per_layer = 2 * t * h
         else:
-            per_layer = t * h * (34 / layout.tp if layout.sp else 10 + 24 / layout.tp) * bpe / 2
+            per_layer = layer_activation_bytes(t, h, layout.tp, layout.sp, bpe)
             if layout.ac == "selective":
                 per_layer *= 0.85
         layers = model.layers / layout.pp
