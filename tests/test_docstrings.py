@@ -1,5 +1,5 @@
 """Module docstrings say in a few lines what a module is for (the long story is in docs/), and the
-code names no issue numbers. Checked for tuner/ and workers/."""
+code names no issue numbers. Checked for api/, migrations/, tuner/ and workers/."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tuner", "workers")
+PACKAGES = ("api", "migrations", "tuner", "workers")
 MAX_DOCSTRING_LINES = 12
 ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+
+# The files that still break a rule: the engine's model of a sweep (its calibration, memory model and
+# default proposer), whose design story is still to move to docs/engine.md. Exactly these: a new file
+# breaking a rule fails the test, and so does an entry here that no longer breaks it (delete it then),
+# so the lists only shrink.
+KNOWN_LONG_DOCSTRINGS = {"api/engine/_calibrate.py", "api/engine/_model.py", "api/engine/_surrogate.py"}
+KNOWN_ISSUE_NUMBERS = {"api/engine/_calibrate.py", "api/engine/_surrogate.py"}
 
 
 def docstring_lines(source: str) -> int:
@@ -27,17 +34,28 @@ def issue_numbers(source: str) -> list[str]:
 def _files() -> list[Path]:
     files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
     assert len(files) > 50, len(files)
+    assert {p.relative_to(ROOT).parts[0] for p in files} == set(PACKAGES)
     return files
 
 
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
 def test_module_docstrings_are_at_most_twelve_lines() -> None:
-    long = {str(p.relative_to(ROOT)): n for p in _files() if (n := docstring_lines(p.read_text())) > MAX_DOCSTRING_LINES}
-    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the story to docs/): {long}"
+    long = {_name(p): n for p in _files() if (n := docstring_lines(p.read_text())) > MAX_DOCSTRING_LINES}
+    new = {name: n for name, n in long.items() if name not in KNOWN_LONG_DOCSTRINGS}
+    assert not new, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the story to docs/): {new}"
+    fixed = KNOWN_LONG_DOCSTRINGS - set(long)
+    assert not fixed, f"no longer over {MAX_DOCSTRING_LINES} lines: delete from KNOWN_LONG_DOCSTRINGS: {fixed}"
 
 
 def test_no_issue_number_in_the_code() -> None:
-    found = {str(p.relative_to(ROOT)): hits for p in _files() if (hits := issue_numbers(p.read_text()))}
-    assert not found, found
+    found = {_name(p): hits for p in _files() if (hits := issue_numbers(p.read_text()))}
+    new = {name: hits for name, hits in found.items() if name not in KNOWN_ISSUE_NUMBERS}
+    assert not new, new
+    fixed = KNOWN_ISSUE_NUMBERS - set(found)
+    assert not fixed, f"no issue number left: delete from KNOWN_ISSUE_NUMBERS: {fixed}"
 
 
 def test_the_checks_catch_a_long_docstring_and_an_issue_number() -> None:

@@ -5,7 +5,7 @@ transaction that adds trial rows first re-asserts that this runner still owns th
 owner, an insert whose number already exists, a result whose row is no longer its own) raises
 ``LostClaim``: it stops running the sweep at once and writes nothing more to it; the new owner
 re-runs what was in flight (``Claim._recover``, the restart rule). ``SweepLoop`` (api/engine/_loop.py)
-takes these checks from ``Claim``.
+takes these checks from ``Claim``. The design: docs/engine.md#claims.
 """
 
 from __future__ import annotations

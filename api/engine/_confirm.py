@@ -1,18 +1,12 @@
 """Confirm runs (mixed into SweepLoop): the ranking's top K layouts run again for N measured steps
 each, as their own phase ("confirm"), so the winner of short runs is checked against long ones.
 
-A round is asked in one of two ways, both kept on the sweep (``sweeps.confirm``: round, top_k,
-steps, the layouts in ranking order): ``search.confirm`` in the spec (the loop asks it once the
-re-measurements end), or a request on a completed sweep (api/confirm/service.py: ``meshtune
-confirm``, POST /api/sweeps/{id}/confirm, the dashboard), which reopens the sweep for that round
-only (no search, no re-measurement). The plan is a function of the stored rows, so a restart goes
-on with the same round: each listed layout once with ``repeat`` = the round, its trial running
-``steps`` measured steps after the sweep's warm-up.
+A round is asked by ``search.confirm`` in the spec or on a completed sweep (api/confirm/service.py)
+and kept on the sweep (``sweeps.confirm``); its plan is a function of the stored rows, so a restart
+goes on with the same round. Confirm rows are not short-run measurements: not ranked, not pooled,
+not held to the search's budget.
 
-Confirm rows are never short-run measurements: not in the ranking (api/store/_ranking.py), the
-pooled noise nor the re-measurement plan (they are longer runs, another experiment); the memory
-model learns their peaks like any trial's. They are not held to ``max_device_seconds``, the search's
-budget: a confirm round is asked for explicitly.
+The design: docs/engine.md#confirm-runs.
 """
 
 from __future__ import annotations

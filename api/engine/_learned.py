@@ -1,19 +1,13 @@
 """What earlier sweeps on the same cluster learned, for a new sweep to start from.
 
 The cluster fingerprint is what the trials' environment says about the machine and its software
-stack (workers/env.py): device kind and name, torch, CUDA and NCCL versions, and the backend. Host
-names, Python and meshtune versions are left out: they change nothing the calibration describes.
-A sweep's fingerprint is stored on its row when its first measurement arrives; until then, the
-fingerprint of the newest earlier sweep on the same backend and cluster spec stands in, and if the
-first measurement says otherwise, what was inherited is dropped and the sweeps of the real
-fingerprint are used instead.
+stack (workers/env.py: device, torch, CUDA, NCCL, backend). From each earlier sweep of the same
+fingerprint (newest first, at most ``LIMIT``) a new sweep takes its calibration and the residuals of
+its measured layouts under it; ``search.learn_from`` chooses (auto, none, or sweep ids). What is
+inherited is weighed and re-checked: api.engine._recheck.
 
-From each earlier sweep (newest first, at most ``LIMIT``) a new one takes its calibration (time
-weights and memory model, see api.engine._model.Problem.inherit) and the residuals of its measured
-layouts under that calibration, which the surrogate proposer uses as data with extra noise — for
-another model too: what the calibration misses on a cluster (a GEMM-size cliff, a congested link)
-tends to miss the same layouts' shapes. ``search.learn_from`` chooses: auto (the above), none (a cold
-sweep) or sweep ids (those only). What is inherited is weighed and re-checked: api.engine._recheck.
+The design (the fingerprint before the first measurement, why residuals transfer):
+docs/engine.md#learning-from-earlier-sweeps.
 """
 
 from __future__ import annotations

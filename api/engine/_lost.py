@@ -1,21 +1,12 @@
-"""A node lost is the cluster's fault, not the layout's (issue 15; mixed into SweepLoop).
+"""A node lost is the cluster's fault, not the layout's (mixed into SweepLoop).
 
-The Ray backend marks a trial that crashed because a node died under it ``TrialError.infra =
-"node_lost"`` (workers/ray_backend.py). Such a trial is a result (``crash``, with the node-lost
-cause), but it teaches nothing about its layout: the sampler is not told it (an asked Optuna trial
-ends as FAIL, which TPE and GP ignore; never infeasible), the memory model learns nothing from a
-crash, and it does not count against ``max_trials`` nor ``patience`` (api/engine/_budget.py).
+A trial that crashed because a node died under it (``infra="node_lost"``) is recorded as a result
+but not told to the sampler, taught to the memory model nor counted in the budget; its layout is
+re-queued once on the nodes that remain (derived from the stored rows, so a restart keeps it). A
+trial that no longer fits the nodes left is recorded as ``infra="cluster_shrank"``, counted as a
+trial so that the sweep ends.
 
-Its layout is re-queued **once** on the nodes that remain (a new trial number, same phase and
-repeat, source ``requeued``) rather than left to the sampler: grid, random and listed sweeps never
-come back to a layout, and a sampler that might would spend a proposal rediscovering it. Once, so a
-cluster that keeps losing nodes cannot hold a sweep on one layout. The re-queue is derived from the
-stored rows (a lost row with no later row of its layout, phase and repeat), so a restart keeps it.
-
-A trial that fitted the cluster once but no longer fits the nodes that remain (the backend refuses
-it, e.g. more nodes than are left) is recorded as its result, ``crash`` with the backend's reason and
-``infra="cluster_shrank"``: not told to the sampler either, but counted as a trial, so a sweep that
-can no longer fit anywhere ends instead of proposing forever.
+Why each rule: docs/engine.md#lost-nodes.
 """
 
 from __future__ import annotations
@@ -64,7 +55,7 @@ class LostNodes:
             exception_type=type(exc).__name__, infra=CLUSTER_SHRANK))
 
     def _teach(self, layout: Layout, handle: Any, row: store.Trial) -> None:
-        """``_tell`` every outcome but the cluster's failures (see the module docstring)."""
+        """``_tell`` every outcome but the cluster's failures (docs/engine.md#lost-nodes)."""
         if infra_of(row) is None:
             self._tell(layout, handle, row)
         elif handle is not None:  # an asked Optuna trial must end: FAIL, which its samplers ignore

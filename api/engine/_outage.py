@@ -1,18 +1,12 @@
 """Riding out a store outage (a PostgreSQL restart or failover, a network blip) without abandoning the
 trials in flight (mixed into SweepLoop, api/engine/_loop.py).
 
-A database error that may pass (``is_transient``) out of the loop's pass no longer ends the loop: it
-waits until the store answers again (``OUTAGE_S`` at most, checked every ``PROBE_S``, or until the
-coordinator is stopped), re-reads the sweep's rows and re-enters the loop, whose trials kept running
-meanwhile; their results are recorded when they come back (a result whose write failed stays in flight
-and is written on re-entry). What a broken transaction may have left half-known is settled from the
-store: the next trial number is the stored one's successor (an insert that did not commit leaves no
-gap), a trial row that did commit without its launch being known is re-run under its number, and the
-claim is beaten at once (an outage longer than the claim's staleness may have let another coordinator
-take the sweep: then ``LostClaim``, as for any takeover). What a stored result teaches the search
-afterwards (calibration, the sampler) is skipped for that one result if the outage broke that step; a
-layout pruned by the model in the transaction it broke is not stored (the sampler has moved on). Only when the store stays away past
-``OUTAGE_S`` does the error end the loop: the sweep is then released for a resume (api/engine/_runner.py).
+A database error that may pass (``is_transient``) makes the loop wait for the store (``OUTAGE_S`` at
+most, checked every ``PROBE_S``), re-read the sweep's rows and re-enter, its trials still running;
+what a broken transaction left half-known is settled from the store. Past ``OUTAGE_S`` the sweep is
+released for a resume (api/engine/_runner.py).
+
+What is settled and how: docs/engine.md#store-outages.
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ class Outages:
     _beat: Callable[[], Any]
 
     def _through_outages(self, body: Callable[[], Any]) -> Any:
-        """``body()``, re-entered after each store outage it meets (see the module docstring)."""
+        """``body()``, re-entered after each store outage it meets (docs/engine.md#store-outages)."""
         while True:
             try:
                 return body()
@@ -87,7 +81,7 @@ class Outages:
         return False
 
     def _settle(self) -> None:
-        """After an outage: what the store holds decides (see the module docstring)."""
+        """After an outage: what the store holds decides (docs/engine.md#store-outages)."""
         self._load_rows()
         rows = list(self.rows.values())
         self.next_number = max((t.number for t in rows), default=-1) + 1  # every number taken is stored, or not taken

@@ -1,17 +1,13 @@
 """How far a sweep trusts what it inherited: earlier sweeps' fits weighed by the evidence behind them,
 then re-checked against the sweep's own first measurements.
 
-Weighing: an inherited fit's weights are MAP estimates around the analytical prior
-(api.engine._calibrate.fit_weights), so a fit on few measurements already stays near the prior; its
-uncertainty is its held-out error widened to a new layout's predictive spread, s * sqrt(1 + p / n)
-for p fitted parts on n measurements (the prediction interval of a least-squares fit: Seber & Lee,
-Linear Regression Analysis, 2nd ed., 2003, Sec. 5.3), never below the error assumed before any
-measurement. That spread is the headroom an inherited memory model leaves, and what the re-check allows.
+Weighing: an inherited fit's uncertainty is its held-out error widened to a new layout's predictive
+spread, s * sqrt(1 + p / n) (Seber & Lee, Linear Regression Analysis, 2nd ed., 2003, Sec. 5.3).
+Re-checking: over the first ``RECHECK_TRIALS`` search measurements, sum((log(predicted / measured) /
+sd)^2) is chi-square while the inherited model holds; beyond the 1 - ``RECHECK_ALPHA`` quantile the
+inherited learning is dropped.
 
-Re-checking: over the sweep's own first ``RECHECK_TRIALS`` search measurements, sum((log(predicted /
-measured) / sd)^2) is chi-square with k degrees of freedom while the inherited model holds (an OOM
-counts only where the model predicted it to fit: it needed at least the device's memory); beyond the
-1 - ``RECHECK_ALPHA`` quantile the inherited learning is dropped, and the calibration's notes say why.
+The design: docs/engine.md#re-checking-what-was-inherited.
 """
 
 from __future__ import annotations
@@ -82,9 +78,10 @@ def source(earlier: list[dict[str, Any]], part: str, weights: np.ndarray | None)
 
 def contradicted(predicted: Sequence[float], measured: Sequence[float], sd: float,
                  lower: Sequence[bool] | None = None) -> tuple[int, float] | None:
-    """The first k at which the first k (predicted, measured) pairs reject the model (chi-square, see
-    the module docstring), with the geometric mean of predicted / measured over them; None while they
-    agree. ``lower[i]``: measured[i] is a lower bound (an OOM), counted only when under-predicted."""
+    """The first k at which the first k (predicted, measured) pairs reject the model (chi-square:
+    docs/engine.md#re-checking-what-was-inherited), with the geometric mean of predicted / measured
+    over them; None while they agree. ``lower[i]``: measured[i] is a lower bound (an OOM), counted
+    only when under-predicted."""
     from scipy.stats import chi2
 
     q, logs = 0.0, []

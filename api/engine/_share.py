@@ -1,30 +1,14 @@
-"""Sharing one cluster between the sweeps a coordinator runs at once (issue 15), and between
-coordinators (api/engine/_shared.py).
+"""Sharing one cluster between the sweeps a coordinator runs at once, and between coordinators
+(api/engine/_shared.py).
 
-Every trial takes its devices (its world size) from one ledger per cluster (a Ray cluster's GPUs, or
-CPUs for CPU ranks: ``backend.capacity()``) before its row is written, and gives them back after its
-result is recorded; on Ray each trial's gang has placement groups of its own (workers/_gangs.py), so
-trials of several sweeps run side by side whenever their devices fit.
+Every trial takes its devices (its world size) from one ledger per cluster before its row is written
+and gives them back after its result is recorded. The next free devices go to the waiting sweep whose
+owner holds the fewest (fair share), then the higher priority, then the longest wait (a strict order;
+per-owner limits make a sweep wait, never fail). The ledger re-reads the live capacity from the
+backend. ``DeviceLedger`` keeps the queue in this process; ``SharedLedger`` is the same interface
+over the store's queue.
 
-Who gets the next free devices (``store.queue_key``): the waiting sweep whose owner holds the fewest
-devices now (fair share), then the higher priority (high, normal, low), then the request that has
-waited longest. The order is strict: a waiter that does not fit yet holds back the ones behind it, so
-a large trial is never starved by a stream of small ones. Per-owner limits
-(``MESHTUNE_OWNER_MAX_DEVICES``, ``MESHTUNE_OWNER_DEVICE_HOURS_PER_DAY``) make a sweep wait at launch,
-never fail; a waiter held back by its owner's limit does not hold back the others. A trial larger than
-the whole ledger is let through at once (the backend refuses it with the numbers, as it always did).
-
-The ledger follows the live cluster: its capacity is re-read from the backend (``capacity()``, on Ray
-the alive nodes' devices, a node seen lost no longer counted) at most every ``CAPACITY_TTL_S`` when a
-loop asks for devices, and at once after a node-lost failure, so trials never wait for devices a dead
-node held. A trial that fitted the cluster once but no longer fits the nodes that remain
-(``DeviceLedger.shrank``) is let through and refused by the backend; the loop records that as the
-trial's result (``infra="cluster_shrank"``), not as the sweep's end.
-
-``DeviceLedger`` here keeps the queue in this process (no store); a coordinator's runner uses
-``SharedLedger`` (api/engine/_shared.py), the same interface over the store's one queue of every
-coordinator on the database. After a coordinator restart its resumed sweeps' re-runs take their
-devices anew (the restart rule itself is api/engine/__init__.py's).
+The design (the order, the live capacity, a shrunk cluster): docs/engine.md#sharing-the-cluster.
 """
 
 from __future__ import annotations

@@ -3,24 +3,12 @@ coordinator on the database that names the same cluster follows one order, so a 
 sweep that order names whichever coordinator runs it, and no coordinator's owners wait behind
 another's.
 
-**The cluster** (``cluster_identity``): the pool a ledger's devices belong to is the backend's name
-and the cluster's name: ``MESHTUNE_CLUSTER_NAME`` when set (coordinators that share devices say so
-explicitly), else the backend's own cluster id when it has one (Ray: the GCS's cluster id, so two
-coordinators on one ``RAY_ADDRESS`` share and two local Rays do not), else the backend's name alone
-(any coordinator on the database with that backend shares: the safe side for a backend that cannot
-say which cluster it is on). Its **capacity** comes from the cluster: every coordinator reports what
-its backend sees there (Ray: the alive nodes' devices), and grants use the least figure of the live
-coordinators. Two that disagree (one has not seen a node come back yet, or two simulated clusters of
-different sizes under one name) therefore never over-grant; each coordinator that sees more than the
-cluster's figure logs both figures once.
+``cluster_identity`` names the pool (``MESHTUNE_CLUSTER_NAME``, else the backend's cluster id, else
+its name); grants use the least capacity the live coordinators report. Each change is one
+``store.tend`` transaction; grants made elsewhere are polled every ``POLL_S``, the pool re-read every
+``SYNC_S``. ``STATS`` counts the store calls.
 
-**Store calls**: a request, a release, a withdrawal and the periodic beat are each one ``store.tend``
-transaction (what changed since the last one, batched); a grant made in another coordinator's
-transaction is learnt by reading this coordinator's live leases at most every ``POLL_S`` while one of
-its sweeps waits; the whole pool (``held_by``, ``head_key``: whom a coordinator claims next) is re-read
-at most every ``SYNC_S``. A beat is one row per coordinator (``LEASE_BEAT_S``), not one per lease. A
-store that cannot answer keeps the last figures: requests wait, releases are retried with the next
-call. ``STATS`` counts the calls and their seconds, for benchmarks/bench_coordinators.py.
+The design (the cluster, its capacity, the store calls): docs/engine.md#several-coordinators.
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ LEASE_BEAT_S = 5.0  # how often a coordinator beats its member row (well inside 
 
 
 def cluster_identity(backend: Any, configured: str | None = None) -> str:
-    """The pool of ``backend``'s devices (see the module docstring)."""
+    """The pool of ``backend``'s devices (docs/engine.md#several-coordinators)."""
     name = configured
     ident = getattr(backend, "cluster_id", None)
     if not name and callable(ident):

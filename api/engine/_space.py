@@ -1,17 +1,11 @@
 """The layout space a sweep searches, and the proposers that walk it.
 
-Optuna sees a layout as a few categorical knobs (tp, pp, cp, ep, zero, mbs, ac, sp, schedule) with
-fixed choice sets — the union over the tuner's valid layouts — and dp derived from the device count.
-Fixed choices avoid Optuna's "CategoricalDistribution does not support dynamic value space"; separate
-knobs let TPE/GP learn per knob (one categorical over 1,000+ layout keys would teach them nothing about
-neighbours). A sampled combination is projected onto the nearest valid, not yet measured layout
-(L1 distance on log2 degrees and ordinal knobs); when the projection changes it, the asked Optuna trial
-is told FAIL (TPE ignores FAIL) and the layout actually run is added with ``add_trial`` when its
-result arrives, so Optuna's history only ever pairs real layouts with their real outcome.
-Deduplication by layout key (``exclude``) means a layout is never proposed twice in a sweep.
+Optuna sees a layout as a few categorical knobs with fixed choice sets (the union over the tuner's
+valid layouts), dp derived from the device count. A sampled combination is projected onto the
+nearest valid, not yet measured layout; Optuna's history only ever pairs real layouts with their
+real outcome. ``grid`` and ``random`` walk the valid layouts without Optuna.
 
-``grid`` walks the tuner's enumeration order and ``random`` a seeded shuffle of the valid layouts,
-both without Optuna (GridSampler/BruteForceSampler misbehave under ask-and-tell, optuna #4121/#5141).
+Why knobs, the projection and no Optuna grid: docs/engine.md#layout-space.
 """
 
 from __future__ import annotations

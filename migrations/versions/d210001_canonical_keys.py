@@ -1,14 +1,11 @@
 """Re-key the trials of sweeps stored before canonical layout keys: every trial's layout becomes the
-one layout that names its program (tuner.canonical_layout: ZeRO 1-3 with no data axis is ZeRO-0,
-ZeRO-1 with one micro-batch is ZeRO-2, a schedule without pipelining is moot), so twins measured as
-two layouts are one ranked layout, and a resumed old sweep sees its twins as already measured (it
-would have proposed the canonical twin of a layout it had run). No schema change.
+one layout that names its program (tuner.canonical_layout), so twins measured as two layouts are one
+ranked layout and a resumed old sweep sees its twins as already measured. No schema change.
 
-Each changed sweep's stored ranking is rebuilt from its re-keyed trials by the store's own code
-(api.store._ranking.rebuild, as k0001's backfill; its results version moves, so no cached answer or
-ETag of the old keys is served again), and its listing cache (best layout) is refreshed. A sweep
-whose spec no longer builds a problem is left as it is (logged). Downgrade keeps the canonical keys:
-they name the programs that ran, and the code before this revision reads them as any other layout.
+Each changed sweep's stored ranking is rebuilt by the store's own code (api.store._ranking.rebuild;
+its results version moves, so no cached answer or ETag of the old keys is served again) and its
+listing cache refreshed; a sweep whose spec no longer builds a problem is left as it is (logged).
+Downgrade keeps the canonical keys: they name the programs that ran, and older code reads them.
 
 Revision ID: d210001
 Revises: u0001
