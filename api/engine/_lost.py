@@ -46,7 +46,7 @@ class LostNodes:
     def _refused(self, exc: BackendError) -> TrialResult:
         """The backend refused a trial (a ``BackendError``, not unavailable). If the trial fitted the
         cluster once (the ledger shrank since), that is its result; else the spec never fitted the
-        cluster and the error ends the sweep, as it always did."""
+        cluster and the error ends the sweep (the spec is at fault, not the cluster)."""
         self._refresh_capacity(now=True)
         if not self.ledger.shrank():
             raise exc
