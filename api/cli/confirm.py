@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from api.cli import show
+from api.cli._store import open_sessions, resume_hint, stop_on_ctrl_c
 
 NAMES = {"top_k": "--top", "steps": "--steps"}  # a refused value is named as the user typed it
 DEFAULT_TOP = 5
@@ -39,11 +40,10 @@ def confirm_cmd(args: argparse.Namespace) -> int:
 
     from api import format as fmt
     from api import store
-    from api.cli.sweep import _resume_hint, _sessions, _stop_on_ctrl_c
     from api.confirm import service as confirm
     from api.engine import SweepRunner
 
-    settings, sessions = _sessions()
+    settings, sessions = open_sessions()
     runner = SweepRunner(settings, sessions=sessions)
     with sessions() as s:
         top = args.top
@@ -60,7 +60,7 @@ def confirm_cmd(args: argparse.Namespace) -> int:
     console.print(f"confirm {sweep.id} '{sweep.name}': the top {len(asked['keys'])} layouts, {asked['steps']} measured "
                   f"steps each (round {asked['round']})")
     stop = threading.Event()
-    previous = _stop_on_ctrl_c(stop, console)
+    previous = stop_on_ctrl_c(stop, console)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
@@ -76,7 +76,7 @@ def confirm_cmd(args: argparse.Namespace) -> int:
 
             final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: {_resume_hint(sweep.id)}[/yellow]")
+        console.print(f"[yellow]interrupted: {resume_hint(sweep.id)}[/yellow]")
         return 130
     finally:
         if previous is not None:
@@ -87,48 +87,8 @@ def confirm_cmd(args: argparse.Namespace) -> int:
         json.dump({"sweep": show.jsonable(final), "confirm": show.jsonable(report)}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_confirm(console, report)
+        show.print_confirm(console, report)
     if final.status not in store.FINISHED_SWEEP_STATUSES:
-        console.print(f"[yellow]stopped: {_resume_hint(final.id)}[/yellow]")
+        console.print(f"[yellow]stopped: {resume_hint(final.id)}[/yellow]")
         return 130
     return 0 if final.status == "completed" else 1
-
-
-def _interval(median: float | None, low: float | None, high: float | None) -> str:
-    if median is None:
-        return "-"
-    if low is None or high is None:
-        return f"{show.num_cell(median)} (n=1)"
-    return f"{show.num_cell(median)} [{show.num_cell(low)}, {show.num_cell(high)}]"
-
-
-def print_confirm(console: Any, report: Any) -> None:
-    """The confirm report: one row per confirmed layout in short-run order, then the verdict line."""
-    from rich.table import Table
-
-    from api import format as fmt
-
-    if report is None:
-        return
-    label = " (SIMULATED)" if report.simulated else ""
-    table = Table(title=f"sweep {report.sweep_id}: confirm round {report.round}, top {len(report.rows)} x "
-                  f"{report.steps} measured steps{label}")
-    for col in ("short #", "layout", "short tok/s/dev [95%]", "long tok/s/dev [95%]", "change", "long #",
-                "drift, last vs first tenth [95%]", "long run"):
-        table.add_column(col, justify="left" if col in ("layout", "long run") else "right",
-                         overflow="fold")
-    for r in report.rows:
-        d = r.drift
-        if d is None:
-            drift_text = "-"
-        elif d.get("low") is None:
-            drift_text = f"{fmt.signed_pct(d['change'])} (no interval: {d['steps']} step per tenth)"
-        else:
-            mark = " drifted" if d.get("drifted") else ""
-            drift_text = f"{fmt.signed_pct(d['change'])} [{fmt.signed_pct(d['low'])}, {fmt.signed_pct(d['high'])}]{mark}"
-        status = r.status if r.trial_number is None else f"#{r.trial_number} {r.status}"
-        table.add_row(str(r.short_rank), fmt.layout_text(r.layout), _interval(r.short_median, r.short_low, r.short_high),
-                      _interval(r.long_median, r.long_low, r.long_high), fmt.signed_pct(r.change),
-                      "-" if r.long_rank is None else str(r.long_rank), drift_text, status)
-    console.print(table)
-    console.print(report.verdict)

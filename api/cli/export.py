@@ -48,7 +48,7 @@ def _write(path: Path, text: str, *, field: str, executable: bool = False) -> No
 
 
 def export_cmd(args: argparse.Namespace) -> int:
-    from api.cli.sweep import _sessions
+    from api.cli._store import open_sessions
     from api.deps import MAX_ID
     from api.export import service
 
@@ -56,7 +56,7 @@ def export_cmd(args: argparse.Namespace) -> int:
         raise SpecError(f"sweep must be an id in 1..{MAX_ID}, got {args.sweep}")
     if args.rank is not None and args.rank < 1:
         raise SpecError(f"rank must be a positive integer, got {args.rank}")
-    _, sessions = _sessions()
+    _, sessions = open_sessions()
     with sessions() as s:
         out = service.export_sweep(s, sweep_id=args.sweep, format=args.format, rank=args.rank, layout=args.layout)
     export = out.export

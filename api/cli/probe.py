@@ -65,12 +65,12 @@ def _backend(name: str, cluster: Any) -> Any:
 
 
 def probe_cmd(args: argparse.Namespace) -> int:
-    from api.cli.sweep import _sessions
+    from api.cli._store import open_sessions
     from api.probes import service as probes
     from tuner import NotFoundError
 
     model, cluster, training, layouts, backend_name, workload = _problem(args)
-    _, sessions = _sessions()
+    _, sessions = open_sessions()
     key = probes.probe_key(cluster=cluster, model=model, training=training, backend=backend_name, workload=workload)
     if args.show:
         with sessions() as s:

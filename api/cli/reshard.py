@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_for_sweep(args: argparse.Namespace) -> ReshardReport:
-    from api.cli.sweep import _sessions
+    from api.cli._store import open_sessions
     from api.reshard import service
 
-    _, sessions = _sessions()
+    _, sessions = open_sessions()
     captured: list[ReshardReport] = []
 
     def runner(job: ReshardJob) -> ReshardReport:

@@ -181,10 +181,10 @@ def list_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from api import format as fmt
-    from api.cli.sweep import _sessions
+    from api.cli._store import open_sessions
     from api.sweeps import service as svc
 
-    _, sessions = _sessions()
+    _, sessions = open_sessions()
     with sessions() as s:
         page = svc.list_sweeps(s, status=args.status, owner=args.owner, limit=args.limit, offset=args.offset)
     if args.json:
@@ -261,11 +261,10 @@ def show_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from api import format as fmt
-    from api.cli.sweep import _sessions
+    from api.cli._store import open_sessions
     from api.sweeps import service as svc
 
-    _, sessions = _sessions()
-    from api.cli.confirm import print_confirm
+    _, sessions = open_sessions()
     from api.confirm import service as confirm
 
     with sessions() as s:
@@ -332,3 +331,43 @@ def print_transfer(console: Any, moved: Any, *, top: int = 20) -> None:
                       f"(measured #{first.measured_rank}); the measured winner {fmt.layout_text(winner.layout)} is "
                       f"predicted #{winner.target_rank}; {moved.reordered} of {len(moved.rows)} layouts change place")
     console.print(f"{stack}: {moved.stack['description']}. The prediction is not a measurement on {stack}.", style="dim")
+
+
+def _confirm_interval(median: float | None, low: float | None, high: float | None) -> str:
+    if median is None:
+        return "-"
+    if low is None or high is None:
+        return f"{num_cell(median)} (n=1)"
+    return f"{num_cell(median)} [{num_cell(low)}, {num_cell(high)}]"
+
+
+def print_confirm(console: Any, report: Any) -> None:
+    """The confirm report: one row per confirmed layout in short-run order, then the verdict line."""
+    from rich.table import Table
+
+    from api import format as fmt
+
+    if report is None:
+        return
+    label = " (SIMULATED)" if report.simulated else ""
+    table = Table(title=f"sweep {report.sweep_id}: confirm round {report.round}, top {len(report.rows)} x "
+                  f"{report.steps} measured steps{label}")
+    for col in ("short #", "layout", "short tok/s/dev [95%]", "long tok/s/dev [95%]", "change", "long #",
+                "drift, last vs first tenth [95%]", "long run"):
+        table.add_column(col, justify="left" if col in ("layout", "long run") else "right",
+                         overflow="fold")
+    for r in report.rows:
+        d = r.drift
+        if d is None:
+            drift_text = "-"
+        elif d.get("low") is None:
+            drift_text = f"{fmt.signed_pct(d['change'])} (no interval: {d['steps']} step per tenth)"
+        else:
+            mark = " drifted" if d.get("drifted") else ""
+            drift_text = f"{fmt.signed_pct(d['change'])} [{fmt.signed_pct(d['low'])}, {fmt.signed_pct(d['high'])}]{mark}"
+        status = r.status if r.trial_number is None else f"#{r.trial_number} {r.status}"
+        table.add_row(str(r.short_rank), fmt.layout_text(r.layout), _confirm_interval(r.short_median, r.short_low, r.short_high),
+                      _confirm_interval(r.long_median, r.long_low, r.long_high), fmt.signed_pct(r.change),
+                      "-" if r.long_rank is None else str(r.long_rank), drift_text, status)
+    console.print(table)
+    console.print(report.verdict)

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from api.cli import show
+from api.cli._store import open_sessions, resume_hint, stop_on_ctrl_c
 from tuner import ConflictError, SpecError
 
 
@@ -46,15 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def _sessions() -> Any:
-    from api import store
-    from api.settings import Settings
-
-    settings = Settings()
-    _, sessions = store.open_store(settings.resolved_database_url)
-    return settings, sessions
 
 
 def load_spec(path: str, *, backend: str | None = None, max_trials: int | None = None,
@@ -90,28 +82,6 @@ def load_spec(path: str, *, backend: str | None = None, max_trials: int | None =
 # --- commands ----------------------------------------------------------------------------------
 
 
-def _resume_hint(sweep_id: int) -> str:
-    return (f"sweep {sweep_id} is unfinished; resume it with `meshtune sweep --resume {sweep_id}` "
-            "(a coordinator, `meshtune serve`, on the same database resumes it too)")
-
-
-def _stop_on_ctrl_c(stop: threading.Event, console: Any) -> Any:
-    """First Ctrl-C: start no new trial, record the ones in flight, then return (resumable).
-    Second Ctrl-C: KeyboardInterrupt at once (trials in flight are re-run on resume).
-    Returns the previous SIGINT handler, or None off the main thread (no handler installed)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        console.print("[yellow]stopping: no new trials; waiting for the trials in flight to be recorded "
-                      "(Ctrl-C again to leave them now)[/yellow]")
-
-    return signal.signal(signal.SIGINT, handler)
-
-
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -125,7 +95,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.spec or args.backend or args.max_trials is not None:
             raise SpecError("--resume ID takes no SPEC, --backend nor --max-trials: a sweep resumes with its stored spec")
-        settings, sessions = _sessions()
+        settings, sessions = open_sessions()
         runner = SweepRunner(settings, sessions=sessions)
         with sessions() as s:
             sweep = svc.get_sweep(s, sweep_id=args.resume)  # NotFoundError: exit 2
@@ -140,7 +110,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     else:
         spec = load_spec(args.spec, backend=args.backend, max_trials=args.max_trials,
                          model=getattr(args, "model", None))
-        settings, sessions = _sessions()
+        settings, sessions = open_sessions()
         runner = SweepRunner(settings, sessions=sessions)
         with sessions() as s:
             try:  # inserted already running under this runner: `meshtune serve` cannot claim it first
@@ -153,7 +123,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     console.print(f"{verb} {sweep.id} '{spec.name}': {_problem_label(spec)}, sampler={spec.sampler_label}, "
                   f"backend={spec.backend}, up to {_planned_trials(spec)} trials{_trials_why(spec)}")
     stop = threading.Event()
-    previous = _stop_on_ctrl_c(stop, console)
+    previous = stop_on_ctrl_c(stop, console)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
@@ -171,7 +141,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
             progress.update(task, total=progress.tasks[0].completed)
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: {_resume_hint(sweep.id)}[/yellow]")
+        console.print(f"[yellow]interrupted: {resume_hint(sweep.id)}[/yellow]")
         return 130
     finally:
         if previous is not None:
@@ -184,7 +154,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         else:  # the same lines as `meshtune show` (the host-noise warning included)
             show.print_report(console, final, ranking, svc.pareto(s, sweep_id=final.id), top=args.top)
     if final.status not in store.FINISHED_SWEEP_STATUSES:
-        console.print(f"[yellow]stopped: {_resume_hint(final.id)}[/yellow]")
+        console.print(f"[yellow]stopped: {resume_hint(final.id)}[/yellow]")
         return 130
     return 0 if final.status == "completed" else 1
 
