@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from api import store
@@ -30,6 +29,7 @@ from api.engine._probing import Probing
 from api.engine._share import Claimant, Grant, Sharing
 from api.engine._space import ListProposer, OptunaProposer
 from api.engine._surrogate import SurrogateProposer
+from api.engine._ticket import Ticket
 from api.spec import SweepSpec
 from api.store._queue import restart_trial_clock
 from tuner import BackendError, Layout
@@ -44,20 +44,6 @@ MAX_THREADS = 32
 RETRY_DELAYS_S: tuple[float, ...] = (5.0, 20.0, 60.0)
 log = logging.getLogger("meshtune.engine")
 __all__ = ["KeepAlive", "LostClaim", "SweepLoop", "Ticket"]
-
-
-@dataclass
-class Ticket:
-    """One trial attempt in flight."""
-
-    number: int
-    attempt: int
-    layout: Layout
-    phase: str
-    handle: Any  # the asked Optuna trial, or None
-    future: Future | None = None
-    grant: Grant | None = None  # its devices in the coordinator's ledger (api/engine/_share.py)
-    cancelled: bool = False  # the sweep was cancelled and the backend told to stop this trial
 
 
 class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, Probing):

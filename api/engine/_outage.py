@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 import sqlalchemy.exc
 
+from api.engine._ticket import Ticket
 from tuner import Layout
 
 log = logging.getLogger("meshtune.engine")
@@ -87,7 +88,6 @@ class Outages:
         self.next_number = max((t.number for t in rows), default=-1) + 1  # every number taken is stored, or not taken
         self.seen |= {t.layout_key for t in rows if t.phase == "search"}
         known = {(t.number, t.attempt) for t in [*self.in_flight.values(), *self.reruns]}
-        from api.engine._loop import Ticket  # the loop's record of a launch (_loop imports this module)
 
         for t in rows:
             if t.status == "running" and (t.number, t.attempt) not in known:
