@@ -1,44 +1,13 @@
 """Calibration that must earn its place: fit what the measurements support, keep it only when it
 ranks held-out layouts at least as well as the prior.
 
-Time: the analytical model's step time of a layout splits into parts (``tuner.estimate_time``'s
-breakdown). The calibrated step time is a weighted sum of those parts plus a constant,
-
-    step = w_compute * (compute + bubble) + w_comm * (tp + cp + ep collectives)
-           + w_dp * exposed gradient traffic + w_p2p * pipeline sends + c (seconds per step),
-
-i.e. one scale per resource (compute, link bandwidth by collective family) and a fixed per-step
-latency (optimiser step, launch overheads: what dominates a tiny CPU run). A part is fitted only
-when the samples support it (it is >= 2% of the predicted step in at least two samples and there are
-two more samples than fitted parameters); the fit is in log space around the prior weights (each a
-scale with a log-normal prior, bounded; see ``fit_weights``), so a few samples move it only as far
-as they must and no weight reaches 0 or infinity. This replaces
-fitting tuner.CalibrationFactors by Nelder-Mead, which on 8 CPU layouts drove compute efficiency to
-0.009 and turned a +0.76 rank correlation into +0.07 (issue 13): nothing judged the fit on layouts it
-had not seen.
-
-Judgement: leave-one-out. Each sample's step time is predicted by the fit to the others, and the
-Spearman rank correlation (Spearman 1904) of those held-out predictions with the measurements is
-compared with the prior's (which saw none of them). A fit that ranks worse is refused: the sweep
-keeps the prior (or the calibration inherited from earlier sweeps on the cluster, whichever ranks
-better). The figures are stored with the calibration and shown by ``meshtune show`` and the dashboard.
-Where no fold's fit orders the samples otherwise than the prior (the fit only rescales it: on a
-CPU run with compute and the per-step constant free, every fold's fit is a monotone map of the
-prior's prediction), comparing held-out predictions across folds ranks the folds' weights, not the
-layouts: leaving out a run the prior gets wrong moves the others' fit away from it (a real CPU sweep
-of 10 layouts, examples/tiny-cpu.yaml: -0.56 against the prior's -0.23, though each fold ordered all
-ten exactly as the prior; over 231 judgements in benchmarks/bench_search.py sweeps the held-out
-predictions ranked 0.20 below the placements on average). There the figure is where each held-out
-sample's fold places it among the others, i.e. the prior's ranks, and a rescale the held-out
-predictions refused is kept when its held-out step times are 2x closer (RESCALE_GAIN; that CPU
-sweep: 4.3x closer). Not on a smaller gain, nor with placements for every fit (7857e33): both
-kept fits of a few samples that steered the surrogate for the rest of the sweep and the sweep that
-learned from it (bench_search.py --truth none, after learning: a 0.10 gain, 9 instead of 7.5 median
-launched trials over 10 seeds; placements, 25.5 instead of 8 over 4 seeds; neither changed a cold sweep).
-
-Memory: the same form over the memory model's parts (model states, activations, overhead), fitted to
-measured peaks, judged by held-out rms log error. OOMs are not fitted: a lower bound teaches its
-layout and its neighbours (api.engine._memory), never every layout through a weight.
+Time: step = w_compute (compute + bubble) + w_comm (tp/cp/ep collectives) + w_dp (exposed gradient
+traffic) + w_p2p (pipeline sends) + c, a part fitted only where the samples support it, in log space
+around the prior weights (``fit_weights``). Judged by leave-one-out Spearman (Spearman 1904) against
+the prior; a rescale it refuses is kept when its held-out step times are ``RESCALE_GAIN`` closer.
+Memory: the same form over the memory model's parts, fitted to measured peaks, judged by held-out rms
+log error (OOMs are lower bounds for api.engine._memory, never fitted).
+The design: docs/engine.md#calibration.
 """
 
 from __future__ import annotations

@@ -2,22 +2,11 @@
 pruning and warm start, and the calibration learned from measurements (the sweep's own and those of
 earlier sweeps on the same cluster fingerprint).
 
-Calibration (api.engine._calibrate): step time = weighted parts of the analytical step time plus a
-per-step constant, memory = weighted parts of the memory model; each fit is kept only when it ranks
-(time) or predicts (memory) held-out measurements at least as well as the prior. Every change bumps
-``calibration["version"]``; each trial row stores the version its predictions were made under.
-
-Memory is learned locally (api.engine._memory): the part weights are fitted to measured peaks only;
-a GP over the layouts corrects the rest, so a layout that ran at X is predicted near X; an OOM is a
-lower bound on its layout's need (the device's memory, or what was in use plus the failing allocation
-CUDA reports, whichever is more: never its peak) and on its neighbours', and a layout needing at least
-as much of every part as an OOMed one is predicted not to fit. The GP's sd at a layout is its
-headroom (warm start, the surrogate's probability of fitting). When no unseen layout is predicted to
-fit, ``fallback`` names the one most likely to (the loop launches it: the uncertainty is the reason
-to measure).
-
-A prediction's record, the prior weights and re-prediction under a stored calibration
-(``predict_under``): api.engine._prediction.
+Time and memory are weighted parts of the analytical model, each fit kept only when it does at least
+as well as the prior on held-out measurements (api.engine._calibrate); memory is corrected layout by
+layout (api.engine._memory), an OOM a lower bound, never a global scale. When no unseen layout is
+predicted to fit, ``fallback`` names the one most likely to. Every change bumps
+``calibration["version"]``. The design: docs/engine.md#calibration, docs/engine.md#memory-model.
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The ``surrogate`` proposer (the default sampler): the analytical model's *parts* as the prior,
 the sweep's measurements as data.
 
-Why not only TPE: TPE samples each knob independently (Bergstra et al. 2011) and most of its asks
-are projected onto valid layouts, so it learns little per trial, and it ignores failures; against
-truths that differ from meshtune's model it did no better than random in its first 20 trials
-(issue 13). Here the model of a layout's log tokens/s per device is
-
-    y(layout) = log(T / sum_k w_k parts_k(layout)) + r(layout),
-
-where ``parts`` are the analytical step time's parts (compute + bubble, tp/cp/ep collectives,
-exposed gradient traffic, pipeline sends, a per-step constant: api.engine._calibrate.TIME_PARTS) and
-
-- ``w`` is fitted to the measurements in log space around the weights in force (the sweep's, or
-  inherited from earlier sweeps on the cluster): each w_k = w0_k exp(theta_k), theta_k ~ N(0, 1)
-  a priori, MAP by bounded least squares, with its Laplace covariance (MacKay 1992). A model that is
-  structurally wrong about one resource (a collective charged per micro-batch that the cluster
-  overlaps, a GEMM-size cliff) is wrong about every layout that leans on it: one weight moves them
-  all, and a layout leaning on a weight the data have not pinned down keeps a wide prediction, so
-  expected improvement goes and looks;
-- ``r`` is a Gaussian process over the layout features (log2 degrees, ZeRO level, micro-batch size,
-  recompute, schedule; ``_space._features`` scaled to [0, 1]) fitted to what the weights leave
-  unexplained (Rasmussen & Williams 2006, Alg. 2.1; Matern 5/2 kernel, constant mean, length-scale
-  and signal variance chosen by marginal likelihood on a small grid). Residuals inherited from
-  earlier sweeps on the same cluster join as data with extra noise (each sweep's own mean removed:
-  only the shape transfers).
-
-Each proposal is the enumerated, unseen layout with the largest expected improvement (Jones et al.
-1998) over the best measured one, times the probability that it fits in memory under the memory
-model's uncertainty at that layout (constrained EI, Gardner et al. 2014; the memory GP is the
-problem's, api.engine._memory), times the probability that it does not fail like the
-crashed/timed-out layouts near it. Only layouts the memory model predicts to fit are candidates;
-when none is left, the one most likely to fit (``Problem.likeliest``). Everything is a deterministic function of the measurements (ties broken by the seed), so
-a resume proposes what the first run would have.
+A layout's log tokens/s per device is log(T / sum_k w_k parts_k) + r: ``w`` fitted in log space
+around the weights in force (MAP with its Laplace covariance, MacKay 1992), ``r`` a Gaussian process
+over the layout features (Rasmussen & Williams 2006, Alg. 2.1). Each proposal is the unseen layout
+with the largest expected improvement (Jones et al. 1998) times its probability of fitting in memory
+(constrained EI, Gardner et al. 2014) and of not failing like its failed neighbours; deterministic
+in the measurements, so a resume proposes what the first run would have.
+The design: docs/engine.md#surrogate-proposer.
 """
 
 from __future__ import annotations
