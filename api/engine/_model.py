@@ -348,15 +348,11 @@ class Problem:
         """Reference layouts the user named, then the model's top-k predicted layouts that fit with
         ``HEADROOM_Z`` times the memory model's uncertainty at each to spare (no warm start into a layout the model barely fits)."""
         out: list[tuple[Layout, str]] = []
-        refs = getattr(tuner, "REFERENCE_LAYOUTS", {})
         for i, name in enumerate(search.reference_layouts):
-            ref = refs.get(name) if hasattr(refs, "get") else None
-            layout = getattr(ref, "layout", ref)
-            if isinstance(layout, dict):
-                layout = Layout(**layout)
-            if not isinstance(layout, Layout):
+            ref = tuner.REFERENCE_LAYOUTS.get(name)
+            if ref is None:
                 raise SpecError(f"search.reference_layouts[{i}]={name!r} is not a known reference layout")
-            layout = tuner.canonical_layout(layout, training=self.training)  # the space lists canonical twins
+            layout = tuner.canonical_layout(ref.layout, training=self.training)  # the space lists canonical twins
             if layout.key not in self.space.index:  # valid (checked on submission) but outside ``space``
                 log.warning("reference layout %s (%s) is outside the sweep's space; not enqueued", name, layout.key)
                 continue

@@ -96,7 +96,7 @@ def check_submission(session: Session, *, spec: SweepSpec, owner: str | None, pr
                 f"search.reference_layouts[{i}]={name!r} is not a known reference layout"
                 f" (known: {', '.join(sorted(known))})"
             )
-        layout = getattr(known[name], "layout", known[name])
+        layout = known[name].layout
         try:
             tuner.check_layout(layout, model=model, cluster=cluster, training=training)
         except tuner.LayoutError as exc:
