@@ -43,7 +43,7 @@ MAX_THREADS = 32
 # no room, ...); after the last, the sweep is left resumable (see SweepRunner._run_claimed).
 RETRY_DELAYS_S: tuple[float, ...] = (5.0, 20.0, 60.0)
 log = logging.getLogger("meshtune.engine")
-__all__ = ["KeepAlive", "LostClaim", "SweepLoop"]
+__all__ = ["SweepLoop"]
 
 
 class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, Probing):

@@ -12,7 +12,8 @@ from typing import Any
 
 import tuner
 from api import store
-from api.engine._loop import KeepAlive, LostClaim, SweepLoop
+from api.engine._claim import KeepAlive, LostClaim
+from api.engine._loop import SweepLoop
 from api.engine._outage import is_transient
 from api.engine._share import OwnerLimits
 from api.engine._shared import SharedLedger, cluster_identity
