@@ -82,12 +82,12 @@ def check_fits(problem: Problem) -> None:
 
 def check_backend(name: str) -> None:
     from workers import BUILTIN_BACKENDS
-    from workers import resolve_backend as _resolve
+    from workers import resolve_backend
 
     if name in BUILTIN_BACKENDS:
         return
     try:
-        obj = _resolve(name)
+        obj = resolve_backend(name)
     except tuner.BackendError as exc:
         raise SpecError(str(exc)) from None  # names backend= and the value
     except Exception as exc:  # the module raised while importing: still the user's backend

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from api.store._models import Base, Sweep, Trial
 from tuner import CONFIDENCE, PooledNoise, interval
-from tuner import t_quantile as _t_quantile
+from tuner import t_quantile
 
 METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 
@@ -208,7 +208,7 @@ def _ranks(rows: list[Any]) -> dict[str, tuple[int, float | None, float | None, 
             dof += r.noise_dof
             used += 1
     noise = PooledNoise(math.sqrt(ss / dof), dof, used) if dof else None
-    t = _t_quantile(0.5 + CONFIDENCE / 2, noise.dof) if noise is not None else None
+    t = t_quantile(0.5 + CONFIDENCE / 2, noise.dof) if noise is not None else None
     bounds: dict[str, tuple[float, float | None, float | None]] = {}
     for r in rows:
         if noise is not None and r.mean_log is not None:
