@@ -81,8 +81,7 @@ def check_fits(problem: Problem) -> None:
 
 
 def check_backend(name: str) -> None:
-    from workers import BUILTIN_BACKENDS
-    from workers import resolve_backend
+    from workers import BUILTIN_BACKENDS, resolve_backend
 
     if name in BUILTIN_BACKENDS:
         return

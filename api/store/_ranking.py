@@ -20,8 +20,7 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from api.store._models import Base, Sweep, Trial
-from tuner import CONFIDENCE, PooledNoise, interval
-from tuner import t_quantile
+from tuner import CONFIDENCE, PooledNoise, interval, t_quantile
 
 METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 
