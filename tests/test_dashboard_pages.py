@@ -102,6 +102,16 @@ def test_summary_counts_outcomes_and_device_time():
     assert s["device_time"] == "1 h 01 min" and s["best_tokens_per_s_per_device"] == 5.0
 
 
+def test_summary_and_charts_count_confirm_runs_apart_from_the_budgeted_short_runs():
+    confirm, losses = {"phase": "confirm", "repeat": 0}, {"losses": [2.0, 1.5, 1.2]}
+    rows = [_trial(0, 1, 1, 5.0) | losses, _trial(1, 2, 1, 4.0) | losses, _trial(2, 1, 1, 9.0) | confirm | losses,
+            _trial(3, 2, 1, None, status="crash") | confirm]
+    s = views.summary(rows)
+    assert s["finished"] == 2 and s["confirm_finished"] == 2 and s["counts"]["crash"] == 0
+    assert s["best_tokens_per_s_per_device"] == 5.0  # a long run is not a short-run measurement
+    assert views.loss_curves(rows)["reference_id"] == 0
+
+
 def test_summary_counts_a_node_lost_trial_once_its_rerun_exists():
     lost = {"error": {"kind": "crash", "infra": "node_lost"}}
     rows = [_trial(0, 1, 1, 5.0), _trial(1, 2, 1, None, status="crash") | lost | {"key": "k9"},

@@ -8,13 +8,10 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import signal
 import sys
-import threading
-from typing import Any
 
 from api.cli import show
-from api.cli._store import open_sessions, resume_hint, stop_on_ctrl_c
+from api.cli._store import open_sessions, resume_hint, run_in_foreground
 
 NAMES = {"top_k": "--top", "steps": "--steps"}  # a refused value is named as the user typed it
 DEFAULT_TOP = 5
@@ -36,9 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def confirm_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from api import format as fmt
     from api import store
     from api.confirm import service as confirm
     from api.engine import SweepRunner
@@ -59,28 +54,10 @@ def confirm_cmd(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else show.PIPED_WIDTH)
     console.print(f"confirm {sweep.id} '{sweep.name}': the top {len(asked['keys'])} layouts, {asked['steps']} measured "
                   f"steps each (round {asked['round']})")
-    stop = threading.Event()
-    previous = stop_on_ctrl_c(stop, console)
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
-            task = progress.add_task("long runs", total=len(asked["keys"]), last="")
-
-            def on_progress(event: dict[str, Any]) -> None:
-                row = event.get("trial")
-                if event["event"] == "finished" and row is not None and row.phase == "confirm":
-                    what = (f"{show.num_cell(row.tokens_per_s_per_device)} tok/s/dev" if row.status == "completed"
-                            else show.trial_status_text(row))
-                    progress.update(task, advance=0 if show.node_lost(row) else 1,
-                                    last=f"#{row.number} {fmt.layout_text(row.layout)}: {what}")
-
-            final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: {resume_hint(sweep.id)}[/yellow]")
+    final = run_in_foreground(runner, sweep.id, console, description="long runs", total=len(asked["keys"]),
+                              counts=lambda event: event["event"] == "finished" and event["trial"].phase == "confirm")
+    if final is None:
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     with sessions() as s:
         report = confirm.confirm_report(s, sweep_id=final.id)
     if args.json:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import signal
 import sys
-import threading
 from typing import Any
 
 from api.cli import show
-from api.cli._store import open_sessions, resume_hint, stop_on_ctrl_c
+from api.cli._store import open_sessions, resume_hint, run_in_foreground
 from tuner import ConflictError, SpecError
 
 
@@ -84,9 +82,7 @@ def load_spec(path: str, *, backend: str | None = None, max_trials: int | None =
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from api import format as fmt
     from api import store
     from api.engine import SweepRunner
     from api.spec import SweepSpec
@@ -122,30 +118,10 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     verb = "resuming" if args.resume is not None else "sweep"
     console.print(f"{verb} {sweep.id} '{spec.name}': {_problem_label(spec)}, sampler={spec.sampler_label}, "
                   f"backend={spec.backend}, up to {_planned_trials(spec)} trials{_trials_why(spec)}")
-    stop = threading.Event()
-    previous = stop_on_ctrl_c(stop, console)
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[last]}"), console=console, transient=False) as progress:
-            task = progress.add_task("trials", total=max(_planned_trials(spec), done), completed=done, last="")
-
-            def on_progress(event: dict[str, Any]) -> None:
-                row = event.get("trial")
-                if event["event"] in ("finished", "pruned") and row is not None:
-                    what = (f"{show.num_cell(row.tokens_per_s_per_device)} tok/s/dev" if row.status == "completed"
-                            else show.trial_status_text(row))
-                    # a node-lost trial runs once more (api/engine/_lost.py): its re-run advances the bar
-                    progress.update(task, advance=0 if show.node_lost(row) else 1,
-                                    last=f"#{row.number} {fmt.layout_text(row.layout)}: {what}")
-
-            final = runner.run_sweep(sweep.id, stop_event=stop, on_progress=on_progress)
-            progress.update(task, total=progress.tasks[0].completed)
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: {resume_hint(sweep.id)}[/yellow]")
+    final = run_in_foreground(runner, sweep.id, console, description="trials", total=_planned_trials(spec),
+                              completed=done, counts=lambda event: event["event"] in ("finished", "pruned"))
+    if final is None:
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     with sessions() as s:
         ranking = svc.ranking(s, sweep_id=final.id)
         if args.json:

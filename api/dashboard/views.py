@@ -53,7 +53,10 @@ def sig(x: float | None, digits: int = 4) -> float | None:
 
 
 def completed(trials: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [t for t in trials if t["status"] == "completed" and t.get("tokens_per_s_per_device")]
+    """The measured short runs: a confirm run (``phase="confirm"``, many more steps) is not compared
+    with them, as the ranking does not (it has its own card)."""
+    return [t for t in trials if t["status"] == "completed" and t.get("tokens_per_s_per_device")
+            and t.get("phase") != "confirm"]
 
 
 def layout_label(layout: dict[str, Any]) -> str:
@@ -75,13 +78,19 @@ def lost_and_rerun(trials: Sequence[dict[str, Any]]) -> set[Any]:
 
 
 def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts by outcome, best tokens/s per device, device time spent (interrupted attempts are not
+    """Counts by outcome of the short runs (what ``max_trials`` budgets; confirm runs are counted
+    apart), best tokens/s per device, device time spent by every run (interrupted attempts are not
     results: they are re-run, so they are counted apart). Simulated trials' device-seconds are what
     the simulate backend says a real run would take: they are summed apart and never shown as real."""
     counts = dict.fromkeys(OUTCOMES, 0)
+    confirm_finished = 0
     rerun = lost_and_rerun(trials)
     for t in trials:
-        if t["id"] not in rerun:
+        if t["id"] in rerun:
+            continue
+        if t.get("phase") == "confirm":
+            confirm_finished += t["status"] in FINISHED
+        else:
             counts[t["status"]] = counts.get(t["status"], 0) + 1
     done = completed(trials)
     best = max(done, key=lambda t: t["tokens_per_s_per_device"], default=None)
@@ -91,6 +100,7 @@ def summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "counts": counts,
         "finished": sum(counts[o] for o in FINISHED),
+        "confirm_finished": confirm_finished,
         "failed": sum(counts[o] for o in FAILURES),
         "best_tokens_per_s_per_device": sig(best["tokens_per_s_per_device"]) if best else None,
         "best_trial_id": best["id"] if best else None,
