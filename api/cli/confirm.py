@@ -11,7 +11,8 @@ import json
 import sys
 
 from api.cli import show
-from api.cli._store import open_sessions, resume_hint, run_in_foreground
+from api.cli._foreground import run_in_foreground
+from api.cli._store import open_sessions, resume_hint
 
 NAMES = {"top_k": "--top", "steps": "--steps"}  # a refused value is named as the user typed it
 DEFAULT_TOP = 5

@@ -14,7 +14,8 @@ import sys
 from typing import Any
 
 from api.cli import show
-from api.cli._store import open_sessions, resume_hint, run_in_foreground
+from api.cli._foreground import run_in_foreground
+from api.cli._store import open_sessions, resume_hint
 from tuner import ConflictError, SpecError
 
 
