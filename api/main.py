@@ -23,9 +23,10 @@ from api.confirm import routes as confirm_routes
 from api.dashboard import confirm_page, plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.memory import routes as memory_routes
+from api.plan import routes as plan
 from api.probes import routes as probes
 from api.reshard import routes as reshard
-from api.routes import health, metrics, plan, presets
+from api.routes import health, metrics, presets
 from api.schedules import routes as schedules
 from api.settings import Settings, get_settings
 from api.sweeps import routes as sweeps

@@ -191,8 +191,8 @@ def test_planning_work_is_bounded_before_it_starts(client: TestClient) -> None:
 
 
 def test_anonymous_plans_are_charged_to_a_budget_that_refills(db_url: str) -> None:
-    from api.routes import plan as plan_route
-    from api.routes.plan import ClientBudget
+    from api.plan import routes as plan_route
+    from api.plan.routes import ClientBudget
     from tuner import cluster_spec, model_spec
     from tuner._plan import candidate_layouts
 
@@ -222,8 +222,8 @@ def test_the_budget_behind_a_proxy_follows_x_forwarded_for_only_from_a_trusted_p
     """Behind a proxy every anonymous client shared the proxy's budget; X-Forwarded-For is believed only
     from an address of MESHTUNE_TRUSTED_PROXIES (read from the right: what a client writes to its left
     is not), so neither can a client that reaches the API directly pick the address it is charged to."""
-    from api.routes import plan as plan_route
-    from api.routes.plan import ClientBudget
+    from api.plan import routes as plan_route
+    from api.plan.routes import ClientBudget
     from tuner import cluster_spec, model_spec
     from tuner._plan import candidate_layouts
 
