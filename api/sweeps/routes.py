@@ -21,6 +21,7 @@ from api.deps import (
     TrialId,
     WriterDep,
 )
+from api.ranking import service as rankings
 from api.routes._cache import etag_matches, sweep_version
 from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, NOT_FOUND, ErrorOut
 from api.spec import SweepSpec
@@ -37,7 +38,7 @@ READ_ONE = {**READ, **NOT_FOUND}
 SweepStatus = Literal[SWEEP_STATUSES]  # type: ignore[valid-type]
 Priority = Literal[SWEEP_PRIORITIES]  # type: ignore[valid-type]
 TrialStatus = Literal[TRIAL_STATUSES]  # type: ignore[valid-type]
-Metric = Literal[service.RANKING_METRICS]  # type: ignore[valid-type]
+Metric = Literal[rankings.RANKING_METRICS]  # type: ignore[valid-type]
 CSV = "text/csv"
 
 
@@ -131,7 +132,7 @@ def ranking(
     results land (api/store/_ranking.py); each answer has an ETag of the sweep's results version, so
     ``If-None-Match`` gets 304 until the next result (api/routes/_cache.py)."""
     wants_csv = format == "csv" or (format is None and CSV in request.headers.get("accept", ""))
-    tag = service.ranking_tag(session, sweep_id=sweep_id, metric=metric)
+    tag = rankings.ranking_tag(session, sweep_id=sweep_id, metric=metric)
     kind = "csv" if wants_csv else "json"
     etag = f'"{tag}.{kind}.{offset}.{limit or 0}"'
     headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept"}
@@ -157,10 +158,10 @@ def transfer(
     stack: Annotated[str, Query(max_length=50, description="The stack trained with: torchtitan, megatron (or meshtune).")],
 ) -> Response:
     """The measured layouts re-ranked by the target stack's prediction corrected with the sweep's
-    calibration (api/sweeps/transfer.py), each row with its measured rank and how far it moved."""
-    from api.sweeps.transfer import transfer as transfer_of
+    calibration (api/ranking/transfer.py), each row with its measured rank and how far it moved."""
+    from api.ranking.transfer import transfer as transfer_of
 
-    tag = service.ranking_tag(session, sweep_id=sweep_id)
+    tag = rankings.ranking_tag(session, sweep_id=sweep_id)
     key = (str(session.get_bind().url), sweep_id, "transfer", stack)
     body = _cache.get_or_build(key, lambda: TransferOut.model_validate(
         transfer_of(session, sweep_id=sweep_id, stack=stack).to_dict()).model_dump_json().encode(), version=tag)
@@ -170,15 +171,15 @@ def transfer(
 def _ranking_tag(sessions: Any, sweep_id: int, metric: str) -> str:
     """The ranking's current tag, in a session of its own (the probe api/_answers.py replays by)."""
     with sessions() as session:
-        return service.ranking_tag(session, sweep_id=sweep_id, metric=metric)
+        return rankings.ranking_tag(session, sweep_id=sweep_id, metric=metric)
 
 
 def _ranking_body(session: SessionDep, sweep_id: int, metric: str, wants_csv: bool, limit: int | None,
                   offset: int) -> bytes:
     """One answer (a page, or the whole ranking) serialised from the stored ranking's rows."""
-    result = service.ranking(session, sweep_id=sweep_id, metric=metric, limit=limit, offset=offset)
+    result = rankings.ranking(session, sweep_id=sweep_id, metric=metric, limit=limit, offset=offset)
     if wants_csv:
-        return service.ranking_csv(result).encode()
+        return rankings.ranking_csv(result).encode()
     return RankingOut.model_validate(result, from_attributes=True).model_dump_json().encode()
 
 

@@ -25,9 +25,9 @@ from sqlalchemy.orm import Session
 from api import store
 from api.engine._model import predict_under
 from api.paging import MAX_RANKING_PAGE, check_page
+from api.ranking import budget
 from api.spec import SweepSpec
 from api.store import Sweep
-from api.sweeps import budget
 from tuner import Layout, NotFoundError, SpecError, rank, relative_error
 
 RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
@@ -56,7 +56,7 @@ class RankingRow:
     memory_prediction_error: float | None
     simulated: bool
     trial_numbers: list[int] = field(default_factory=list)
-    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.sweeps.budget)
+    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.ranking.budget)
 
 
 @dataclass
@@ -255,7 +255,7 @@ CSV_COLUMNS = (
 # One column per layout field after layout_key (the key stays: it is the layout's identity), so a
 # spreadsheet can filter and pivot on tp, pp, ... without parsing the key.
 CSV_LAYOUT_COLUMNS = tuple(Layout.__dataclass_fields__)
-# Last: the time and cost to train training.train_tokens at the row's median (api.sweeps.budget).
+# Last: the time and cost to train training.train_tokens at the row's median (api.ranking.budget).
 CSV_BUDGET_COLUMNS = ("time_to_train_s", "cost_to_train")
 
 
