@@ -227,7 +227,7 @@ def stats(lat: list[float], wall: float, single: list[float], cpu: float) -> dic
 
 def serialise_alone(url: str, sid: int, repeats: int = 5) -> dict[str, float]:
     """Seconds to read the whole stored ranking (services) and to serialise it as JSON, in process."""
-    from api.sweeps.schemas import RankingOut
+    from api.ranking.schemas import RankingOut
 
     engine, sessions = store.open_store(url, upgrade_schema=False)
     read, dump = [], []
