@@ -24,6 +24,7 @@ from api.dashboard import confirm_page, plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.memory import routes as memory_routes
 from api.plan import routes as plan
+from api.plan import service as plan_service
 from api.probes import routes as probes
 from api.ranking import routes as ranking
 from api.reshard import routes as reshard
@@ -140,7 +141,7 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
         dependencies=[Depends(_http.storable_params)],  # every route, the dashboard's included
     )
     app.state.settings = settings
-    app.state.plan_budget = plan.ClientBudget()  # per app: a test's clients do not share one
+    app.state.plan_budget = plan_service.ClientBudget()  # per app: a test's clients do not share one
     errors.install(app)
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).

@@ -1,6 +1,6 @@
 """The export service: pick a ranked layout of a stored sweep (by rank, or by layout key) and write
 it in a framework's configuration (``tuner.export_layout``). Keyword-only; reads only (the ranking
-comes from ``api.sweeps.service``, which queries the store). Errors: an unknown format, a bad rank
+comes from ``api.ranking.service``, which queries the store). Errors: an unknown format, a bad rank
 or both selectors SpecError (422 / exit 2), an unknown sweep, rank or layout NotFoundError (404), a
 sweep with no completed trial ConflictError (409): one line naming the field and the value."""
 

@@ -1,8 +1,7 @@
 """Sweep rankings: measured layouts ranked by a metric (median over re-measurements, 95% interval,
 tie groups), each row with its prediction under the sweep's calibration now, as dataclasses, a tag
-and CSV. What the routes, dashboard, CLI, exports and schedules read through ``api.sweeps.service``
-(which re-exports these names). Keyword-only like the other services; an unknown sweep raises
-NotFoundError and an unknown metric SpecError (tuner._errors).
+and CSV. What the routes, dashboard, CLI, exports and schedules read. Keyword-only like the other
+services; an unknown sweep raises NotFoundError and an unknown metric SpecError (tuner._errors).
 
 ``ranking`` reads the stored ranking that each recorded result keeps up to date
 (api/store/_ranking.py); ``ranking_from_trials`` recomputes it from every trial, the reference the

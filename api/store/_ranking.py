@@ -53,7 +53,7 @@ class RankedLayout(Base):
     useful_tokens_per_s_per_device: Mapped[float | None] = mapped_column(Float, nullable=True)
     peak_memory_median: Mapped[float | None] = mapped_column(Float, nullable=True)  # bytes; the error reads the median
     # {calibration version: [predicted tokens/s per device, predicted bytes]} of the last trial
-    # predicted under each version (api.sweeps.service picks the sweep's current one).
+    # predicted under each version (api.ranking.service picks the sweep's current one).
     predictions: Mapped[dict[str, Any]] = mapped_column(JSON)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     trial_numbers: Mapped[list[Any]] = mapped_column(JSON)
