@@ -45,7 +45,7 @@ def _result(tps: float | None, *, status: str = "completed") -> TrialResult:
 
 
 def _assert_same(s, sweep_id: int) -> None:
-    for metric in rankings.RANKING_METRICS:
+    for metric in store.RANKING_METRICS:
         stored, recomputed = rankings.ranking(s, sweep_id=sweep_id, metric=metric), rankings.ranking_from_trials(
             s, sweep_id=sweep_id, metric=metric)
         assert [dataclasses.asdict(r) for r in stored.rows] == [dataclasses.asdict(r) for r in recomputed.rows]

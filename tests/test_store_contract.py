@@ -225,7 +225,7 @@ class TestStoreContract:
                 store.refresh_sweep_cache(s, sweep_id=sw.id)
                 s.commit()
                 tags.append(rankings.ranking_tag(s, sweep_id=sw.id))
-                for metric in rankings.RANKING_METRICS:
+                for metric in store.RANKING_METRICS:
                     assert rankings.ranking(s, sweep_id=sw.id, metric=metric).rows == rankings.ranking_from_trials(
                         s, sweep_id=sw.id, metric=metric).rows
             assert len(set(tags)) == len(tags)  # a failure moves the version too

@@ -19,12 +19,13 @@ from api.ranking.schemas import RankingOut, TransferOut
 from api.ranking.transfer import transfer as transfer_of
 from api.routes._cache import etag_matches
 from api.schemas import ERROR_RESPONSES, NOT_FOUND, ErrorOut
+from api.store import RANKING_METRICS
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"], route_class=GuardedRoute)
 _cache: LRU = LRU(max_entries=256)  # ranking pages and transfers, by the ranking's tag
 
 READ_ONE = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, **NOT_FOUND}
-Metric = Literal[rankings.RANKING_METRICS]  # type: ignore[valid-type]
+Metric = Literal[RANKING_METRICS]  # type: ignore[valid-type]
 CSV = "text/csv"
 
 

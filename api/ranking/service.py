@@ -26,10 +26,8 @@ from api.engine._model import predict_under
 from api.paging import MAX_RANKING_PAGE, check_page
 from api.ranking import budget
 from api.spec import SweepSpec
-from api.store import Sweep
+from api.store import RANKING_METRICS, Sweep
 from tuner import Layout, NotFoundError, SpecError, rank, relative_error
-
-RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 
 Predictions = dict[str, tuple[float | None, int | None]]  # layout key -> (tokens/s per device, peak bytes)
 
