@@ -24,7 +24,9 @@ from api.dashboard import confirm_page, plan_page, sweep_pages, trends
 from api.export import routes as export_routes
 from api.memory import routes as memory_routes
 from api.plan import routes as plan
+from api.plan import service as plan_service
 from api.probes import routes as probes
+from api.ranking import routes as ranking
 from api.reshard import routes as reshard
 from api.routes import health, metrics, presets
 from api.schedules import routes as schedules
@@ -139,11 +141,11 @@ def create_app(settings: Settings | None = None, *, run_engine: bool = True) -> 
         dependencies=[Depends(_http.storable_params)],  # every route, the dashboard's included
     )
     app.state.settings = settings
-    app.state.plan_budget = plan.ClientBudget()  # per app: a test's clients do not share one
+    app.state.plan_budget = plan_service.ClientBudget()  # per app: a test's clients do not share one
     errors.install(app)
     _add_docs(app)
     # API routers first, then the dashboard's pages (the dashboard owns "/"; its sweep pages follow it).
-    for module in (sweeps, confirm_routes, memory_routes, export_routes, plan, presets, health, metrics, schedules,
+    for module in (sweeps, ranking, confirm_routes, memory_routes, export_routes, plan, presets, health, metrics, schedules,
                    reshard, probes, dashboard, sweep_pages, confirm_page, trends, plan_page):
         app.include_router(module.router)
     # Outermost last: the body limit applies before anything, even routing, reads the body.

@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from api import store  # noqa: E402
+from api.ranking import service as rankings  # noqa: E402
 from api.spec import SweepSpec  # noqa: E402
 from api.sweeps import service  # noqa: E402
 from tuner import plan, to_dict  # noqa: E402
@@ -226,7 +227,7 @@ def stats(lat: list[float], wall: float, single: list[float], cpu: float) -> dic
 
 def serialise_alone(url: str, sid: int, repeats: int = 5) -> dict[str, float]:
     """Seconds to read the whole stored ranking (services) and to serialise it as JSON, in process."""
-    from api.sweeps.schemas import RankingOut
+    from api.ranking.schemas import RankingOut
 
     engine, sessions = store.open_store(url, upgrade_schema=False)
     read, dump = [], []
@@ -234,7 +235,7 @@ def serialise_alone(url: str, sid: int, repeats: int = 5) -> dict[str, float]:
         for _ in range(repeats):
             with sessions() as s:
                 t0 = time.perf_counter()
-                result = service.ranking(s, sweep_id=sid)
+                result = rankings.ranking(s, sweep_id=sid)
                 t1 = time.perf_counter()
                 RankingOut.model_validate(result, from_attributes=True).model_dump_json()
                 t2 = time.perf_counter()

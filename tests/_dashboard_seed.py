@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 import tuner
 from api import store
+from api.ranking import service as rankings
 from api.spec import SweepSpec
 from api.sweeps import service
 from tuner import Layout, LayoutError, check_layout
@@ -175,7 +176,7 @@ def add_running_trial(sessions, *, sweep_id: int, tokens: float, peak: int) -> N
 def summary_of(sessions, sweep_id: int) -> dict[str, Any]:
     """What the charts should show, read back through the services."""
     with sessions() as session:
-        ranking = service.ranking(session, sweep_id=sweep_id)
+        ranking = rankings.ranking(session, sweep_id=sweep_id)
         pareto = service.pareto(session, sweep_id=sweep_id)
         trials = store.all_trials(session, sweep_id=sweep_id)
     return {

@@ -191,14 +191,14 @@ def test_planning_work_is_bounded_before_it_starts(client: TestClient) -> None:
 
 
 def test_anonymous_plans_are_charged_to_a_budget_that_refills(db_url: str) -> None:
-    from api.plan import routes as plan_route
-    from api.plan.routes import ClientBudget
+    from api.plan import service as plan_service
+    from api.plan.service import ClientBudget
     from tuner import cluster_spec, model_spec
     from tuner._plan import candidate_layouts
 
     cost = candidate_layouts(model=model_spec("tiny"), cluster=cluster_spec({"preset": "h100-sxm", "nodes": 2}))
     now = [0.0]
-    plan_route._PLANS.clear()  # answers cached by earlier tests of this process would be free
+    plan_service._PLANS.clear()  # answers cached by earlier tests of this process would be free
     with client_for(db_url) as c:
         c.app.state.plan_budget = ClientBudget(capacity=2 * cost, rate=cost / 10, clock=lambda: now[0])
 
@@ -222,8 +222,8 @@ def test_the_budget_behind_a_proxy_follows_x_forwarded_for_only_from_a_trusted_p
     """Behind a proxy every anonymous client shared the proxy's budget; X-Forwarded-For is believed only
     from an address of MESHTUNE_TRUSTED_PROXIES (read from the right: what a client writes to its left
     is not), so neither can a client that reaches the API directly pick the address it is charged to."""
-    from api.plan import routes as plan_route
-    from api.plan.routes import ClientBudget
+    from api.plan import service as plan_service
+    from api.plan.service import ClientBudget
     from tuner import cluster_spec, model_spec
     from tuner._plan import candidate_layouts
 
@@ -238,7 +238,7 @@ def test_the_budget_behind_a_proxy_follows_x_forwarded_for_only_from_a_trusted_p
         return c.get("/api/plan", params={"model": "tiny", "cluster": "h100-sxm", "nodes": 2,
                                           "global_batch": 16 * next(batch)}, headers=headers).status_code
 
-    plan_route._PLANS.clear()
+    plan_service._PLANS.clear()
     app = create_app(settings, run_engine=False)
     for peer, trusted in (("10.1.2.3", True), ("198.51.100.9", False)):
         app.state.plan_budget = ClientBudget(capacity=cost, rate=1e-9)  # one plan per client

@@ -170,7 +170,7 @@ def test_ranking_csv_ends_with_time_and_cost_to_train(stored):
 
 def test_ranking_transfer_reranks_for_a_stack_api_and_cli(stored, monkeypatch, capsys):
     """The measured layouts re-ranked by the target stack's prediction under the sweep's calibration
-    (api/sweeps/transfer.py): every measured layout once, its measured rank beside, the move marked."""
+    (api/ranking/transfer.py): every measured layout once, its measured rank beside, the move marked."""
     c = stored["client"]
     ranking = c.get(f"/api/sweeps/{stored['sid']}/ranking").json()["rows"]
     body = c.get(f"/api/sweeps/{stored['sid']}/transfer", params={"stack": "megatron"}).json()

@@ -18,6 +18,7 @@ from api.cli import main
 from api.confirm import service as confirm
 from api.engine import SweepRunner
 from api.main import create_app
+from api.ranking import service as rankings
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -104,12 +105,12 @@ def test_search_confirm_runs_the_top_layouts_longer_as_their_own_phase(env):
     with sessions() as s:
         rows = store.all_trials(s, sweep_id=sid)
         longs = [t for t in rows if t.phase == "confirm"]
-        ranking = svc.ranking(s, sweep_id=sid)
+        ranking = rankings.ranking(s, sweep_id=sid)
         assert [t.layout_key for t in longs] == [r.layout_key for r in ranking.rows[:3]]  # in ranking order
         assert all(t.repeat == 0 and t.status == "completed" and len(t.step_times_s) == 12 for t in longs)
         # not in the ranking: the stored ranking equals the one recomputed from the short runs
         assert all(t.number not in r.trial_numbers for r in ranking.rows for t in longs)
-        assert [r.layout_key for r in ranking.rows] == [r.layout_key for r in svc.ranking_from_trials(s, sweep_id=sid).rows]
+        assert [r.layout_key for r in ranking.rows] == [r.layout_key for r in rankings.ranking_from_trials(s, sweep_id=sid).rows]
         report = confirm.confirm_report(s, sweep_id=sid)
     assert report.done and report.source == "spec" and report.steps == 12 and report.compared == 3
     assert report.simulated and report.winner_kept is not None and -1 <= report.spearman <= 1

@@ -12,6 +12,7 @@ import tuner
 from api import store
 from api.engine import SweepRunner
 from api.engine._loop import SweepLoop
+from api.ranking import service as rankings
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -129,7 +130,7 @@ def test_warm_start_remeasure_calibration_and_ranking(db):
     assert max(per_layout.values()) <= 3
     assert sorted(t.number for t in rows) == list(range(len(rows)))
     with sessions() as s:
-        rk = svc.ranking(s, sweep_id=sw.id)
+        rk = rankings.ranking(s, sweep_id=sw.id)
     assert rk.simulated and rk.rows[0].n >= 2 and rk.rows[0].low <= rk.rows[0].median <= rk.rows[0].high
     cal = final.calibration
     assert cal["time"]["n"] >= 2 and set(cal["time"]["fitted"]) <= set(cal["time"]["weights"])
@@ -219,7 +220,7 @@ def test_listed_layouts_are_measured_exactly_repeats_times(db):
     assert {t.source for t in rows if t.phase == "search"} == {"listed"}
     assert all(t.status == "completed" for t in rows)
     with sessions() as s:
-        ranking = svc.ranking(s, sweep_id=sw.id)
+        ranking = rankings.ranking(s, sweep_id=sw.id)
     assert sorted(r.layout_key for r in ranking.rows) == sorted(keys) and {r.n for r in ranking.rows} == {2}
 
 

@@ -499,6 +499,7 @@ def stored(tmp_path_factory):
     from _dashboard_seed import SPEC, seed_sweep
 
     from api import store
+    from api.ranking import service as rankings
     from api.spec import SweepSpec
     from api.sweeps import service as sweeps_service
 
@@ -509,7 +510,7 @@ def stored(tmp_path_factory):
         empty = sweeps_service.create_sweep(session, spec=SweepSpec.model_validate(SPEC | {"name": "empty"}),
                                             owner="alice").id
     with sessions() as session:
-        rows = sweeps_service.ranking(session, sweep_id=sid).rows
+        rows = rankings.ranking(session, sweep_id=sid).rows
     yield {"url": url, "sid": sid, "empty": empty, "rows": rows}
     engine.dispose()
 

@@ -73,6 +73,7 @@ def test_a_simulate_sweeps_pruned_trials_and_its_all_pruned_ranking_are_simulate
     assert {t["status"] for t in trials} == {"completed", "pruned"}
     assert all(t["simulated"] for t in trials), [(t["status"], t["simulated"]) for t in trials]
 
+    from api.ranking import service as rankings
     from api.spec import SweepSpec
     from api.sweeps import service
 
@@ -83,7 +84,7 @@ def test_a_simulate_sweeps_pruned_trials_and_its_all_pruned_ranking_are_simulate
             sweep = service.create_sweep(s, spec=SweepSpec.model_validate(yaml.safe_load(spec.read_text())), owner="a")
             store.insert_trial(s, sweep_id=sweep.id, number=0, layout={"dp": 8}, layout_key="k", world_size=8,
                                status="pruned", cause="pruned by the memory model", backend="simulate")
-            ranking = service.ranking(s, sweep_id=sweep.id)
+            ranking = rankings.ranking(s, sweep_id=sweep.id)
             assert ranking.rows == [] and ranking.simulated is True
             assert [t.simulated for t in service.list_trials(s, sweep_id=sweep.id).items] == [True]
     finally:

@@ -103,7 +103,7 @@ def test_old_sweeps_are_rekeyed_to_canonical_layouts_and_a_resume_runs_no_twin(u
             rows = store.all_trials(s, sweep_id=sid)
             assert [t.layout_key for t in rows] == [c.key for c in canon]
             assert [Layout(**t.layout) for t in rows] == canon
-            from api.sweeps import service
+            from api.ranking import service
 
             ranked = service.ranking(s, sweep_id=sid).rows
             assert sorted((r.layout_key, r.n) for r in ranked) == sorted([(canon[0].key, 2), (canon[2].key, 1)])

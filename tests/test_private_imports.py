@@ -54,7 +54,7 @@ def test_the_check_finds_each_form_of_a_private_import() -> None:
         "def f():\n"
         "    from tuner._probe import summary\n"
     )
-    assert private_imports("api.sweeps.ranking", source) == [
+    assert private_imports("api.ranking.service", source) == [
         "1: workers._gangs", "2: tuner._stats.rank", "3: workers._contract", "4: workers.backends._resolve",
         "6: tuner._probe.summary",
     ]

@@ -21,9 +21,9 @@ from api.engine._prediction import cluster_under
 from api.main import create_app
 from api.probes import service as probes
 from api.probes.models import ClusterProbe
+from api.ranking import accuracy
 from api.settings import Settings
 from api.spec import SweepSpec
-from api.sweeps import accuracy
 from api.sweeps import service as svc
 from workers import BackendUnavailable, TrialResult
 from workers.simulate import SimulateBackend

@@ -1,5 +1,5 @@
 """The stored ranking (api/store/_ranking.py) maintained as results land is exactly the ranking
-recomputed from every trial (api.sweeps.service.ranking_from_trials), on SQLite and PostgreSQL:
+recomputed from every trial (api.ranking.service.ranking_from_trials), on SQLite and PostgreSQL:
 after every single result of a sweep with ties, failures, re-measured layouts (pooled noise moves every
 interval), a non-positive measurement, trials without useful throughput and predictions made under
 several calibration versions; plus the backfill migration, paging and the route's ETag/304."""
@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api import store
+from api.ranking import service as rankings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
 from tests._dashboard_seed import seed_sweep
@@ -44,8 +45,8 @@ def _result(tps: float | None, *, status: str = "completed") -> TrialResult:
 
 
 def _assert_same(s, sweep_id: int) -> None:
-    for metric in svc.RANKING_METRICS:
-        stored, recomputed = svc.ranking(s, sweep_id=sweep_id, metric=metric), svc.ranking_from_trials(
+    for metric in store.RANKING_METRICS:
+        stored, recomputed = rankings.ranking(s, sweep_id=sweep_id, metric=metric), rankings.ranking_from_trials(
             s, sweep_id=sweep_id, metric=metric)
         assert [dataclasses.asdict(r) for r in stored.rows] == [dataclasses.asdict(r) for r in recomputed.rows]
         assert (stored.total, stored.simulated, stored.calibration) == (
@@ -87,7 +88,7 @@ def test_stored_ranking_equals_recomputation_after_every_result(url):
             store.set_calibration(s, sweep_id=sid, calibration={"version": 1})
             s.commit()
             _assert_same(s, sid)
-            ranking = svc.ranking(s, sweep_id=sid)
+            ranking = rankings.ranking(s, sweep_id=sid)
             assert {r.n for r in ranking.rows} == {1, 2, 3} and ranking.total == len(LAYOUTS)
             assert len({r.tie_group for r in ranking.rows}) > 1  # not all one tie: the check has teeth
             sweep = svc.get_sweep(s, sweep_id=sid)
@@ -95,9 +96,9 @@ def test_stored_ranking_equals_recomputation_after_every_result(url):
                 ranking.rows[0].layout_key, ranking.rows[0].median)
             # Pages are slices of the whole, by rank.
             whole = [r.layout_key for r in ranking.rows]
-            page = svc.ranking(s, sweep_id=sid, limit=3, offset=2)
+            page = rankings.ranking(s, sweep_id=sid, limit=3, offset=2)
             assert [r.layout_key for r in page.rows] == whole[2:5] and page.total == len(whole)
-            assert [r.layout_key for r in svc.ranking(s, sweep_id=sid, offset=6).rows] == whole[6:]
+            assert [r.layout_key for r in rankings.ranking(s, sweep_id=sid, offset=6).rows] == whole[6:]
     finally:
         engine.dispose()
 

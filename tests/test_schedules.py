@@ -240,7 +240,7 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
         source = create_sweep(s, spec=SweepSpec.model_validate({**SIM_TEMPLATE, "name": "source"}), owner="t").id
     run_sweeps(url, sessions, [source])
     with sessions() as s:
-        from api.sweeps.service import ranking
+        from api.ranking.service import ranking
 
         top2 = [r.layout_key for r in ranking(s, sweep_id=source).rows[:2]]
     sid = make_schedule(sessions, template=None, remeasure={"sweep_id": source, "top_k": 2, "repeats": 3},

@@ -12,6 +12,7 @@ from api import store
 from api.engine import Problem, SweepRunner
 from api.engine import _calibrate as cal
 from api.engine._memory import MEMORY_SIGMA
+from api.ranking import service as rankings
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -197,7 +198,7 @@ def test_ranking_pred_err_is_computed_under_one_calibration(db):
                 tokens_per_s_per_device=100.0, peak_memory_bytes=2**30, device_seconds=1.0))
         store.set_calibration(s, sweep_id=sw.id, calibration=calibration)
         s.commit()
-        rows = {r.layout_key: r for r in svc.ranking(s, sweep_id=sw.id).rows}
+        rows = {r.layout_key: r for r in rankings.ranking(s, sweep_id=sw.id).rows}
     expected, memory = predict_under(calibration, {old.key: old}, model=model, cluster=cluster,
                                      training=training)[old.key]
     assert rows[old.key].predicted_tokens_per_s_per_device == pytest.approx(expected) != 999.0

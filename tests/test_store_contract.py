@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from api import store
+from api.ranking import service as rankings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
 from tuner import ConflictError, NotFoundError, SpecError
@@ -171,7 +172,7 @@ class TestStoreContract:
                     store.record_result(s, sweep_id=sw.id, number=n, attempt=0, result=r, useful_fraction=1.0)
                     n += 1
             s.commit()
-            rk = svc.ranking(s, sweep_id=sw.id)
+            rk = rankings.ranking(s, sweep_id=sw.id)
             assert [r.layout_key for r in rk.rows] == ["a", "b", "c", "d"]
             a, b, c, d = rk.rows
             assert a.n == 3 and a.median == 100 and a.low < 100 < a.high
@@ -180,12 +181,12 @@ class TestStoreContract:
             # One run: its interval is the noise pooled over the repeated layouts (issue 13), clear of a's.
             assert d.n == 1 and d.low < 40 < d.high < a.low and not d.tied_with_best
             assert a.prediction_error == pytest.approx(0.1)
-            csv_text = svc.ranking_csv(rk)
+            csv_text = rankings.ranking_csv(rk)
             assert csv_text.splitlines()[0].startswith("rank,layout_key") and len(csv_text.splitlines()) == 5
             front = {p.layout_key: p.on_front for p in svc.pareto(s, sweep_id=sw.id)}
             assert front == {"a": True, "b": True, "c": False, "d": False}  # c, d: dominated by b
             with pytest.raises(SpecError, match="metric"):
-                svc.ranking(s, sweep_id=sw.id, metric="nope")
+                rankings.ranking(s, sweep_id=sw.id, metric="nope")
 
     def test_the_sweeps_best_is_the_rankings_first_row_not_the_fastest_run(self, sessions):
         """Issue 11 item 15: one lucky run of a noisy layout (130 among 20s) is the fastest trial, but
@@ -204,7 +205,7 @@ class TestStoreContract:
             store.refresh_sweep_cache(s, sweep_id=sw.id)
             s.commit()
             out = SweepOut.model_validate(svc.get_sweep(s, sweep_id=sw.id))
-            assert out.best_layout_key == svc.ranking(s, sweep_id=sw.id).rows[0].layout_key == "steady"
+            assert out.best_layout_key == rankings.ranking(s, sweep_id=sw.id).rows[0].layout_key == "steady"
             assert out.best_tokens_per_s_per_device == 100.0
             assert out.simulated and out.device_seconds == 12.0  # simulate backend: labelled simulated
 
@@ -214,7 +215,7 @@ class TestStoreContract:
         moves every interval, and the stored rows are exactly the ranking recomputed from the trials."""
         with sessions() as s:
             sw = svc.create_sweep(s, spec=SPEC, owner=None)
-            tags = [svc.ranking_tag(s, sweep_id=sw.id)]
+            tags = [rankings.ranking_tag(s, sweep_id=sw.id)]
             plan = [("a", 100.0, "completed"), ("b", 90.0, "completed"), ("c", None, "oom"), ("a", 104.0, "completed"),
                     ("b", 88.0, "completed")]
             for n, (key, tps, status) in enumerate(plan):
@@ -223,17 +224,17 @@ class TestStoreContract:
                 store.record_result(s, sweep_id=sw.id, number=n, attempt=0, result=_result(tps or 0.0, status))
                 store.refresh_sweep_cache(s, sweep_id=sw.id)
                 s.commit()
-                tags.append(svc.ranking_tag(s, sweep_id=sw.id))
-                for metric in svc.RANKING_METRICS:
-                    assert svc.ranking(s, sweep_id=sw.id, metric=metric).rows == svc.ranking_from_trials(
+                tags.append(rankings.ranking_tag(s, sweep_id=sw.id))
+                for metric in store.RANKING_METRICS:
+                    assert rankings.ranking(s, sweep_id=sw.id, metric=metric).rows == rankings.ranking_from_trials(
                         s, sweep_id=sw.id, metric=metric).rows
             assert len(set(tags)) == len(tags)  # a failure moves the version too
-            rows = svc.ranking(s, sweep_id=sw.id).rows
+            rows = rankings.ranking(s, sweep_id=sw.id).rows
             assert [(r.layout_key, r.n) for r in rows] == [("a", 2), ("b", 2)] and rows[0].low is not None
-            assert [r.layout_key for r in svc.ranking(s, sweep_id=sw.id, limit=1, offset=1).rows] == ["b"]
-            assert svc.ranking_tag(s, sweep_id=sw.id) == tags[-1]  # reading changes nothing
+            assert [r.layout_key for r in rankings.ranking(s, sweep_id=sw.id, limit=1, offset=1).rows] == ["b"]
+            assert rankings.ranking_tag(s, sweep_id=sw.id) == tags[-1]  # reading changes nothing
             with pytest.raises(NotFoundError):
-                svc.ranking_tag(s, sweep_id=999_999)
+                rankings.ranking_tag(s, sweep_id=999_999)
 
     def test_metrics_counts(self, sessions):
         with sessions() as s:

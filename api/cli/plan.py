@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, enum: Any) -> tuple[Any, dict]:
     """The cluster with the stored probe's figures (api/probes), and what the plan says of them."""
+    from api.plan import service as plan_service
     from api.probes import service as probes
     from api.settings import get_settings
 
@@ -240,7 +241,7 @@ def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, 
     workload = read_spec_file(args.spec_file).get("workload", "builtin") if args.spec_file else "builtin"
     row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored(
         model=model, cluster=cluster, training=training, backend=get_settings().backend, workload=workload)
-    cluster, figures = probes.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
+    cluster, figures = plan_service.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
     if row is not None:
         figures["text"] += "; `meshtune probe --show` lists them, --datasheet ignores them"
     return cluster, figures

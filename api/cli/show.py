@@ -151,7 +151,7 @@ def print_sweep(console: Any, sweep: Any) -> None:
         f"{_device_seconds_text(sweep)}"
     )
     from api import format as fmt
-    from api.sweeps import budget
+    from api.ranking import budget
 
     prob = budget.problem(sweep)
     if prob is not None:
@@ -182,6 +182,7 @@ def list_cmd(args: argparse.Namespace) -> int:
 
     from api import format as fmt
     from api.cli._store import open_sessions
+    from api.ranking import service as rankings
     from api.sweeps import service as svc
 
     _, sessions = open_sessions()
@@ -198,7 +199,7 @@ def list_cmd(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     with sessions() as s:
         for sw in page.items:  # the ranking's #1, as `show` and the dashboard name it (not the fastest run)
-            ranked = svc.ranking(s, sweep_id=sw.id).rows if sw.n_completed else []
+            ranked = rankings.ranking(s, sweep_id=sw.id).rows if sw.n_completed else []
             best = ranked[0] if ranked else None
             table.add_row(str(sw.id), sw.name, sw.status, sw.owner or "-", sw.sampler, sw.backend, str(sw.n_trials),
                           fmt.layout_text(best.layout) if best else "-", num_cell(best.median if best else None),
@@ -230,7 +231,7 @@ def calibration_lines(calibration: dict | None) -> list[str]:
 def model_lines(sweep: Any, ranking: Any) -> list[str]:
     """Which figures the sweep modelled its cluster with, and how far its step times were predicted."""
     from api.probes.service import probe_line
-    from api.sweeps import accuracy
+    from api.ranking import accuracy
 
     line = probe_line(sweep.calibration, sweep.backend)
     return ([line] if line else []) + accuracy.lines(sweep, ranking)
@@ -262,6 +263,7 @@ def show_cmd(args: argparse.Namespace) -> int:
 
     from api import format as fmt
     from api.cli._store import open_sessions
+    from api.ranking import service as rankings
     from api.sweeps import service as svc
 
     _, sessions = open_sessions()
@@ -269,13 +271,13 @@ def show_cmd(args: argparse.Namespace) -> int:
 
     with sessions() as s:
         sweep = svc.get_sweep(s, sweep_id=args.id)
-        ranking = svc.ranking(s, sweep_id=args.id, metric=args.metric)
+        ranking = rankings.ranking(s, sweep_id=args.id, metric=args.metric)
         front = svc.pareto(s, sweep_id=args.id)
         trials = svc.list_trials(s, sweep_id=args.id, limit=1000).items if (args.trials or args.json) else []
         report = confirm.confirm_report(s, sweep_id=args.id)  # the latest confirm round, if any
         moved = None
         if args.stack is not None:
-            from api.sweeps.transfer import transfer
+            from api.ranking.transfer import transfer
 
             moved = transfer(s, sweep_id=args.id, stack=args.stack)
     if args.json:
@@ -302,7 +304,7 @@ def show_cmd(args: argparse.Namespace) -> int:
 
 
 def print_transfer(console: Any, moved: Any, *, top: int = 20) -> None:
-    """The measured layouts re-ranked for another stack (api.sweeps.transfer), each row's move marked."""
+    """The measured layouts re-ranked for another stack (api.ranking.transfer), each row's move marked."""
     from rich.table import Table
 
     from api import format as fmt

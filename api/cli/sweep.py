@@ -86,6 +86,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
     from api import store
     from api.engine import SweepRunner
+    from api.ranking import service as rankings
     from api.spec import SweepSpec
     from api.sweeps import service as svc
 
@@ -124,7 +125,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     if final is None:
         return 130
     with sessions() as s:
-        ranking = svc.ranking(s, sweep_id=final.id)
+        ranking = rankings.ranking(s, sweep_id=final.id)
         if args.json:
             json.dump({"sweep": show.jsonable(final), "ranking": show.jsonable(ranking)}, sys.stdout, indent=2)
             sys.stdout.write("\n")

@@ -24,6 +24,7 @@ from api.engine._calibrate import describe
 from api.paging import MAX_PAGE
 from api.probes import display
 from api.probes.service import hardware, probe_line
+from api.ranking import service as rankings
 from api.reshard import service as reshard_service
 from api.routes._cache import sweep_version
 from api.spec import SweepSpec
@@ -113,7 +114,7 @@ def ranked_best(session: Session, sweep: Any) -> Any | None:
     the stored ranking's first row (api/store/_ranking.py): one row read, not the whole ranking."""
     if not sweep.n_completed:
         return None
-    rows = service.ranking(session, sweep_id=sweep.id, limit=1).rows
+    rows = rankings.ranking(session, sweep_id=sweep.id, limit=1).rows
     return rows[0] if rows else None
 
 
@@ -242,7 +243,7 @@ def _read_state(session: Session, sweep: Any) -> dict[str, Any]:
     prob = problem(sweep)
     cap = prob["device_memory"]
     trials = [trial_row(t, training=prob["training"], device_memory=cap) for t in all_trials(session, sweep_id=sweep.id)]
-    return assemble(sweep, prob, trials, service.ranking(session, sweep_id=sweep.id), header=sweep_header(sweep, prob))
+    return assemble(sweep, prob, trials, rankings.ranking(session, sweep_id=sweep.id), header=sweep_header(sweep, prob))
 
 
 # --- migration (reshard) checks ---------------------------------------------------------------------

@@ -25,8 +25,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from api.dashboard.state import assemble
+from api.ranking import service as rankings
 from api.store import TERMINAL_TRIAL_STATUSES, Trial
-from api.sweeps import service
 
 # "interrupted" is final too: mark_interrupted's UPDATE is the last that touches the row (its re-run
 # is a new row).
@@ -110,9 +110,9 @@ class Kept:
         have changed are read, the ranking if its tag moved, and the state is assembled again only
         when an input changed."""
         changed = self.rows.refresh(session)
-        tag = service.ranking_tag(session, sweep_id=sweep.id)  # before the ranking: never newer than it
+        tag = rankings.ranking_tag(session, sweep_id=sweep.id)  # before the ranking: never newer than it
         if tag != self.tag:
-            self.ranking, self.tag, changed = service.ranking(session, sweep_id=sweep.id), tag, True
+            self.ranking, self.tag, changed = rankings.ranking(session, sweep_id=sweep.id), tag, True
         inputs = (header, sweep.status, sweep.device_seconds)
         if changed or self.state is None or inputs != self.inputs:
             self.state = assemble(sweep, self.prob, self.rows.rows, self.ranking, header=dict(header),

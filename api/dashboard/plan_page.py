@@ -23,7 +23,7 @@ from api import format as fmt
 from api._http import client_address
 from api.dashboard.router import _can_read, _login, templates
 from api.deps import SettingsDep
-from api.plan.routes import MAX_CANDIDATES, MAX_DEVICES
+from api.plan.service import MAX_CANDIDATES, MAX_DEVICES
 from tuner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,

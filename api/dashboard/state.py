@@ -67,7 +67,7 @@ def _ranking_rows(ranking: Any, links: tuple[dict[str, Any], ...], prob: dict[st
             capacity_gib=cap / GiB if cap else None,
             memory_fraction=min(r.peak_memory_bytes / cap, 1.0) if r.peak_memory_bytes and cap else None,
             memory_error=r.memory_prediction_error, time_error=r.prediction_error,
-            # time and cost to train training.train_tokens at its measured tokens/s (api.sweeps.budget)
+            # time and cost to train training.train_tokens at its measured tokens/s (api.ranking.budget)
             budget_cells=fmt.budget_cells(r.budget, simulated=bool(r.budget and r.budget.get("simulated"))),
         )
         rows.append(d)

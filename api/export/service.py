@@ -1,6 +1,6 @@
 """The export service: pick a ranked layout of a stored sweep (by rank, or by layout key) and write
 it in a framework's configuration (``tuner.export_layout``). Keyword-only; reads only (the ranking
-comes from ``api.sweeps.service``, which queries the store). Errors: an unknown format, a bad rank
+comes from ``api.ranking.service``, which queries the store). Errors: an unknown format, a bad rank
 or both selectors SpecError (422 / exit 2), an unknown sweep, rank or layout NotFoundError (404), a
 sweep with no completed trial ConflictError (409): one line naming the field and the value."""
 
@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from api.format import interval_known, layout_text, tied_rows
+from api.ranking import service as rankings
+from api.ranking.service import RankingRow
+from api.ranking.transfer import target_lines
 from api.spec import SweepSpec, layout_from_mapping
 from api.sweeps import service as sweeps_service
-from api.sweeps.ranking import RankingRow
-from api.sweeps.transfer import target_lines
 from tuner import ConflictError, Export, NotFoundError, SpecError, check_format, export_layout
 
 CHARSET = "; charset=utf-8"
@@ -45,7 +46,7 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise SpecError(f"rank must be a positive integer, got {rank!r}")
     sweep = sweeps_service.get_sweep(session, sweep_id=sweep_id)
-    rows = sweeps_service.ranking(session, sweep_id=sweep_id).rows
+    rows = rankings.ranking(session, sweep_id=sweep_id).rows
     if not rows:
         raise ConflictError(f"sweep {sweep_id} has no completed trial to export (status {sweep.status})")
     if layout is not None:

@@ -1,100 +1,33 @@
-"""GET /api/plan: the analytical answer (valid layouts that fit, fastest predicted first), no device time.
+"""/api/plan, /api/plan/sizes and /api/plan/devices: the analytical answers (valid layouts that fit,
+fastest predicted first; the best layout per cluster size and per device type), no device time (thin
+wrappers over api.plan.service, which caches them and bounds a new answer's work).
 
-The tuner's plan is a pure function of frozen specs, so answers are memoised per (model, cluster,
-training): the first call for a 64-GPU 70B problem enumerates ~10^4 layouts, repeats are instant.
-
-What one request may cost is bounded before any planning starts: the candidate layouts are counted
-from the divisors of the device count (tuner._plan.candidate_layouts) and a count above
-``MAX_CANDIDATES`` is a 422 saying so. A new answer (a cache miss: any changed parameter, e.g. the
-batch) for an anonymous caller is also charged to that client's budget of candidate layouts, which
-refills at ``ClientBudget.rate`` per second; an empty budget is a 429 with Retry-After. Clients are
-told apart by their address (api._http.client_address): behind a proxy named in
-``MESHTUNE_TRUSTED_PROXIES`` the one it forwards for, behind any other proxy the proxy's.
+A new answer (a cache miss: any changed parameter, e.g. the batch) for an anonymous caller is charged
+to that client's budget of candidate layouts (``api.plan.service.ClientBudget``, refilled at its
+``rate`` per second); an empty budget is a 429 with Retry-After. Clients are told apart by their
+address (api._http.client_address): behind a proxy named in ``MESHTUNE_TRUSTED_PROXIES`` the one it
+forwards for, behind any other proxy the proxy's.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from api._http import GuardedRoute, client_address
-from api._lru import LRU
 from api.deps import ReaderDep, SessionDep, SettingsDep
-from api.probes import service as probes
-from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut, PlanDevicesOut, PlanOut, PlanSizesOut
+from api.plan import service
+from api.plan.schemas import PlanDevicesOut, PlanOut, PlanSizesOut
+from api.schemas import BODY_RESPONSES, ERROR_RESPONSES, ErrorOut
 from api.spec import PlanDevicesRequest, PlanRequest
-from tuner import (
-    DEFAULT_STACK,
-    STACKS,
-    ClusterSpec,
-    ModelSpec,
-    SpecError,
-    TrainingSpec,
-    check_node_counts,
-    check_planning_work,
-    cluster_spec,
-    cluster_types,
-    compare_devices,
-    devices_figure,
-    model_spec,
-    plan,
-    plan_sizes,
-    sizes_figure,
-    stack_of,
-    to_dict,
-    training_spec,
-)
+from tuner import STACKS, check_node_counts, cluster_types
 
 # GuardedRoute: POST /api/plan's body gets the rules every body gets (1 MiB, UTF-8, depth; auth first).
 router = APIRouter(tags=["plan"], route_class=GuardedRoute)
 
 MAX_TOP = 200
-MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
-# ~1-3 s of one core at most (65,536 devices: 3.7 x 10^5 candidates, ~1 s; 24,576: 8.6 x 10^5, ~0.4 s).
-MAX_CANDIDATES = 1_000_000
-
-
-class ClientBudget:
-    """A token bucket of candidate layouts per client address: ``capacity`` at most (by default room
-    for two of the largest plans allowed), refilled at ``rate`` per second (~6% of a core per client
-    at ~3 us per candidate). ``clock`` is injectable so that a test can move time instead of waiting."""
-
-    def __init__(self, *, capacity: int = 2 * MAX_CANDIDATES, rate: float = 20_000.0,
-                 clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
-        self.capacity, self.rate, self.clock, self.max_clients = capacity, rate, clock, max_clients
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
-        self._lock = threading.Lock()
-
-    def charge(self, client: str, cost: int) -> float:
-        """Take ``cost`` from the client's bucket; 0.0 if it had enough, else the seconds to wait
-        (nothing taken)."""
-        now = self.clock()
-        cost = min(cost, self.capacity)  # a plan dearer than a full bucket waits for a full bucket
-        with self._lock:
-            tokens, at = self._buckets.pop(client, (float(self.capacity), now))
-            tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
-            wait = 0.0 if tokens >= cost else (cost - tokens) / self.rate
-            self._buckets[client] = (tokens - cost if not wait else tokens, now)
-            while len(self._buckets) > self.max_clients:  # the least recently seen client goes
-                self._buckets.popitem(last=False)
-        return wait
-
-
-# Plans, size and device comparisons kept as (answer, seconds it took): a pure function of the problem.
-_PLANS: LRU[tuple[Any, float]] = LRU(max_entries=32)
-_SIZES: LRU[tuple[Any, float]] = LRU(max_entries=32)
-_DEVICES: LRU[tuple[Any, float]] = LRU(max_entries=32)
-
-
-def _timed(compute: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.perf_counter()
-    return compute(), time.perf_counter() - started
 
 
 ModelName = Annotated[str, Query(max_length=100, description="Model preset name (see /api/presets).")]
@@ -146,9 +79,12 @@ def get_plan(
     and return the fastest predicted ones with their memory and time breakdowns (and, given
     train_tokens / price_per_device_hour, each one's time and cost to train the budget), predicted
     for the stack it is trained with (``stack``)."""
-    m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
-                       critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=top)
+    m, c, t = service.preset_problem(
+        model=model, cluster=cluster, nodes=nodes, devices_per_node=devices_per_node, global_batch=global_batch,
+        global_batch_tokens=global_batch_tokens, critical_batch_tokens=critical_batch_tokens, precision=precision,
+        train_tokens=train_tokens, price_per_device_hour=price_per_device_hour, stack=stack)
+    return PlanOut(**service.plan_answer(session, model=m, cluster=c, training=t, backend=settings.backend, top=top,
+                                         charge=_charger(request, caller)))
 
 
 @router.post(
@@ -163,77 +99,25 @@ def post_plan(request: Request, caller: ReaderDep, session: SessionDep, settings
     """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
     m, c, t = body.to_problem()
-    _check_devices(c)
-    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=body.top)
+    service.check_devices(c)
+    return PlanOut(**service.plan_answer(session, model=m, cluster=c, training=t, backend=settings.backend,
+                                         top=body.top, charge=_charger(request, caller)))
 
 
-def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: ModelSpec, c: ClusterSpec,
-                 t: TrainingSpec, *, top: int) -> PlanOut:
-    """The cached plan of (m, c, t) on the cluster's stored probe where there is one (``backend``'s, as
-    ``meshtune plan`` does), or a new one charged to an anonymous caller's budget first."""
-    row, note = (None, "") if t.stack != DEFAULT_STACK else probes.stored_in(
-        session, model=m, cluster=c, training=t, backend=backend)
-    c, figures = probes.plan_figures(row=row, note=note, cluster=c, training=t)
-    answer = _PLANS.get((m, c, t))
-    if answer is None:
-        _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
-                                                     remedy="plan it with `meshtune plan`, which has no such limit"))
-        answer = _PLANS.put((m, c, t), _timed(lambda: plan(model=m, cluster=c, training=t)))
-    result, seconds = answer
-    return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4), figures=figures)
+def _charger(request: Request, caller: Any) -> service.Charge:
+    """What a new answer costs an anonymous caller: its planning budget is charged (429 with Retry-After
+    when it is spent); a token holder is not charged."""
+    def charge(cost: int) -> None:
+        if caller.authenticated:
+            return
+        client = client_address(request)
+        wait = request.app.state.plan_budget.charge(client, cost)
+        if wait:
+            raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(
+                f"planning budget of anonymous client {client} is spent: this plan considers up to "
+                f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
 
-
-def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
-             global_batch_tokens: int | None, critical_batch_tokens: int | None, precision: str,
-             train_tokens: float | None, price_per_device_hour: float | None, stack: str = "meshtune",
-             ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
-                                   ("price_per_device_hour", price_per_device_hour)) if v is not None}
-    if "," in cluster:
-        raise SpecError(f"cluster={cluster}: several device types are compared by /api/plan/devices")
-    c = cluster_spec({"preset": cluster, **overrides})
-    _check_devices(c)
-    m, t = _model_training(model, global_batch, global_batch_tokens, critical_batch_tokens, precision, train_tokens,
-                           stack)
-    return m, c, t
-
-
-def _model_training(model: str, global_batch: int | None, global_batch_tokens: int | None,
-                    critical_batch_tokens: int | None, precision: str, train_tokens: float | None,
-                    stack: str) -> tuple[ModelSpec, TrainingSpec]:
-    if (global_batch is None) == (global_batch_tokens is None):
-        raise SpecError("global_batch: give exactly one of global_batch and global_batch_tokens")
-    m = model_spec(model)
-    training: dict[str, Any] = {"precision": precision, "stack": stack}
-    if global_batch is not None:
-        training["global_batch"] = global_batch
-    else:
-        training["global_batch_tokens"] = global_batch_tokens
-    if critical_batch_tokens is not None:
-        training["critical_batch_tokens"] = critical_batch_tokens
-    if train_tokens is not None:
-        training["train_tokens"] = train_tokens
-    return m, training_spec(training, seq_len=m.seq_len)
-
-
-def _check_devices(c: ClusterSpec) -> None:
-    if c.devices > MAX_DEVICES:
-        raise SpecError(
-            f"cluster.nodes x cluster.devices_per_node = {c.devices} devices exceeds this endpoint's limit of "
-            f"{MAX_DEVICES}; plan larger clusters with `meshtune plan`"
-        )
-
-
-def _charge(request: Request, caller: Any, cost: int) -> None:
-    """Charge an anonymous caller's planning budget (429 with Retry-After when it is spent)."""
-    if caller.authenticated:
-        return
-    client = client_address(request)
-    wait = request.app.state.plan_budget.charge(client, cost)
-    if wait:
-        raise HTTPException(429, headers={"Retry-After": str(math.ceil(wait))}, detail=(
-            f"planning budget of anonymous client {client} is spent: this plan considers up to "
-            f"{cost:,} candidate layouts; retry in {math.ceil(wait)} s, or send a bearer token"))
+    return charge
 
 
 @router.get(
@@ -262,16 +146,12 @@ def get_plan_sizes(
     """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
     batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
     counts = check_node_counts(nodes, field="nodes")
-    m, c, t = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
-                       critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
-    answer = _bounded(_SIZES, (m, c, t, counts, scale_batch), request, caller, m, sizes,
-                      lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
-    points, seconds = answer
-    title = f"{m.name} on {c.name}: best predicted layout per cluster size"
-    return PlanSizesOut(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
-                        sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),
-                        seconds=round(seconds, 4))
+    m, c, t = service.preset_problem(
+        model=model, cluster=cluster, nodes=counts[0], devices_per_node=devices_per_node, global_batch=global_batch,
+        global_batch_tokens=global_batch_tokens, critical_batch_tokens=critical_batch_tokens, precision=precision,
+        train_tokens=train_tokens, price_per_device_hour=price_per_device_hour, stack=stack)
+    return PlanSizesOut(**service.sizes_answer(model=m, cluster=c, training=t, counts=counts, scale_batch=scale_batch,
+                                               charge=_charger(request, caller)))
 
 
 DevicesResponses = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
@@ -303,9 +183,11 @@ def get_plan_devices(
     counts = check_node_counts(nodes, field="nodes")
     clusters = cluster_types({"preset": cluster, "price_per_device_hour": price_per_device_hour}
                              if price_per_device_hour is not None else {"preset": cluster})
-    m, t = _model_training(model, global_batch, global_batch_tokens, critical_batch_tokens, precision, train_tokens,
-                           stack)
-    return _devices_answer(request, caller, m, clusters, t, counts, scale_batch)
+    m, t = service.preset_model_training(
+        model=model, global_batch=global_batch, global_batch_tokens=global_batch_tokens,
+        critical_batch_tokens=critical_batch_tokens, precision=precision, train_tokens=train_tokens, stack=stack)
+    return PlanDevicesOut(**service.devices_answer(model=m, clusters=clusters, training=t, counts=counts,
+                                                   scale_batch=scale_batch, charge=_charger(request, caller)))
 
 
 @router.post("/api/plan/devices", response_model=PlanDevicesOut, responses={**DevicesResponses, **BODY_RESPONSES},
@@ -315,34 +197,5 @@ def post_plan_devices(request: Request, caller: ReaderDep, body: PlanDevicesRequ
     (the section's other fields apply to every type) and a model and training given as mappings."""
     m, clusters, t = body.to_problem()
     counts = check_node_counts(body.nodes, field="nodes") if body.nodes is not None else None
-    return _devices_answer(request, caller, m, clusters, t, counts, body.scale_batch)
-
-
-def _devices_answer(request: Request, caller: Any, m: ModelSpec, clusters: list[ClusterSpec], t: TrainingSpec,
-                    counts: tuple[int, ...] | None, scale_batch: bool) -> PlanDevicesOut:
-    """The cached comparison, or a new one bounded and charged as /api/plan/sizes is."""
-    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
-    answer = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), request, caller, m, sizes,
-                      lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
-                                              scale_batch=scale_batch))
-    points, seconds = answer
-    title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
-    return PlanDevicesOut(model=to_dict(m), clusters=[to_dict(c) for c in clusters], training=to_dict(t),
-                          stack=stack_of(t).to_dict(), scale_batch=scale_batch, devices=[p.to_dict() for p in points],
-                          figure=devices_figure(points, title=title), seconds=round(seconds, 4))
-
-
-def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], request: Request,
-             caller: Any, m: ModelSpec, sizes: list[ClusterSpec], compute: Callable[[], Any]) -> tuple[Any, float]:
-    """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
-    cluster size (devices, candidate layouts) and charged to an anonymous caller's budget."""
-    answer = cache.get(key)
-    if answer is not None:
-        return answer
-    cost = 0
-    for size in sizes:
-        _check_devices(size)
-        cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                    remedy="plan it with `meshtune plan`, which has no such limit")
-    _charge(request, caller, cost)
-    return cache.put(key, _timed(compute))
+    return PlanDevicesOut(**service.devices_answer(model=m, clusters=clusters, training=t, counts=counts,
+                                                   scale_batch=body.scale_batch, charge=_charger(request, caller)))

@@ -273,23 +273,3 @@ def stored_in(session: Session, *, model: ModelSpec, cluster: ClusterSpec, train
                                         workload=workload))
     return row, "" if row is not None else "no probe of this cluster and model is stored"
 
-
-def plan_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
-                 layouts: Iterable[Layout] = ()) -> tuple[ClusterSpec, dict[str, Any]]:
-    """The cluster a plan is made on, and what the plan says of its figures: the stored probe's
-    (``row``) for meshtune's own stack, else the datasheet's with the reason (``note`` when no probe).
-    ``layouts``: the plan's valid layouts, to say when some tensor-parallel degrees were not probed."""
-    from api.format import when
-
-    if training.stack != tuner.DEFAULT_STACK:  # a probe times meshtune's own workers, not another runtime
-        return cluster, {"source": "datasheet", "probe_id": None, "text": (
-            f"cluster figures: datasheet (a probe measures meshtune's workers, not the {training.stack} stack)")}
-    if row is None:
-        return cluster, {"source": "datasheet", "probe_id": None,
-                         "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
-    figures = figures_of(row)
-    tp_sp, _ = targets_of(layouts)
-    gaps = "" if covers(row, tp_sp) else "; some tensor-parallel degrees here were not probed (nearest used)"
-    text = f"cluster figures: probe #{row.id} of {when(row.created_at)} ({summary(hardware(cluster), figures)}{gaps})"
-    return tuner.with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
-

@@ -2,7 +2,7 @@
 
 The ranking is stored and kept in order as results land (api/store/_ranking.py), with a results
 version per sweep: an answer (a page, or the whole 2.6 MB ranking of a 10,000-trial sweep) is a pure
-function of that version and the sweep's calibration (``api.sweeps.service.ranking_tag``), so its
+function of that version and the sweep's calibration (``api.ranking.service.ranking_tag``), so its
 serialised bytes are kept and served while the version is unchanged, and the same version is the
 answer's ETag (``If-None-Match`` gets 304). The Pareto answer keys on the sweep row's counters
 (``sweep_version``), which each recorded result refreshes in the same transaction (api.engine).

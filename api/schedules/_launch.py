@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
+from api.ranking import service as rankings
 from api.schedules import _store
 from api.schedules.models import Schedule
 from api.spec import SearchSettings, SweepSpec
@@ -52,7 +53,7 @@ def remeasure_spec(source: SweepSpec, layouts: list[Layout], *, repeats: int, na
 
 def top_layouts(session: Session, *, sweep_id: int, k: int) -> list[Layout]:
     """The k best measured layouts of a sweep (the engine's ranking order)."""
-    rows = svc.ranking(session, sweep_id=sweep_id).rows[:k]
+    rows = rankings.ranking(session, sweep_id=sweep_id).rows[:k]
     return [Layout(**row.layout) for row in rows]
 
 

@@ -39,6 +39,7 @@ from api.store._models import (
     Trial,
 )
 from api.store._ranking import (
+    RANKING_METRICS,
     RankedLayout,
     RankingState,
     ensure_ranked,
@@ -99,6 +100,7 @@ __all__ = [
     "DeviceWaiter",
     "LEASE_TTL_S",
     "USAGE_WINDOW_S",
+    "RANKING_METRICS",
     "RankedLayout",
     "RankingState",
     "StoreUnavailableError",

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 from api.store._models import Base, Sweep, Trial
 from tuner import CONFIDENCE, PooledNoise, interval, t_quantile
 
-METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
+RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")  # what a ranking ranks by (the first: the default)
 
 
 class RankedLayout(Base):
@@ -53,7 +53,7 @@ class RankedLayout(Base):
     useful_tokens_per_s_per_device: Mapped[float | None] = mapped_column(Float, nullable=True)
     peak_memory_median: Mapped[float | None] = mapped_column(Float, nullable=True)  # bytes; the error reads the median
     # {calibration version: [predicted tokens/s per device, predicted bytes]} of the last trial
-    # predicted under each version (api.sweeps.service picks the sweep's current one).
+    # predicted under each version (api.ranking.service picks the sweep's current one).
     predictions: Mapped[dict[str, Any]] = mapped_column(JSON)
     simulated: Mapped[bool] = mapped_column(Boolean, default=False)
     trial_numbers: Mapped[list[Any]] = mapped_column(JSON)
@@ -139,7 +139,7 @@ def fold_layout(session: Session, *, sweep_id: int, layout_key: str) -> None:
     layout = next((t.layout for t in every if t.repeat == 0), None) or {}  # as store.layouts_of picks it
     session.execute(sa.delete(RankedLayout).where(RankedLayout.sweep_id == sweep_id,
                                                   RankedLayout.layout_key == layout_key))
-    rows = [r for m in METRICS if (r := _aggregate(m, ts, layout)) is not None] if ts else []
+    rows = [r for m in RANKING_METRICS if (r := _aggregate(m, ts, layout)) is not None] if ts else []
     if rows:
         session.execute(sa.insert(RankedLayout), [r | {"sweep_id": sweep_id, "layout_key": layout_key} for r in rows])
 
@@ -175,7 +175,7 @@ def rebuild(session: Session, *, sweep_id: int) -> None:
     session.execute(sa.delete(RankedLayout).where(RankedLayout.sweep_id == sweep_id))
     rows = [
         r | {"sweep_id": sweep_id, "layout_key": key}
-        for key, ts in ts_by_key.items() for m in METRICS
+        for key, ts in ts_by_key.items() for m in RANKING_METRICS
         if (r := _aggregate(m, ts, layouts.get(key, {}))) is not None
     ]
     for i in range(0, len(rows), 1000):
@@ -245,7 +245,7 @@ def rerank(session: Session, *, sweep_id: int) -> None:
         return
     if state.ranked_version == state.version:
         return
-    by_metric: dict[str, list[Any]] = {m: [] for m in METRICS}
+    by_metric: dict[str, list[Any]] = {m: [] for m in RANKING_METRICS}
     for r in session.execute(sa.select(*_RANK_COLUMNS).where(RankedLayout.sweep_id == sweep_id)):
         by_metric[r.metric].append(r)
     summary = {}
@@ -266,7 +266,7 @@ def rerank(session: Session, *, sweep_id: int) -> None:
 def best_row(session: Session, *, sweep_id: int) -> RankedLayout | None:
     """The first row of the tokens/s-per-device ranking (what the sweeps list calls "best")."""
     return session.scalars(sa.select(RankedLayout).where(
-        RankedLayout.sweep_id == sweep_id, RankedLayout.metric == METRICS[0], RankedLayout.rank == 1)).first()
+        RankedLayout.sweep_id == sweep_id, RankedLayout.metric == RANKING_METRICS[0], RankedLayout.rank == 1)).first()
 
 
 def ranking_state(session: Session, *, sweep_id: int) -> Any | None:

@@ -3,7 +3,7 @@ passed in and each mutating service commits its own write. Unknown ids raise Not
 conflicts ConflictError, bad filters SpecError (all from tuner._errors), so routes stay thin.
 
 Reads return ORM rows (``api.schemas`` reads them with ``from_attributes``) or small dataclasses.
-The ranking (``ranking``, ``ranking_tag``, ``ranking_csv``) is in ``api.sweeps.ranking``, re-exported here.
+The ranking of a sweep's measured layouts is its own feature, ``api.ranking``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ from api._lru import LRU
 from api.auth import Principal, require_owner
 from api.engine._model import check_runnable
 from api.paging import check_page
+from api.ranking.service import median
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
 from api.store._models import utcnow
-
-# The ranking lives in api/sweeps/ranking.py. Re-exported: the routes, the dashboard, the CLI, the
-# exports, the schedules and the tests read these names from this module.
-from api.sweeps.ranking import RANKING_METRICS, median, ranking, ranking_csv, ranking_from_trials, ranking_tag  # noqa: F401
 from tuner import ConflictError, NotFoundError, SpecError, pareto_front
 
 

@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.engine._model import predict_under
+from api.ranking.service import RankingRow, ranking
 from api.spec import SweepSpec
 from api.sweeps import service
-from api.sweeps.ranking import RankingRow
 from tuner import (
     STACKS,
     ConflictError,
@@ -91,7 +91,7 @@ def transfer(session: Session, *, sweep_id: int, stack: str) -> Transfer:
     ConflictError when nothing was measured)."""
     check_stack(stack, field="stack")
     sweep = service.get_sweep(session, sweep_id=sweep_id)
-    rows = service.ranking(session, sweep_id=sweep_id).rows
+    rows = ranking(session, sweep_id=sweep_id).rows
     if not rows:
         raise ConflictError(f"sweep {sweep_id} has no completed trial to re-rank (status {sweep.status})")
     model, cluster, _, target = _problem(sweep, stack)

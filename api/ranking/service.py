@@ -1,8 +1,7 @@
 """Sweep rankings: measured layouts ranked by a metric (median over re-measurements, 95% interval,
 tie groups), each row with its prediction under the sweep's calibration now, as dataclasses, a tag
-and CSV. What the routes, dashboard, CLI, exports and schedules read through ``api.sweeps.service``
-(which re-exports these names). Keyword-only like the other services; an unknown sweep raises
-NotFoundError and an unknown metric SpecError (tuner._errors).
+and CSV. What the routes, dashboard, CLI, exports and schedules read. Keyword-only like the other
+services; an unknown sweep raises NotFoundError and an unknown metric SpecError (tuner._errors).
 
 ``ranking`` reads the stored ranking that each recorded result keeps up to date
 (api/store/_ranking.py); ``ranking_from_trials`` recomputes it from every trial, the reference the
@@ -25,12 +24,10 @@ from sqlalchemy.orm import Session
 from api import store
 from api.engine._model import predict_under
 from api.paging import MAX_RANKING_PAGE, check_page
+from api.ranking import budget
 from api.spec import SweepSpec
-from api.store import Sweep
-from api.sweeps import budget
+from api.store import RANKING_METRICS, Sweep
 from tuner import Layout, NotFoundError, SpecError, rank, relative_error
-
-RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")
 
 Predictions = dict[str, tuple[float | None, int | None]]  # layout key -> (tokens/s per device, peak bytes)
 
@@ -56,7 +53,7 @@ class RankingRow:
     memory_prediction_error: float | None
     simulated: bool
     trial_numbers: list[int] = field(default_factory=list)
-    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.sweeps.budget)
+    budget: dict[str, Any] | None = None  # time and cost to train the token budget (api.ranking.budget)
 
 
 @dataclass
@@ -255,7 +252,7 @@ CSV_COLUMNS = (
 # One column per layout field after layout_key (the key stays: it is the layout's identity), so a
 # spreadsheet can filter and pivot on tp, pp, ... without parsing the key.
 CSV_LAYOUT_COLUMNS = tuple(Layout.__dataclass_fields__)
-# Last: the time and cost to train training.train_tokens at the row's median (api.sweeps.budget).
+# Last: the time and cost to train training.train_tokens at the row's median (api.ranking.budget).
 CSV_BUDGET_COLUMNS = ("time_to_train_s", "cost_to_train")
 
 

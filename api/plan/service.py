@@ -1,0 +1,216 @@
+"""Plan services: what the plan routes, the dashboard's /plan page and ``meshtune plan`` call.
+Keyword-only; bad input raises SpecError (tuner._errors) naming the field and the value.
+
+The tuner's plan is a pure function of frozen specs, so answers are memoised per (model, cluster,
+training): the first call for a 64-GPU 70B problem enumerates ~10^4 layouts, repeats are instant.
+What one new answer may cost is bounded before any planning starts: the candidate layouts are
+counted from the divisors of the device count (tuner._plan.candidate_layouts), a count above
+``MAX_CANDIDATES`` is refused, and the count is passed to the caller's ``charge`` (the routes charge
+an anonymous client's ``ClientBudget``); a cached answer is never charged. ``plan_figures`` says
+which figures (a stored probe's or the datasheet's) a plan is made with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+import tuner
+from api._lru import LRU
+from api.probes import service as probes
+from api.probes.models import ClusterProbe
+from tuner import (
+    DEFAULT_STACK,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    SpecError,
+    TrainingSpec,
+    check_planning_work,
+    cluster_spec,
+    compare_devices,
+    devices_figure,
+    model_spec,
+    plan,
+    plan_sizes,
+    sizes_figure,
+    stack_of,
+    summary,
+    to_dict,
+    training_spec,
+)
+
+MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
+# ~1-3 s of one core at most (65,536 devices: 3.7 x 10^5 candidates, ~1 s; 24,576: 8.6 x 10^5, ~0.4 s).
+MAX_CANDIDATES = 1_000_000
+
+Charge = Callable[[int], None]  # takes the candidate layouts a new answer considers (raises to refuse)
+
+
+class ClientBudget:
+    """A token bucket of candidate layouts per client address: ``capacity`` at most (by default room
+    for two of the largest plans allowed), refilled at ``rate`` per second (~6% of a core per client
+    at ~3 us per candidate). ``clock`` is injectable so that a test can move time instead of waiting."""
+
+    def __init__(self, *, capacity: int = 2 * MAX_CANDIDATES, rate: float = 20_000.0,
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = 10_000) -> None:
+        self.capacity, self.rate, self.clock, self.max_clients = capacity, rate, clock, max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def charge(self, client: str, cost: int) -> float:
+        """Take ``cost`` from the client's bucket; 0.0 if it had enough, else the seconds to wait
+        (nothing taken)."""
+        now = self.clock()
+        cost = min(cost, self.capacity)  # a plan dearer than a full bucket waits for a full bucket
+        with self._lock:
+            tokens, at = self._buckets.pop(client, (float(self.capacity), now))
+            tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
+            wait = 0.0 if tokens >= cost else (cost - tokens) / self.rate
+            self._buckets[client] = (tokens - cost if not wait else tokens, now)
+            while len(self._buckets) > self.max_clients:  # the least recently seen client goes
+                self._buckets.popitem(last=False)
+        return wait
+
+
+# Plans, size and device comparisons kept as (answer, seconds it took): a pure function of the problem.
+_PLANS: LRU[tuple[Any, float]] = LRU(max_entries=32)
+_SIZES: LRU[tuple[Any, float]] = LRU(max_entries=32)
+_DEVICES: LRU[tuple[Any, float]] = LRU(max_entries=32)
+
+
+def _timed(compute: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    return compute(), time.perf_counter() - started
+
+
+def preset_problem(*, model: str, cluster: str, nodes: int | None, devices_per_node: int | None,
+                   global_batch: int | None, global_batch_tokens: int | None, critical_batch_tokens: int | None,
+                   precision: str, train_tokens: float | None, price_per_device_hour: float | None,
+                   stack: str = "meshtune") -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """The problem named by presets and overrides (the GET routes' query parameters)."""
+    overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
+                                   ("price_per_device_hour", price_per_device_hour)) if v is not None}
+    if "," in cluster:
+        raise SpecError(f"cluster={cluster}: several device types are compared by /api/plan/devices")
+    c = cluster_spec({"preset": cluster, **overrides})
+    check_devices(c)
+    m, t = preset_model_training(model=model, global_batch=global_batch, global_batch_tokens=global_batch_tokens,
+                                 critical_batch_tokens=critical_batch_tokens, precision=precision,
+                                 train_tokens=train_tokens, stack=stack)
+    return m, c, t
+
+
+def preset_model_training(*, model: str, global_batch: int | None, global_batch_tokens: int | None,
+                          critical_batch_tokens: int | None, precision: str, train_tokens: float | None,
+                          stack: str) -> tuple[ModelSpec, TrainingSpec]:
+    """The model preset and the training section given by exactly one of the two batch sizes."""
+    if (global_batch is None) == (global_batch_tokens is None):
+        raise SpecError("global_batch: give exactly one of global_batch and global_batch_tokens")
+    m = model_spec(model)
+    training: dict[str, Any] = {"precision": precision, "stack": stack}
+    if global_batch is not None:
+        training["global_batch"] = global_batch
+    else:
+        training["global_batch_tokens"] = global_batch_tokens
+    if critical_batch_tokens is not None:
+        training["critical_batch_tokens"] = critical_batch_tokens
+    if train_tokens is not None:
+        training["train_tokens"] = train_tokens
+    return m, training_spec(training, seq_len=m.seq_len)
+
+
+def check_devices(c: ClusterSpec) -> None:
+    """SpecError when the cluster has more devices than one HTTP plan may enumerate."""
+    if c.devices > MAX_DEVICES:
+        raise SpecError(
+            f"cluster.nodes x cluster.devices_per_node = {c.devices} devices exceeds this endpoint's limit of "
+            f"{MAX_DEVICES}; plan larger clusters with `meshtune plan`"
+        )
+
+
+def plan_answer(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                backend: str, top: int, charge: Charge) -> dict[str, Any]:
+    """The plan of the problem on the cluster's stored probe where there is one (``backend``'s, as
+    ``meshtune plan`` does), cached, or a new one charged first: the fields of a PlanOut."""
+    row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored_in(
+        session, model=model, cluster=cluster, training=training, backend=backend)
+    c, figures = plan_figures(row=row, note=note, cluster=cluster, training=training)
+    answer = _PLANS.get((model, c, training))
+    if answer is None:
+        charge(check_planning_work(model=model, cluster=c, limit=MAX_CANDIDATES, where="plan request",
+                                   remedy="plan it with `meshtune plan`, which has no such limit"))
+        answer = _PLANS.put((model, c, training), _timed(lambda: plan(model=model, cluster=c, training=training)))
+    result, seconds = answer
+    return {**result.to_dict(top=top), "seconds": round(seconds, 4), "figures": figures}
+
+
+def sizes_answer(*, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, counts: tuple[int, ...],
+                 scale_batch: bool, charge: Charge) -> dict[str, Any]:
+    """The best predicted layout at each node count and the comparison's figure: the fields of a
+    PlanSizesOut (cached, or bounded and charged as a new plan is)."""
+    m, c, t = model, cluster, training
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
+    points, seconds = _bounded(_SIZES, (m, c, t, counts, scale_batch), m, sizes, charge,
+                               lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
+    title = f"{m.name} on {c.name}: best predicted layout per cluster size"
+    return dict(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
+                sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),
+                seconds=round(seconds, 4))
+
+
+def devices_answer(*, model: ModelSpec, clusters: list[ClusterSpec], training: TrainingSpec,
+                   counts: tuple[int, ...] | None, scale_batch: bool, charge: Charge) -> dict[str, Any]:
+    """Every device type at every node count (each type's own nodes when ``counts`` is None): the
+    fields of a PlanDevicesOut (cached, or bounded and charged as ``sizes_answer`` is)."""
+    m, t = model, training
+    sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
+    points, seconds = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), m, sizes, charge,
+                               lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
+                                                       scale_batch=scale_batch))
+    title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
+    return dict(model=to_dict(m), clusters=[to_dict(c) for c in clusters], training=to_dict(t),
+                stack=stack_of(t).to_dict(), scale_batch=scale_batch, devices=[p.to_dict() for p in points],
+                figure=devices_figure(points, title=title), seconds=round(seconds, 4))
+
+
+def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, sizes: list[ClusterSpec],
+             charge: Charge, compute: Callable[[], Any]) -> tuple[Any, float]:
+    """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
+    cluster size (devices, candidate layouts) and charged."""
+    answer = cache.get(key)
+    if answer is not None:
+        return answer
+    cost = 0
+    for size in sizes:
+        check_devices(size)
+        cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
+                                    remedy="plan it with `meshtune plan`, which has no such limit")
+    charge(cost)
+    return cache.put(key, _timed(compute))
+
+
+def plan_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
+                 layouts: Iterable[Layout] = ()) -> tuple[ClusterSpec, dict[str, Any]]:
+    """The cluster a plan is made on, and what the plan says of its figures: the stored probe's
+    (``row``) for meshtune's own stack, else the datasheet's with the reason (``note`` when no probe).
+    ``layouts``: the plan's valid layouts, to say when some tensor-parallel degrees were not probed."""
+    from api.format import when
+
+    if training.stack != tuner.DEFAULT_STACK:  # a probe times meshtune's own workers, not another runtime
+        return cluster, {"source": "datasheet", "probe_id": None, "text": (
+            f"cluster figures: datasheet (a probe measures meshtune's workers, not the {training.stack} stack)")}
+    if row is None:
+        return cluster, {"source": "datasheet", "probe_id": None,
+                         "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
+    figures = probes.figures_of(row)
+    tp_sp, _ = probes.targets_of(layouts)
+    gaps = "" if probes.covers(row, tp_sp) else "; some tensor-parallel degrees here were not probed (nearest used)"
+    text = (f"cluster figures: probe #{row.id} of {when(row.created_at)} "
+            f"({summary(probes.hardware(cluster), figures)}{gaps})")
+    return tuner.with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
