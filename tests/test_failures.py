@@ -119,6 +119,38 @@ def _rank_pids() -> list[int]:
     return [s.info["pid"] if s.info else -1 for s in gang.ranks]
 
 
+class _SnapActor:
+    """A rank's control methods as the watchdog calls them, answering at once (no Ray)."""
+
+    def __init__(self, idle_s: float, stack: str) -> None:
+        self.snapshot = self
+        self.idle_s, self.stack = idle_s, stack
+
+    def remote(self, with_stack: bool = False) -> dict:
+        snap = {"phase": "steps", "steps": 1, "idle_s": self.idle_s}
+        return snap | {"stack": self.stack} if with_stack else snap
+
+
+_IN_GLOO = f'  File "/site-packages{os.sep}torch{os.sep}distributed{os.sep}distributed_c10d.py", line 3252, in all_reduce\n'
+_ASLEEP = '  File "/work/workers/train.py", line 121, in _inject_before_step\n'
+
+
+@pytest.mark.parametrize("hung_idle_s", [3.5, 2.9], ids=["hung-rank-stalled-too", "only-its-peers-stalled"])
+def test_the_hung_rank_is_the_one_not_in_a_collective_whichever_ranks_are_over_the_limit(monkeypatch, hung_idle_s):
+    import ray as ray_module
+
+    from workers import _watchdog
+    from workers._gangs import Slot
+
+    monkeypatch.setattr(ray_module, "get", lambda refs, timeout=None: refs)
+    ranks = [Slot(actor=_SnapActor(3.2, _IN_GLOO)) for _ in range(3)] + [Slot(actor=_SnapActor(hung_idle_s, _ASLEEP))]
+    request = _request(step_timeout_s=3.0)
+    verdict = _watchdog.stalled_verdict({i: i for i in range(4)}, ranks, request, 60.0, time.monotonic())
+    assert verdict is not None
+    error, culprits = verdict
+    assert culprits == [3] and error.rank == 3 and error.kind == "timeout"
+
+
 def test_hang_is_a_timeout_that_kills_only_the_hung_process_and_the_pool_recovers(ray_backend) -> None:
     assert ray_backend.run(_request()).status == "completed"  # warm gang
     before = _rank_pids()

@@ -86,12 +86,14 @@ def stalled_verdict(
     start and make its first step (``answered[0]``: the last answered round), every pending rank
     is a culprit and the trial ends as ``timeout``.
 
-    Culprits are the stalled ranks *not* waiting inside a torch.distributed call (by their
-    stack): the hung ones, as opposed to their peers blocked in a collective with them.
+    Once any rank is stalled, culprits are the pending ranks *not* waiting inside a torch.distributed
+    call (by their stack), stalled themselves or not: the peers blocked in a collective wait on them.
+    (The one a gang waits on can have marked progress last, e.g. a rank that hung before its next
+    step after finishing the last one after its peers: only its peers are over the limit then.)
     On NCCL a blocked peer's Python stack ends in ``torch.cuda.synchronize`` or a ``.item()``
-    (collectives return at once; the host waits on the stream), so every stalled rank counts
-    as a culprit, the whole gang is killed at once and the error names every stalled rank ("all
-    N ranks"; the stacks and step counts in it still show which one hung). Killing only a culprit would not
+    (collectives return at once; the host waits on the stream), so every pending rank counts
+    as a culprit, the whole gang is killed at once and the error names every rank ("all N ranks";
+    the stacks and step counts in it still show which one hung). Killing only a culprit would not
     free NCCL peers anyway."""
     waiting = sorted(pending.values())
     answered = answered if answered is not None else [start]
@@ -122,11 +124,7 @@ def stalled_verdict(
         snaps = ray.get([ranks[r].actor.snapshot.remote(with_stack=True) for r in waiting], timeout=5.0)
     steps = {r: s["steps"] for r, s in zip(waiting, snaps, strict=True)}
     fewest = min(steps.values())
-    stalled_ranks = {r for r, *_ in stalled}
-    culprits = [
-        r for r, s in zip(waiting, snaps, strict=True)
-        if r in stalled_ranks and "stack" in s and not _waiting_in_collective(s["stack"])
-    ]
+    culprits = [r for r, s in zip(waiting, snaps, strict=True) if "stack" in s and not _waiting_in_collective(s["stack"])]
     laggards = culprits or [r for r, n in steps.items() if n == fewest]
     _, _, idle, what = stalled[0]
     error = timeout_error(ranks=laggards, world_size=len(ranks), seconds=idle, what=what, steps_done=fewest)
