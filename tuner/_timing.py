@@ -198,8 +198,8 @@ def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tup
     t_dp = hidable + m * per_mb_dp
     # Traffic once per step runs in the last micro-batch's backward (the others run without gradient
     # sync: Megatron's no_sync_func in megatron/core/pipeline_parallel/schedules.py, torch's replicate
-    # and FSDP alike), so at most that micro-batch hides it; per micro-batch traffic hides behind the
-    # rest of the compute.
+    # and FSDP alike) and, an all-gather of the updated weights, in the first one's forward: at most
+    # one micro-batch's time hides it. Per micro-batch traffic hides behind the rest of the compute.
     once = _lesser(hidable * dp_overlap, t_mb)
     exposed = fixed + t_dp - once - _lesser(m * per_mb_dp * dp_overlap, busy - once)
     return StepTime(busy + bubble + p2p_t + exposed + step_fixed, m * compute + step_fixed, m * tp_t, m * cp_t,
