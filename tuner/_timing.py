@@ -180,9 +180,9 @@ def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tup
     micro-batch as (per sequence, constant) pairs, ``p2p`` the pipeline sends' pair, ``dp`` the
     data-parallel (hidable once, exposed once, hidable per micro-batch) seconds. The bubble is
     (p-1)/(v m) of the ideal time (Narayanan et al. 2021 Sec. 2.2); overlap hides data-parallel
-    traffic behind at most the compute. ``sharing`` (probed, > 1 where devices share their host's
-    cores) lets a stage idle in the bubble lend its share; ``step_fixed`` is the optimiser's measured
-    seconds per step, counted as compute. Numbers or numpy arrays alike (``plan`` costs every layout
+    traffic once per step behind at most the last micro-batch, per micro-batch behind the compute.
+    ``sharing`` (probed, > 1 where devices share their host's cores) lets a stage idle in the bubble
+    lend its share; ``step_fixed`` is the optimiser's measured seconds per step, counted as compute. Numbers or numpy arrays alike (``plan`` costs every layout
     of a problem at once)."""
     (c1, c0), (t1, t0), (k1, k0), (e1, e0) = per_mb
     compute, tp_t, cp_t, ep_t = mbs * c1 + c0, mbs * t1 + t0, mbs * k1 + k0, mbs * e1 + e0
@@ -196,7 +196,12 @@ def step_time(per_mb: tuple[tuple[Num, Num], ...], p2p: tuple[Num, Num], dp: tup
     p2p_t = m * (mbs * p1 + p0)
     hidable, fixed, per_mb_dp = dp
     t_dp = hidable + m * per_mb_dp
-    exposed = fixed + t_dp - _lesser(t_dp * dp_overlap, busy)  # overlap cannot hide more than the compute
+    # Traffic once per step runs in the last micro-batch's backward (the others run without gradient
+    # sync: Megatron's no_sync_func in megatron/core/pipeline_parallel/schedules.py, torch's replicate
+    # and FSDP alike) and, an all-gather of the updated weights, in the first one's forward: at most
+    # one micro-batch's time hides it. Per micro-batch traffic hides behind the rest of the compute.
+    once = _lesser(hidable * dp_overlap, t_mb)
+    exposed = fixed + t_dp - once - _lesser(m * per_mb_dp * dp_overlap, busy - once)
     return StepTime(busy + bubble + p2p_t + exposed + step_fixed, m * compute + step_fixed, m * tp_t, m * cp_t,
                     m * ep_t, exposed, bubble, p2p_t)
 
