@@ -181,9 +181,9 @@ class Driver:
         (runners of their own: own runner ids, own ledgers, one device queue in the store, as separate
         processes have) the first ``coordinators`` specs at once, one each and one owner each, then the
         rest one after the other on the first. What the sampler is told is recorded
-        (``SweepLoop._tell``, wrapped)."""
+        (``Learning.tell``, wrapped)."""
         from api import store
-        from api.engine import _loop
+        from api.engine import _learning
         from api.engine._runner import SweepRunner
         from api.settings import Settings
         from api.spec import SweepSpec
@@ -193,14 +193,14 @@ class Driver:
         url = f"sqlite:///{db}"
         _, self.sessions = store.open_store(url)
         self.told: list[dict[str, Any]] = []
-        tell = _loop.SweepLoop._tell
+        tell = _learning.Learning.tell
 
-        def spy(loop: Any, layout: Any, handle: Any, row: Any) -> None:
+        def spy(learning: Any, layout: Any, handle: Any, row: Any) -> None:
             self.told.append({"sweep_id": row.sweep_id, "number": row.number, "layout_key": layout.key,
                               "status": row.status})
-            tell(loop, layout, handle, row)
+            tell(learning, layout, handle, row)
 
-        _loop.SweepLoop._tell = spy  # type: ignore[method-assign]
+        _learning.Learning.tell = spy  # type: ignore[method-assign]
         runners = [SweepRunner(Settings(database_url=url, backend="ray"), sessions=self.sessions,
                                backend_factory=lambda spec: RayBackend(), poll_s=0.2) for _ in range(coordinators)]
         owners = ["alice", "bob", "carol", "dave"]

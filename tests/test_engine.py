@@ -77,7 +77,7 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     # What the sampler was told: every OOM is a COMPLETE trial with a violated constraint (not FAIL,
     # which TPE ignores), rebuilt the same way on resume.
     loop = SweepLoop(runner, sw.id, threading.Event(), None)
-    loop._recover()
+    loop.claim.recover()
     loop._rebuild()
     told = loop.proposer.study.trials
     infeasible = [t for t in told if t.constraints.get("memory", 0) > 0]
@@ -88,7 +88,7 @@ def test_measured_oom_is_infeasible_and_never_proposed_again(db):
     # of the space would launch by chance — the sampler steers away and the memory model, raised
     # around each OOM (its neighbours, every layout needing as much of each part), prunes before any
     # device time is spent (pruned proposals are not launches).
-    space = loop.problem.space.layouts
+    space = loop.ctx.problem.space.layouts
     late = [t for t in rows if t.number >= 15]
     launched_ooms = sum(t.status == "oom" for t in late)
     assert launched_ooms / len(late) < sum(x.tp == 1 for x in space) / len(space)

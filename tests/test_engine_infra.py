@@ -14,6 +14,8 @@ import pytest
 import tuner
 from api import store
 from api.engine import SweepRunner, _loop
+from api.engine._budget import Budget
+from api.engine._context import LoopContext
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -156,6 +158,12 @@ def test_a_backend_error_is_recorded_truthfully_on_each_trial_in_flight(db):
     assert rows[1].status == "completed" and rows[1].tokens_per_s_per_device
 
 
+def _context(search, space):
+    """A loop's context for ``Budget`` alone: a spec's search section and a model's listed flag and space."""
+    return LoopContext(sweep_id=1, spec=SimpleNamespace(search=search), sessions=None, runner_id="t",
+                       problem=SimpleNamespace(listed=False, space=space), stop=threading.Event())
+
+
 def test_remeasure_plan_ranks_layouts_by_their_median_search_measurement():
     space = SimpleNamespace(layouts=[tuner.Layout(dp=4), tuner.Layout(tp=4)], index={})
     space.index = {lay.key: i for i, lay in enumerate(space.layouts)}
@@ -165,13 +173,11 @@ def test_remeasure_plan_ranks_layouts_by_their_median_search_measurement():
         return SimpleNamespace(number=number, layout_key=key, tokens_per_s_per_device=tok, phase="search",
                                status="completed", repeat=0)
 
-    loop = _loop.SweepLoop.__new__(_loop.SweepLoop)
-    loop.search = SimpleNamespace(remeasure_top_k=1, repeats=2)
-    loop.problem = SimpleNamespace(listed=False, space=space)
+    ctx = _context(SimpleNamespace(remeasure_top_k=1, repeats=2), space)
     # One lucky fast measurement among slow ones must not make a contender of its layout.
-    loop.rows = {i: r for i, r in enumerate([row(0, lucky, 900.0), row(1, lucky, 100.0), row(2, lucky, 110.0),
-                                             row(3, steady, 500.0), row(4, steady, 480.0)])}
-    assert [(lay.key, rep) for lay, rep in loop._remeasure_plan()] == [(steady, 1)]
+    ctx.rows = {i: r for i, r in enumerate([row(0, lucky, 900.0), row(1, lucky, 100.0), row(2, lucky, 110.0),
+                                            row(3, steady, 500.0), row(4, steady, 480.0)])}
+    assert [(lay.key, rep) for lay, rep in Budget(ctx).remeasure_plan()] == [(steady, 1)]
 
 
 def test_remeasure_plan_spends_no_more_than_the_announced_re_measurements():
@@ -186,13 +192,12 @@ def test_remeasure_plan_spends_no_more_than_the_announced_re_measurements():
         return SimpleNamespace(number=number, layout_key=key, tokens_per_s_per_device=tok, phase=phase,
                                status="completed", repeat=repeat)
 
-    loop = _loop.SweepLoop.__new__(_loop.SweepLoop)
-    loop.search = SimpleNamespace(remeasure_top_k=2, repeats=2)
-    loop.problem = SimpleNamespace(listed=False, space=space)
-    loop.rows = {i: r for i, r in enumerate([row(0, a, 1000.0), row(1, b, 990.0), row(2, c, 980.0)])}
-    first = [(lay.key, rep) for lay, rep in loop._remeasure_plan()]
+    ctx = _context(SimpleNamespace(remeasure_top_k=2, repeats=2), space)
+    budget = Budget(ctx)
+    ctx.rows = {i: r for i, r in enumerate([row(0, a, 1000.0), row(1, b, 990.0), row(2, c, 980.0)])}
+    first = [(lay.key, rep) for lay, rep in budget.remeasure_plan()]
     assert first == [(a, 1), (b, 1)]
     # b's re-measurement came out slow: c is now among the top 2 and overlaps the best, but the
     # announced re-measurements are spent.
-    loop.rows |= {3: row(3, a, 1010.0, "remeasure", 1), 4: row(4, b, 700.0, "remeasure", 1)}
-    assert loop._remeasure_plan() == []
+    ctx.rows |= {3: row(3, a, 1010.0, "remeasure", 1), 4: row(4, b, 700.0, "remeasure", 1)}
+    assert budget.remeasure_plan() == []

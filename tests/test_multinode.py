@@ -398,14 +398,14 @@ def test_the_engine_does_not_hold_a_lost_node_against_the_layout(tmp_path: Path,
     layout re-queued once; the ledger follows the smaller capacity; a wider sweep is refused trial by
     trial as results, and completes."""
     from api import store
-    from api.engine import SweepRunner, _loop
+    from api.engine import SweepRunner, _learning
     from api.settings import Settings
     from api.spec import SweepSpec
     from api.sweeps import service
 
     told: list[int] = []
-    tell = _loop.SweepLoop._tell
-    monkeypatch.setattr(_loop.SweepLoop, "_tell", lambda self, lay, h, row: (told.append(row.number), tell(self, lay, h, row)))
+    tell = _learning.Learning.tell
+    monkeypatch.setattr(_learning.Learning, "tell", lambda self, lay, h, row: (told.append(row.number), tell(self, lay, h, row)))
     url = f"sqlite:///{tmp_path / 'e.db'}"
     _, sessions = store.open_store(url)
     backend = _LosesANode()

@@ -1,5 +1,6 @@
-"""Confirm runs (mixed into SweepLoop): the ranking's top K layouts run again for N measured steps
-each, as their own phase ("confirm"), so the winner of short runs is checked against long ones.
+"""Confirm runs (``Confirm``, one of the loop's collaborators): the ranking's top K layouts run again
+for N measured steps each, as their own phase ("confirm"), so the winner of short runs is checked
+against long ones.
 
 A round is asked by ``search.confirm`` in the spec or on a completed sweep (api/confirm/service.py)
 and kept on the sweep (``sweeps.confirm``); its plan is a function of the stored rows, so a restart
@@ -11,10 +12,11 @@ The design: docs/engine.md#confirm-runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from api import store
+from api.engine._claim import Claim
+from api.engine._context import LoopContext
 from api.store._models import utcnow
 from tuner import Layout
 
@@ -42,44 +44,50 @@ def confirm_request(session: Any, *, sweep_id: int, top_k: int, steps: int, sour
 
 
 class Confirm:
-    """Reads the loop's ``r``, ``sweep_id``, ``spec`` and ``_rows`` (set by SweepLoop)."""
+    """The sweep's confirm round: ``asked`` is the latest one asked (``sweeps.confirm``), begun through
+    ``claim`` (the insert check) when the spec asks one; reads the context's rows and spec."""
 
-    r: Any
-    sweep_id: int
-    spec: Any
-    confirm: dict[str, Any] | None
-    _rows: Callable[[], list[store.Trial]]
+    def __init__(self, ctx: LoopContext, claim: Claim, asked: dict[str, Any] | None) -> None:
+        self.ctx = ctx
+        self.claim = claim
+        self.asked = asked
 
-    def _confirm_only(self) -> bool:
+    @property
+    def round(self) -> int:
+        assert self.asked is not None, "no confirm round was asked"
+        return int(self.asked["round"])
+
+    def reopened(self) -> bool:
         """The sweep was reopened for a confirm round: its search and re-measurements had ended."""
-        return bool(self.confirm and self.confirm.get("reopened"))
+        return bool(self.asked and self.asked.get("reopened"))
 
-    def _confirm_begin(self) -> bool:
+    def begin(self) -> bool:
         """At the end of the re-measurements: whether a confirm round is due. The spec's
         ``search.confirm`` asks one the first time (stored now, so a restart keeps it)."""
-        asked = self.spec.search.confirm
-        if self.confirm is None and asked is not None:
-            steps = asked.steps or default_steps(self.spec.trial.measure_steps)
-            with store.session_scope(self.r.sessions) as s:
-                self._hold(s)  # type: ignore[attr-defined]  # Claim's
-                self.confirm = confirm_request(s, sweep_id=self.sweep_id, top_k=asked.top_k, steps=steps,
-                                               source="spec", previous=None)
-                if self.confirm is not None:
-                    store.set_confirm(s, sweep_id=self.sweep_id, confirm=self.confirm)
-        return self._confirm_next() is not None
+        ctx = self.ctx
+        asked = ctx.spec.search.confirm
+        if self.asked is None and asked is not None:
+            steps = asked.steps or default_steps(ctx.spec.trial.measure_steps)
+            with store.session_scope(ctx.sessions) as s:
+                self.claim.hold(s)
+                self.asked = confirm_request(s, sweep_id=ctx.sweep_id, top_k=asked.top_k, steps=steps,
+                                             source="spec", previous=None)
+                if self.asked is not None:
+                    store.set_confirm(s, sweep_id=ctx.sweep_id, confirm=self.asked)
+        return self.next_layout() is not None
 
-    def _confirm_next(self) -> Layout | None:
+    def next_layout(self) -> Layout | None:
         """The round's next layout to launch (None: every one has started)."""
-        if not self.confirm:
+        if not self.asked:
             return None
-        round_ = self.confirm["round"]
-        started = {t.layout_key for t in self._rows() if t.phase == CONFIRM and t.repeat == round_}
-        for key, layout in zip(self.confirm["keys"], self.confirm["layouts"], strict=True):
+        round_ = self.asked["round"]
+        started = {t.layout_key for t in self.ctx.trials() if t.phase == CONFIRM and t.repeat == round_}
+        for key, layout in zip(self.asked["keys"], self.asked["layouts"], strict=True):
             if key not in started:
                 return Layout(**layout)
         return None
 
-    def _measure_steps(self, phase: str) -> int:
-        if phase == CONFIRM and self.confirm:
-            return int(self.confirm["steps"])
-        return self.spec.trial.measure_steps
+    def measure_steps(self, phase: str) -> int:
+        if phase == CONFIRM and self.asked:
+            return int(self.asked["steps"])
+        return self.ctx.spec.trial.measure_steps

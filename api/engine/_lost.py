@@ -1,4 +1,4 @@
-"""A node lost is the cluster's fault, not the layout's (mixed into SweepLoop).
+"""A node lost is the cluster's fault, not the layout's (``LostNodes``, one of the loop's collaborators).
 
 A trial that crashed because a node died under it (``infra="node_lost"``) is recorded as a result
 but not told to the sampler, taught to the memory model nor counted in the budget; its layout is
@@ -11,12 +11,15 @@ Why each rule: docs/engine.md#lost-nodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api import store
-from tuner import BackendError, Layout
+from tuner import BackendError
 from workers import TrialError, TrialResult
+
+if TYPE_CHECKING:
+    from api.engine._context import LoopContext
+    from api.engine._share import Sharing
 
 NODE_LOST = "node_lost"
 CLUSTER_SHRANK = "cluster_shrank"
@@ -32,46 +35,40 @@ def infra_of(row: Any) -> str | None:
 
 
 class LostNodes:
-    """Reads the loop's ``proposer``, ``_rows``, ``ledger``, ``backend``; ``_tell`` is Learning's,
-    ``_refresh_capacity`` Sharing's."""
+    """Reads the context's rows; re-reads the live capacity through ``sharing`` (its ledger's)."""
 
-    proposer: Any
-    any_lost: bool
-    ledger: Any
-    backend: Any
-    _rows: Callable[[], list[store.Trial]]
-    _tell: Callable[..., None]
-    _refresh_capacity: Callable[..., None]
+    def __init__(self, ctx: LoopContext, sharing: Sharing, *, backend_name: str) -> None:
+        self.ctx = ctx
+        self.sharing = sharing
+        self.backend_name = backend_name
+        # A row lost with its node exists: only then is ``requeue_next`` asked.
+        self.any_lost = any(t.status in store.TERMINAL_TRIAL_STATUSES and infra_of(t) == NODE_LOST
+                            for t in ctx.trials())
 
-    def _refused(self, exc: BackendError) -> TrialResult:
+    def refused(self, exc: BackendError) -> TrialResult:
         """The backend refused a trial (a ``BackendError``, not unavailable). If the trial fitted the
         cluster once (the ledger shrank since), that is its result; else the spec never fitted the
         cluster and the error ends the sweep (the spec is at fault, not the cluster)."""
-        self._refresh_capacity(now=True)
-        if not self.ledger.shrank():
+        self.sharing.refresh_capacity(now=True)
+        if not self.sharing.ledger.shrank():
             raise exc
-        return TrialResult(status="crash", backend=getattr(self.backend, "name", "?"), error=TrialError(
+        return TrialResult(status="crash", backend=self.backend_name, error=TrialError(
             kind="crash", message=f"refused: it no longer fits the cluster left after a node loss: {exc}"[:500],
             exception_type=type(exc).__name__, infra=CLUSTER_SHRANK))
 
-    def _teach(self, layout: Layout, handle: Any, row: store.Trial) -> None:
-        """``_tell`` every outcome but the cluster's failures (docs/engine.md#lost-nodes)."""
-        if infra_of(row) is None:
-            self._tell(layout, handle, row)
-        elif handle is not None:  # an asked Optuna trial must end: FAIL, which its samplers ignore
-            self.proposer.tell(layout, handle, values=None, violation=0.0, status=row.status)
-
-    def _note_lost(self, row: store.Trial) -> None:
+    def note_lost(self, row: store.Trial) -> None:
         """After a result: a node lost under it makes the live cluster smaller, at once for the claims."""
         if infra_of(row) == NODE_LOST:
             self.any_lost = True
-            self._refresh_capacity(now=True)
+            self.sharing.refresh_capacity(now=True)
 
-    def _requeue_next(self) -> store.Trial | None:
+    def requeue_next(self) -> store.Trial | None:
         """The lost row whose layout runs once more next, or None."""
+        if not self.any_lost:
+            return None
         last: dict[tuple[str, str, int], store.Trial] = {}
         lost: dict[tuple[str, str, int], int] = {}
-        for t in sorted(self._rows(), key=lambda t: t.number):
+        for t in sorted(self.ctx.trials(), key=lambda t: t.number):
             key = (t.layout_key, t.phase, t.repeat)
             last[key] = t
             if infra_of(t) == NODE_LOST:

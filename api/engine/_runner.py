@@ -260,7 +260,7 @@ class SweepRunner:
 
     def _run_claimed(self, sweep_id: int, stop: threading.Event, on_progress: Any) -> None:
         try:
-            with KeepAlive(self, sweep_id):  # building the problem can take a while on big spaces
+            with KeepAlive(self.sessions, self.runner_id, sweep_id):  # building the problem can take a while on big spaces
                 loop = SweepLoop(self, sweep_id, stop, on_progress)
             loop.run()
         except LostClaim as exc:  # another coordinator runs it now: leave the sweep and its rows alone

@@ -16,13 +16,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api import store
+from api.engine._context import LoopContext
 from api.store._models import utcnow
+
+if TYPE_CHECKING:
+    from api.engine._ticket import Ticket
 
 log = logging.getLogger("meshtune.engine")
 CAPACITY_TTL_S = 2.0  # how long a backend's capacity is reused before a claim re-reads it
@@ -189,32 +193,46 @@ class DeviceLedger:
 
 
 class Sharing:
-    """The loop's side of the ledger and of cancelling (mixed into SweepLoop, which sets ``ledger``,
-    ``claimant``, ``held``, ``waiting``, ``in_flight``, ``cancelled_ids``, ``backend``, ``r``)."""
+    """The loop's side of ``ledger`` (its devices, asked as ``claimant``) and of cancelling trials on
+    ``backend``. ``held``: devices granted for the next launch, kept across pruned proposals until a
+    launch takes them (``hand_over``) or the loop lets them go."""
 
-    ledger: DeviceLedger
-    claimant: Claimant
-    held: Grant | None
-    waiting: bool
-    in_flight: dict[Any, Any]
-    cancelled_ids: set[str]
-    backend: Any
-    r: Any
-    sweep_id: int
-    _trial_id: Callable[[Any], str]
+    def __init__(self, ctx: LoopContext, ledger: DeviceLedger, backend: Any, claimant: Claimant) -> None:
+        self.ctx = ctx
+        self.ledger = ledger
+        self.backend = backend
+        self.claimant = claimant
+        self.held: Grant | None = None
 
-    def _give_back(self) -> None:
-        """Every device this loop holds or waits for goes back to the ledger (the loop is ending)."""
-        ledger = getattr(self, "ledger", None)
-        if ledger is None:
-            return
-        ledger.withdraw(self.sweep_id)
-        ledger.release(self.held)
+    def take_devices(self, world: int) -> bool:
+        """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
+        limits); False: wait for them."""
+        if self.held is None:
+            self.refresh_capacity()
+            self.held = self.ledger.try_acquire(self.claimant, world)
+        return self.held is not None
+
+    def hand_over(self) -> Grant | None:
+        """The devices taken, to the trial launched now (it releases them once its result is stored)."""
+        grant, self.held = self.held, None
+        return grant
+
+    def let_go(self) -> None:
+        """Stop waiting and give back the devices taken (not asking now: the sweeps behind get them)."""
+        self.ledger.withdraw(self.ctx.sweep_id)
+        self.ledger.release(self.held)
         self.held = None
-        for ticket in self.in_flight.values():
-            ledger.release(ticket.grant)
 
-    def _refresh_capacity(self, *, now: bool = False) -> None:
+    def release(self, grant: Grant | None) -> None:
+        self.ledger.release(grant)
+
+    def give_back(self, in_flight: Iterable[Ticket]) -> None:
+        """Every device this loop holds or waits for goes back to the ledger (the loop is ending)."""
+        self.let_go()
+        for ticket in in_flight:
+            self.ledger.release(ticket.grant)
+
+    def refresh_capacity(self, *, now: bool = False) -> None:
         """Re-read the backend's devices into the ledger (at most every CAPACITY_TTL_S, or ``now``:
         after a node-lost failure). A backend that cannot answer keeps the last figure."""
         if not now and time.monotonic() - self.ledger.read_at < CAPACITY_TTL_S:
@@ -222,42 +240,33 @@ class Sharing:
         try:
             capacity = int(self.backend.capacity())
         except Exception as exc:  # the trial launches then meet the same condition and say so
-            log.warning("sweep %s: could not re-read the backend's capacity (%s)", self.sweep_id, exc)
+            log.warning("sweep %s: could not re-read the backend's capacity (%s)", self.ctx.sweep_id, exc)
             self.ledger.read_at = time.monotonic()
             return
         if capacity != self.ledger.seen:
-            log.warning("sweep %s: the backend's capacity is now %d devices (was %d)", self.sweep_id,
+            log.warning("sweep %s: the backend's capacity is now %d devices (was %d)", self.ctx.sweep_id,
                         capacity, self.ledger.seen)
         self.ledger.set_capacity(capacity)
 
-    def _take_devices(self, world: int) -> bool:
-        """Devices for the next launch from the coordinator's ledger (fair share, priority, owner
-        limits: api/engine/_share.py); False: wait for them."""
-        if self.held is None:
-            self._refresh_capacity()
-            self.held = self.ledger.try_acquire(self.claimant, world)
-        self.waiting = self.held is None
-        return not self.waiting
-
-    def _cancel_in_flight(self) -> None:
+    def cancel(self, in_flight: Iterable[Ticket], trial_id: Callable[[Ticket], str]) -> None:
         """The sweep was cancelled: a backend that can stop a trial (Ray: its gang's actors killed and
-        placement groups removed) frees the devices now; the results that still come back are not
-        recorded, the rows become "interrupted" (``_mark_cancelled``)."""
+        placement groups removed) frees the devices now; each ticket told is marked ``cancelled``
+        first (its result is not recorded, nor its launch retried), the rows become "interrupted"
+        (``mark_cancelled``)."""
         cancel = getattr(self.backend, "cancel", None)
         if not callable(cancel):
             return  # the trials in flight finish and are recorded, as before
-        for ticket in self.in_flight.values():
+        for ticket in in_flight:
             if not ticket.cancelled:
                 ticket.cancelled = True
-                self.cancelled_ids.add(self._trial_id(ticket))
                 try:
-                    cancel(self._trial_id(ticket))
+                    cancel(trial_id(ticket))
                 except Exception as exc:  # the trial then ends on its own; its result is still dropped
-                    log.warning("sweep %s: could not stop trial %s (%s)", self.sweep_id, self._trial_id(ticket), exc)
+                    log.warning("sweep %s: could not stop trial %s (%s)", self.ctx.sweep_id, trial_id(ticket), exc)
 
-    def _mark_cancelled(self) -> None:
-        with store.session_scope(self.r.sessions) as s:
-            if store.hold_sweep(s, sweep_id=self.sweep_id, runner_id=self.r.runner_id):
-                store.mark_interrupted(s, sweep_id=self.sweep_id, cause="sweep cancelled: the trial was stopped")
-                store.refresh_sweep_cache(s, sweep_id=self.sweep_id)
-
+    def mark_cancelled(self) -> None:
+        ctx = self.ctx
+        with store.session_scope(ctx.sessions) as s:
+            if store.hold_sweep(s, sweep_id=ctx.sweep_id, runner_id=ctx.runner_id):
+                store.mark_interrupted(s, sweep_id=ctx.sweep_id, cause="sweep cancelled: the trial was stopped")
+                store.refresh_sweep_cache(s, sweep_id=ctx.sweep_id)
