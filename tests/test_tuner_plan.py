@@ -8,6 +8,7 @@ import pytest
 
 from tuner import (
     REFERENCE_LAYOUTS,
+    Problem,
     SearchSpace,
     check_layout,
     cluster_spec,
@@ -23,12 +24,13 @@ from tuner import (
 
 @pytest.fixture(scope="module")
 def tiny_plan():
-    return plan(model=model_spec("tiny"), cluster=cluster_spec("cpu-local"), training=training_spec({"global_batch": 16}))
+    return plan(problem=Problem(model=model_spec("tiny"), cluster=cluster_spec("cpu-local"),
+                                training=training_spec({"global_batch": 16})))
 
 
 def test_plan_ranks_and_accounts_for_every_layout(tiny_plan) -> None:
     p = tiny_plan
-    enum = enumerate_layouts(model=p.model, cluster=p.cluster, training=p.training)
+    enum = enumerate_layouts(problem=Problem(model=p.model, cluster=p.cluster, training=p.training))
     assert len(p.entries) + len(p.infeasible) == len(enum.valid)
     assert p.rejected == {**enum.rejected, **({"memory exceeds device": len(p.infeasible)} if p.infeasible else {})}
     speeds = [e.time.tokens_per_s_per_device for e in p.entries]
@@ -62,10 +64,12 @@ def test_memory_prunes_big_models() -> None:
     space = SearchSpace(mbs=(1,), schedules=("1f1b",), ac=("full",))
     node = cluster_spec({"preset": "h100-sxm", "nodes": 1})
     # 70B x 16 bytes of model states = 1.13 TB > 8 x 80 GiB: however it is sharded, nothing fits.
-    big = plan(model=model_spec("llama3-70b"), cluster=node, training=training_spec({"global_batch": 64}), space=space)
+    big = plan(problem=Problem(model=model_spec("llama3-70b"), cluster=node,
+                               training=training_spec({"global_batch": 64}), space=space))
     assert not big.entries and big.rejected["memory exceeds device"] == len(big.infeasible) > 0
     # 8B x 16 bytes = 128 GB: plain data parallelism does not fit 80 GiB, ZeRO-3 over 8 ranks does.
-    p = plan(model=model_spec("llama3-8b"), cluster=node, training=training_spec({"global_batch": 64}), space=space)
+    p = plan(problem=Problem(model=model_spec("llama3-8b"), cluster=node,
+                             training=training_spec({"global_batch": 64}), space=space))
     by_key = {e.layout.key: e for e in p.entries + p.infeasible}
     assert not by_key["tp1-cp1-ep1-dp8-pp1-z0-mbs1-ac_full-nopp"].memory.fits
     assert by_key["tp1-cp1-ep1-dp8-pp1-z3-mbs1-ac_full-nopp"].memory.fits
@@ -125,5 +129,5 @@ def test_llama3_mfu_falls_at_128k_context() -> None:
 def test_reference_layouts_are_in_the_enumerated_space() -> None:
     ref = REFERENCE_LAYOUTS["bloom-176b-384-a100"]
     space = SearchSpace(tp=(4,), cp=(1,), pp=(12,), mbs=(2,), ac=("full",), zero=(1,), sp=(False,), schedules=("1f1b",))
-    p = plan(model=ref.model, cluster=ref.cluster, training=ref.training, space=space)
+    p = plan(problem=Problem(model=ref.model, cluster=ref.cluster, training=ref.training, space=space))
     assert [e.layout for e in p.entries] == [ref.layout]

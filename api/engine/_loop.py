@@ -23,7 +23,7 @@ from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._confirm import CONFIRM, Confirm
 from api.engine._learning import Learning
 from api.engine._lost import NODE_LOST, REQUEUED, LostNodes, infra_of
-from api.engine._model import Problem
+from api.engine._model import SweepModel
 from api.engine._outage import Outages
 from api.engine._probing import Probing
 from api.engine._share import Claimant, Grant, Sharing
@@ -58,7 +58,7 @@ class SweepLoop(Claim, Budget, Learning, Sharing, LostNodes, Confirm, Outages, P
             calibration = sweep.calibration
             self.confirm = sweep.confirm  # the latest confirm round asked (api/engine/_confirm.py)
             self.claimant = Claimant(sweep_id, sweep.owner, sweep.priority or "normal", sweep.created_at)
-        self.problem = Problem.from_spec(self.spec, calibration=calibration)
+        self.problem = SweepModel.from_spec(self.spec, calibration=calibration)
         self.search = self.spec.search
         space = self.problem.space
         if self.problem.listed:  # search.layouts: the listed order, no sampler

@@ -14,6 +14,7 @@ told apart by their address (api._http.client_address): behind a proxy named in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -34,6 +35,7 @@ from tuner import (
     STACKS,
     ClusterSpec,
     ModelSpec,
+    Problem,
     SpecError,
     TrainingSpec,
     check_node_counts,
@@ -146,9 +148,9 @@ def get_plan(
     and return the fastest predicted ones with their memory and time breakdowns (and, given
     train_tokens / price_per_device_hour, each one's time and cost to train the budget), predicted
     for the stack it is trained with (``stack``)."""
-    m, c, t = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
+    problem = _problem(model, cluster, nodes, devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
-    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=top)
+    return _plan_answer(request, caller, session, settings.backend, problem, top=top)
 
 
 @router.post(
@@ -162,15 +164,16 @@ def post_plan(request: Request, caller: ReaderDep, session: SessionDep, settings
               body: PlanRequest) -> PlanOut:
     """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
-    m, c, t = body.to_problem()
-    _check_devices(c)
-    return _plan_answer(request, caller, session, settings.backend, m, c, t, top=body.top)
+    problem = body.to_problem()
+    _check_devices(problem.cluster)
+    return _plan_answer(request, caller, session, settings.backend, problem, top=body.top)
 
 
-def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: ModelSpec, c: ClusterSpec,
-                 t: TrainingSpec, *, top: int) -> PlanOut:
-    """The cached plan of (m, c, t) on the cluster's stored probe where there is one (``backend``'s, as
-    ``meshtune plan`` does), or a new one charged to an anonymous caller's budget first."""
+def _plan_answer(request: Request, caller: Any, session: Any, backend: str, problem: Problem, *,
+                 top: int) -> PlanOut:
+    """The cached plan of the problem on the cluster's stored probe where there is one (``backend``'s,
+    as ``meshtune plan`` does), or a new one charged to an anonymous caller's budget first."""
+    m, c, t = problem.model, problem.cluster, problem.training
     row, note = (None, "") if t.stack != DEFAULT_STACK else probes.stored_in(
         session, model=m, cluster=c, training=t, backend=backend)
     c, figures = probes.plan_figures(row=row, note=note, cluster=c, training=t)
@@ -178,7 +181,8 @@ def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: M
     if answer is None:
         _charge(request, caller, check_planning_work(model=m, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                                      remedy="plan it with `meshtune plan`, which has no such limit"))
-        answer = _PLANS.put((m, c, t), _timed(lambda: plan(model=m, cluster=c, training=t)))
+        probed = dataclasses.replace(problem, cluster=c)
+        answer = _PLANS.put((m, c, t), _timed(lambda: plan(problem=probed)))
     result, seconds = answer
     return PlanOut(**result.to_dict(top=top), seconds=round(seconds, 4), figures=figures)
 
@@ -186,7 +190,7 @@ def _plan_answer(request: Request, caller: Any, session: Any, backend: str, m: M
 def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int | None, global_batch: int | None,
              global_batch_tokens: int | None, critical_batch_tokens: int | None, precision: str,
              train_tokens: float | None, price_per_device_hour: float | None, stack: str = "meshtune",
-             ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+             ) -> Problem:
     overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
                                    ("price_per_device_hour", price_per_device_hour)) if v is not None}
     if "," in cluster:
@@ -195,7 +199,7 @@ def _problem(model: str, cluster: str, nodes: int | None, devices_per_node: int 
     _check_devices(c)
     m, t = _model_training(model, global_batch, global_batch_tokens, critical_batch_tokens, precision, train_tokens,
                            stack)
-    return m, c, t
+    return Problem(model=m, cluster=c, training=t)
 
 
 def _model_training(model: str, global_batch: int | None, global_batch_tokens: int | None,
@@ -262,11 +266,12 @@ def get_plan_sizes(
     """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
     batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
     counts = check_node_counts(nodes, field="nodes")
-    m, c, t = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
+    problem = _problem(model, cluster, counts[0], devices_per_node, global_batch, global_batch_tokens,
                        critical_batch_tokens, precision, train_tokens, price_per_device_hour, stack)
+    m, c, t = problem.model, problem.cluster, problem.training
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
     answer = _bounded(_SIZES, (m, c, t, counts, scale_batch), request, caller, m, sizes,
-                      lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
+                      lambda: plan_sizes(problem=problem, nodes=counts, scale_batch=scale_batch))
     points, seconds = answer
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
     return PlanSizesOut(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
