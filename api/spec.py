@@ -245,6 +245,7 @@ class SweepSpec(RequestModel):
     """A sweep: which model on which cluster with which batch, and how to search its layouts."""
 
     model_config = ConfigDict(
+        frozen=True,  # to_problem() is built once, at validation: no field changes after it
         json_schema_extra={
             "examples": [
                 {

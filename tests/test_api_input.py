@@ -327,6 +327,8 @@ def test_a_sweep_spec_is_one_tuner_problem_built_once() -> None:
     spec = SweepSpec.model_validate({**TINY, "space": {"mbs": [1, 2]}})
     problem = spec.to_problem()
     assert isinstance(problem, tuner.Problem) and spec.to_problem() is problem  # validated once, not rebuilt
+    with pytest.raises(ValueError, match="frozen"):  # so the problem never goes stale
+        spec.cluster = "h100-sxm"
     assert problem.model == tuner.model_spec("tiny") and problem.cluster == tuner.cluster_spec("cpu-local")
     assert problem.training.global_batch == 16 and problem.space.mbs == (1, 2) and problem.capabilities is None
     with pytest.raises(TypeError, match=r"^Problem\.space must be a SearchSpace, got None$"):
