@@ -18,6 +18,7 @@ from tuner import (
     model_spec,
     place,
     plan,
+    plan_one,
     training_spec,
 )
 
@@ -37,6 +38,13 @@ def test_plan_ranks_and_accounts_for_every_layout(tiny_plan) -> None:
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.memory.fits for e in p.entries) and not any(e.memory.fits for e in p.infeasible)
     assert p.best is p.entries[0]
+
+
+def test_plan_one_costs_a_layout_of_the_problem_as_the_plan_does(tiny_plan) -> None:
+    problem = Problem(model=tiny_plan.model, cluster=tiny_plan.cluster, training=tiny_plan.training)
+    for e in (tiny_plan.entries[0], tiny_plan.entries[-1]):
+        one = plan_one(e.layout, problem=problem)
+        assert (one.layout, one.memory, one.time, one.microbatches) == (e.layout, e.memory, e.time, e.microbatches)
 
 
 def test_plan_entries_read_as_a_list(tiny_plan) -> None:

@@ -386,14 +386,13 @@ def _costed_groups(enum: Enumeration, *, model: ModelSpec, cluster: ClusterSpec,
 def plan_one(
     layout: Layout,
     *,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    training: TrainingSpec,
+    problem: Problem,
     factors: CalibrationFactors | None = None,
     allow_tp_across_nodes: bool = False,
 ) -> PlannedLayout:
-    """Check, place and estimate a single layout as given (raises LayoutError if it is invalid); the
-    caller canonicalises (``canonical_layout``) where twins must be one entry."""
+    """Check, place and estimate a single layout of ``problem`` as given (raises LayoutError if it is
+    invalid); the caller canonicalises (``canonical_layout``) where twins must be one entry."""
+    model, cluster, training = problem.model, problem.cluster, problem.training
     m = check_layout(layout, model=model, cluster=cluster, training=training, allow_tp_across_nodes=allow_tp_across_nodes)
     placement = place(layout, cluster, allow_tp_across_nodes=allow_tp_across_nodes)
     mem = estimate_memory(layout, model=model, cluster=cluster, training=training)

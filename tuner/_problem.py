@@ -1,7 +1,8 @@
 """One planning problem: what is trained (model, training), on what (cluster), over which layouts
 (space) and by which workload (capabilities). Built once per entry point (a spec file, a sweep's
-``SweepSpec.to_problem``, a plan request) and handed whole to ``enumerate_layouts``, ``plan`` and
-``plan_sizes``; per-layout estimators (``estimate_memory``, ``estimate_time``) take the specs.
+``SweepSpec.to_problem``, a plan request) and handed whole to ``enumerate_layouts``, ``plan``,
+``plan_one`` and ``plan_sizes``; per-layout estimators (``estimate_memory``, ``estimate_time``)
+take the specs. Design: docs/tuner.md, "Problem".
 """
 
 from __future__ import annotations
