@@ -1,7 +1,8 @@
 """The sweep spec: what a user submits (HTTP body, YAML/TOML file, dashboard form, schedule template).
 
-One pydantic model validates every entry point the same way; ``to_problem()`` turns it into the
-tuner's frozen specs, re-raising their ``SpecError`` as a validation error that names the field.
+One pydantic model validates every entry point the same way; ``to_problem()`` is the tuner's
+Problem it describes (built once, when the spec is validated), their ``SpecError`` re-raised as a
+validation error that names the field.
 """
 
 from __future__ import annotations
@@ -10,13 +11,23 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from tuner import (
     ClusterSpec,
     Layout,
     ModelSpec,
+    Problem,
+    SearchSpace,
     SpecError,
     TrainingSpec,
     canonical_layout,
@@ -27,6 +38,7 @@ from tuner import (
     model_spec,
     training_spec,
     twin_note,
+    within_capabilities,
 )
 from workers import DIAGNOSTIC_OPTIONS
 
@@ -233,6 +245,7 @@ class SweepSpec(RequestModel):
     """A sweep: which model on which cluster with which batch, and how to search its layouts."""
 
     model_config = ConfigDict(
+        frozen=True,  # to_problem() is built once, at validation: no field changes after it
         json_schema_extra={
             "examples": [
                 {
@@ -278,6 +291,7 @@ class SweepSpec(RequestModel):
         "builtin", description="The model code trials train: 'builtin' (meshtune's decoder), 'hf' (the transformers "
         "implementation of model.hf_config) or an importable 'module:attr' Workload (workers/workload.py); layouts "
         "it does not declare support for are refused.")
+    _problem: Problem | None = PrivateAttr(None)  # to_problem(), built once
 
     @field_validator("workload")
     @classmethod
@@ -295,12 +309,12 @@ class SweepSpec(RequestModel):
 
     @model_validator(mode="after")
     def _check_problem(self) -> SweepSpec:
-        model, cluster, training = self.to_problem()  # raises ValueError (SpecError) naming the field and value
+        model, cluster, training = self._specs()  # raises ValueError (SpecError) naming the field and value
         if training.stack != "meshtune":
             raise SpecError(f"training.stack={training.stack!r}: a sweep measures meshtune's own workers (stack "
                             "meshtune); predict another stack with `meshtune plan --stack`, `meshtune show SWEEP "
                             "--stack` or `meshtune export`")
-        self.workload_capabilities()  # imports and checks a workload's contract (WorkloadError naming it)
+        problem = self.to_problem()  # imports and checks a workload's contract (WorkloadError naming it)
         if cluster.devices > MAX_DEVICES:
             raise SpecError(
                 f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} "
@@ -310,9 +324,9 @@ class SweepSpec(RequestModel):
             raise SpecError(
                 f"training.global_batch={training.global_batch} sequences exceeds the limit of {MAX_GLOBAL_BATCH}"
             )
-        space = self.search_space()
         if self.listed_layouts() is None:  # the sweep enumerates its space: bound that work first
-            check_planning_work(model=model, cluster=cluster, space=space, limit=MAX_CANDIDATES, where="sweep")
+            check_planning_work(model=model, cluster=cluster, space=problem.space, limit=MAX_CANDIDATES,
+                                where="sweep")
         extra = sorted(self.trial.options.model_extra or {})
         if extra and self.backend in ("ray", "simulate"):
             known = ", ".join(sorted(TrialOptions.model_fields))
@@ -341,7 +355,8 @@ class SweepSpec(RequestModel):
             raise SpecError("search.layouts cannot be combined with space: the listed layouts are measured as given")
         if self.search.reference_layouts:
             raise SpecError("search.layouts cannot be combined with search.reference_layouts: list those layouts too")
-        model, cluster, training = self.to_problem()
+        problem = self.to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
         out: list[Layout] = []
         seen: dict[str, tuple[int, str | None]] = {}  # canonical key -> (index, twin note)
         for i, data in enumerate(self.search.layouts):
@@ -360,7 +375,7 @@ class SweepSpec(RequestModel):
             try:
                 layout = layout_from_mapping(data)
                 check_layout(layout, model=model, cluster=cluster, training=training)
-                check_supported(layout, model, self.workload_capabilities())  # valid means runnable
+                check_supported(layout, model, problem.capabilities)  # valid means runnable
             except (SpecError, TypeError) as exc:
                 raise SpecError(_layout_error(where, str(exc), given)) from None
             # Measured and ranked under its canonical key: a twin of a listed layout is that layout.
@@ -375,32 +390,27 @@ class SweepSpec(RequestModel):
             out.append(canon)
         return out
 
-    def search_space(self) -> Any:
-        """The tuner's SearchSpace for ``space`` (SpecError naming ``space.<field>``), narrowed to what
-        the workload declares it can realise; None if neither restricts anything."""
-        caps = self.workload_capabilities()
-        if not self.space and caps is None:
-            return None
-        from tuner import SearchSpace, within_capabilities
+    def to_problem(self) -> Problem:
+        """The tuner's Problem of this sweep, built once: ``space`` as a SearchSpace (SpecError naming
+        ``space.<field>``) narrowed to what the workload declares it can realise, and that workload's
+        capabilities, checked against its contract (None for the built-in model, which realises every
+        layout; torch is imported only for another workload)."""
+        if self._problem is None:
+            model, cluster, training = self._specs()
+            caps = None
+            space = SearchSpace.from_mapping(self.space)
+            if self.workload != "builtin":
+                from workers.workload_registry import check_workload
 
-        space = SearchSpace.from_mapping(self.space)
-        return within_capabilities(space, caps) if caps is not None else space
+                caps = check_workload(self.workload, model, training)
+                space = within_capabilities(space, caps)
+            self._problem = Problem(model=model, cluster=cluster, training=training, space=space,
+                                    capabilities=caps)
+        return self._problem
 
-    def workload_capabilities(self) -> Any:
-        """What the workload declares (tuner.Capabilities), checked against its contract; None for the
-        built-in model, which realises every layout. Imports torch only for another workload."""
-        if self.workload == "builtin":
-            return None
-        from workers.workload_registry import check_workload
-
-        model, _, training = self.to_problem()
-        return check_workload(self.workload, model, training)
-
-    def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    def _specs(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
         model = model_spec(self.model, allow_path=False)  # hf_config: the config object, never a path
-        cluster = cluster_spec(self.cluster)
-        training = training_spec(self.training, seq_len=model.seq_len)
-        return model, cluster, training
+        return model, cluster_spec(self.cluster), training_spec(self.training, seq_len=model.seq_len)
 
 
 _LAYOUT_FIELD = re.compile(r"\b(tp|pp|dp|cp|ep|zero|mbs|ac|sp|schedule|vpp)\b")
@@ -442,9 +452,10 @@ class PlanRequest(RequestModel):
         description="global_batch (sequences) or global_batch_tokens; critical_batch(_tokens), precision, ...")
     top: int = Field(10, ge=1, le=200, description="How many of the fastest layouts to return.")
 
-    def to_problem(self) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    def to_problem(self) -> Problem:
         model = model_spec(self.model, allow_path=False)
-        return model, cluster_spec(self.cluster), training_spec(self.training, seq_len=model.seq_len)
+        return Problem(model=model, cluster=cluster_spec(self.cluster),
+                       training=training_spec(self.training, seq_len=model.seq_len))
 
 
 class PlanDevicesRequest(RequestModel):

@@ -65,7 +65,7 @@ from api import store  # noqa: E402
 from api.ranking import service as rankings  # noqa: E402
 from api.spec import SweepSpec  # noqa: E402
 from api.sweeps import service  # noqa: E402
-from tuner import plan, to_dict  # noqa: E402
+from tuner import Problem, plan, to_dict  # noqa: E402
 from workers import TrialRequest  # noqa: E402
 from workers.simulate import SimulateBackend  # noqa: E402
 
@@ -90,8 +90,9 @@ def seed(url: str, n_trials: int) -> int:
     ``record_result`` each), then ranked once by ``store.refresh_sweep_cache`` — the same stored
     ranking that per-result folding maintains (tests/test_ranking_incremental.py shows they agree)."""
     spec = SweepSpec.model_validate(SPEC | {"search": {"max_trials": n_trials}})
-    model, cluster, training = spec.to_problem()
-    p = plan(model=model, cluster=cluster, training=training)
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    p = plan(problem=Problem(model=model, cluster=cluster, training=training))
     n_pruned, n_measured = int(n_trials * 0.4), int(n_trials * 0.4)
     n_repeats = n_trials - n_pruned - n_measured
     assert len(p.infeasible) >= n_pruned and len(p.entries) >= n_measured, "problem too small for --trials"

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tuner import (  # noqa: E402
+    Problem,
     SearchSpace,
     check_layout,
     cluster_spec,
@@ -134,11 +135,11 @@ def main() -> None:
         plan_t, bare_t = [], []
         for _ in range(args.repeats):  # interleaved, so a busy moment disturbs both alike
             _clear_caches()
-            result, cpu, wall = _cpu(lambda: plan(**kw))  # noqa: B023 - called at once
+            result, cpu, wall = _cpu(lambda: plan(problem=Problem(**kw)))  # noqa: B023 - called at once
             plan_t.append((cpu, wall))
             walked, cpu, _ = _cpu(lambda: bare_loop(model, cluster, space))  # noqa: B023
             bare_t.append(cpu)
-        enum = enumerate_layouts(**kw)
+        enum = enumerate_layouts(problem=Problem(**kw))
         considered = len(result.entries) + sum(result.rejected.values())
         assert walked == considered + result.twins == enum.considered + enum.twins, (walked, considered)
         sample = enum.valid[:: max(1, enum.count // args.sample)]

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tuner import REFERENCE_LAYOUTS, estimate_memory, estimate_time, place, plan  # noqa: E402
+from tuner import REFERENCE_LAYOUTS, Problem, estimate_memory, estimate_time, place, plan  # noqa: E402
 
 
 def mesh_of(layout) -> tuple[int, ...]:
@@ -39,7 +39,7 @@ def row(name: str, stack: str) -> dict:
     exact_t = estimate_time(ref.layout, placement=place(ref.layout, ref.cluster), **kw)
     exact_m = estimate_memory(ref.layout, **kw)
     started = time.process_time()
-    p = plan(**kw)
+    p = plan(problem=Problem(**kw))
     seconds = time.process_time() - started
     mesh = mesh_of(ref.layout)
     at = next((i for i, e in enumerate(p.entries) if mesh_of(e.layout) == mesh), None)

@@ -65,8 +65,10 @@ TARGET = 0.98  # within 2% of the true noise-free best
 
 def truth_table(truth, problem: dict) -> tuple[int, dict[str, float]]:
     """Valid layout count and the noise-free tokens/s per device of every layout that fits."""
-    model, cluster, training = SweepSpec.model_validate(problem).to_problem()
-    valid = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    problem = SweepSpec.model_validate(problem).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    valid = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                          training=training)).valid
     tokens = training.global_batch * model.seq_len / cluster.devices
     out = {}
     for lay in valid:

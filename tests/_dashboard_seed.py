@@ -61,7 +61,8 @@ def seed_sweep(
 ) -> int:
     """Store a sweep of ``n_trials`` trials (plus 2 re-measurements of the top 3); returns its id."""
     spec = SweepSpec.model_validate(SPEC | {"name": name, "search": {"max_trials": n_trials}})
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     rng = random.Random(seed)
     layouts = valid_layouts(model, cluster, training)
     rng.shuffle(layouts)
@@ -160,7 +161,8 @@ def add_running_trial(sessions, *, sweep_id: int, tokens: float, peak: int) -> N
     with store.session_scope(sessions) as session:
         sweep = service.get_sweep(session, sweep_id=sweep_id)
         spec = SweepSpec.model_validate(sweep.spec)
-        model, cluster, training = spec.to_problem()
+        problem = spec.to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
         taken = {t.layout_key for t in store.all_trials(session, sweep_id=sweep_id)}
         lay = next(x for x in valid_layouts(model, cluster, training) if x.key not in taken)
         number = store.next_number(session, sweep_id=sweep_id)
@@ -203,7 +205,8 @@ def seed_migration_sweep(sessions, *, name: str = "tiny-moe on 4 CPU ranks", see
     ``MIGRATION_LAYOUTS``, one simulated measurement each (labelled simulated like every seeded
     result); returns its id."""
     spec = SweepSpec.model_validate(MIGRATION_SPEC | {"name": name})
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     backend = SimulateBackend(seed=seed)
     with store.session_scope(sessions) as session:
         sid = service.create_sweep(session, spec=spec, owner="alice").id

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tuner import CalibrationFactors, SearchSpace, cluster_spec, model_spec, plan, training_spec
+from tuner import CalibrationFactors, Problem, SearchSpace, cluster_spec, model_spec, plan, training_spec
 
 PATH = Path(__file__).parent / "data" / "plan_golden.json"
 KEPT_WHOLE = 1  # leading entries of each list kept as to_dict() (a readable difference)
@@ -59,15 +59,16 @@ PROBLEMS: dict[str, tuple[Any, Any, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def problem(name: str) -> tuple[Any, Any, Any, dict[str, Any]]:
+def problem(name: str) -> tuple[Problem, dict[str, Any]]:
+    """The named problem (its ``space`` option in it) and the rest of plan's options."""
     m, c, t, opts = PROBLEMS[name]
     model = model_spec(m)
     opts = dict(opts)
     if "factors" in opts:
         opts["factors"] = CalibrationFactors(**opts["factors"])
-    if "space" in opts:
-        opts["space"] = SearchSpace.from_mapping(opts["space"])
-    return model, cluster_spec(c), training_spec(t, seq_len=model.seq_len), opts
+    space = SearchSpace.from_mapping(opts.pop("space", None))
+    return Problem(model=model, cluster=cluster_spec(c), training=training_spec(t, seq_len=model.seq_len),
+                   space=space), opts
 
 
 def entry_line(e: Any) -> str:
@@ -102,8 +103,8 @@ def summary(result: Any) -> dict[str, Any]:
 
 
 def compute(name: str) -> dict[str, Any]:
-    model, cluster, training, opts = problem(name)
-    return summary(plan(model=model, cluster=cluster, training=training, **opts))
+    prob, opts = problem(name)
+    return summary(plan(problem=prob, **opts))
 
 
 def load() -> dict[str, Any]:

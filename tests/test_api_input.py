@@ -318,3 +318,41 @@ def test_docs_pages_load_every_asset_from_this_server(client: TestClient) -> Non
             asset = client.get(url)
             assert asset.status_code == 200 and len(asset.content) > 0, url
     assert client.get("/docs/oauth2-redirect").status_code == 200
+
+
+def test_a_sweep_spec_is_one_tuner_problem_built_once() -> None:
+    import tuner
+    from api.spec import SweepSpec
+
+    spec = SweepSpec.model_validate({**TINY, "space": {"mbs": [1, 2]}})
+    problem = spec.to_problem()
+    assert isinstance(problem, tuner.Problem) and spec.to_problem() is problem  # validated once, not rebuilt
+    with pytest.raises(ValueError, match="frozen"):  # so the problem never goes stale
+        spec.cluster = "h100-sxm"
+    assert problem.model == tuner.model_spec("tiny") and problem.cluster == tuner.cluster_spec("cpu-local")
+    assert problem.training.global_batch == 16 and problem.space.mbs == (1, 2) and problem.capabilities is None
+    with pytest.raises(TypeError, match=r"^Problem\.space must be a SearchSpace, got None$"):
+        tuner.Problem(model=problem.model, cluster=problem.cluster, training=problem.training, space=None)
+
+
+def test_an_empty_space_is_refused_by_the_tuner_without_building_the_sweep_model(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tuner
+    from api.engine import SweepModel
+    from api.engine._submission import no_valid_layout_message
+    from api.spec import SweepSpec
+
+    built: list[int] = []
+    init = SweepModel.__init__
+    monkeypatch.setattr(SweepModel, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    SweepModel.from_spec(SweepSpec.model_validate(TINY))
+    assert built == [1]  # the counter sees every sweep model built
+    body = {**TINY, "space": {"tp": [3]}}
+    before = client.get("/api/sweeps").json()["total"]
+    r = client.post("/api/sweeps", json=body, headers=ALICE)
+    assert r.status_code == 422, r.text
+    enum = tuner.enumerate_layouts(problem=SweepSpec.model_validate(body).to_problem())
+    want = no_valid_layout_message(enum.rejected, {"tp": [3]}, enum.refusal)
+    assert r.json()["detail"] == want and "\n" not in want and want.startswith("space.tp=[3]: "), r.json()
+    assert built == [1]  # refused by the tuner's enumeration alone
+    assert client.get("/api/sweeps").json()["total"] == before

@@ -22,8 +22,9 @@ CUDA_OOM = re.compile(r"^CUDA out of memory\. Tried to allocate (\d+\.\d\d) (GiB
                       r"of (\d+\.\d\d) GiB of which (\d+\.\d\d) (GiB|MiB) is free\.")
 
 
-def problem(world):
-    return SweepSpec.model_validate(world.problem).to_problem()
+def specs(world):
+    problem = SweepSpec.model_validate(world.problem).to_problem()
+    return problem.model, problem.cluster, problem.training
 
 
 def test_twenty_distinct_worlds_misspecified_per_part_both_ways():
@@ -54,8 +55,9 @@ def test_a_world_is_the_same_for_its_seed_and_differs_from_another():
 
 def test_memory_factor_scales_its_part_only():
     w = generate(0)
-    model, cluster, training = problem(w)
-    lay = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid[0]
+    model, cluster, training = specs(w)
+    lay = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                        training=training)).valid[0]
     parts = w.memory_parts(lay, model, cluster, training)
     assert set(PARTS) <= set(parts) and parts["optimizer"] > 0
 
@@ -68,7 +70,8 @@ def test_memory_factor_scales_its_part_only():
 
 
 def over_memory_layout(truth, model, cluster, training):
-    for lay in tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid:
+    for lay in tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                             training=training)).valid:
         if truth.memory(lay, model, cluster, training) > 1.2 * cluster.device_memory:
             return lay
     raise AssertionError(f"{truth.name}: no layout over memory")
@@ -79,7 +82,8 @@ def test_oom_reports_the_failing_allocation_not_the_peak(name):
     truth = registry()[name] if name == "roofline" else by_name(name)
     spec = {"model": "llama3-8b", "cluster": {"preset": "h100-sxm", "nodes": 2},
                                      "training": {"global_batch_tokens": 1 << 20}} if name == "roofline" else truth.problem
-    model, cluster, training = SweepSpec.model_validate(spec).to_problem()
+    problem = SweepSpec.model_validate(spec).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     lay = over_memory_layout(truth, model, cluster, training)
     peak = truth.answer(lay, model, cluster, training).peak_bytes
     req = TrialRequest(model=model, cluster=cluster, training=training, layout=lay, seed=1, trial_id=5)
@@ -108,8 +112,9 @@ def test_cuda_oom_bounds_over_many_draws():
 
 def test_special_worlds_are_twice_and_half_the_models_memory():
     two, half = special("world-mem2x"), special("world-memhalf")
-    model, cluster, training = problem(two)
-    for lay in tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid[:50]:
+    model, cluster, training = specs(two)
+    for lay in tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                             training=training)).valid[:50]:
         pred = tuner.estimate_memory(lay, model=model, cluster=cluster, training=training).total
         assert two.memory(lay, model, cluster, training) == 2 * pred
         assert half.memory(lay, model, cluster, training) == 0.5 * pred

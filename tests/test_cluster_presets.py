@@ -14,6 +14,7 @@ import tuner._presets as presets
 from tuner import (
     Layout,
     LayoutError,
+    Problem,
     SpecError,
     cluster_spec,
     estimate_time,
@@ -119,7 +120,8 @@ def test_tp_may_leave_a_tray_but_never_the_domain():
     assert _place((16, 1, 1, 9, 1), ("tp", "cp", "ep", "dp", "pp"), 4, 72).axes["tp"].in_domain is False  # 72 % 16
     with pytest.raises(LayoutError, match="fast_domain_devices=72"):
         place(Layout(tp=16, dp=9), c)
-    result = plan(model=model_spec("llama3-8b"), cluster=c, training=training_spec({"global_batch": 144}))
+    result = plan(problem=Problem(model=model_spec("llama3-8b"), cluster=c,
+                                  training=training_spec({"global_batch": 144})))
     tps = {e.layout.tp for e in result.entries}
     assert 8 in tps and 16 not in tps
     assert result.rejected.get("tp crosses nodes", 0) > 0  # tp=16 (and others) leave the domain

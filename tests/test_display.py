@@ -207,7 +207,7 @@ def test_the_short_layout_form_leaves_out_defaults_and_tells_every_layout_apart(
     assert "1f1b" not in Layout(dp=4).short  # no schedule without a pipeline
     spec = SweepSpec.model_validate({"name": "x", "model": "llama3-8b", "cluster": {"preset": "h100-sxm", "nodes": 4},
                                      "training": {"global_batch": 64}})
-    layouts = valid_layouts(*spec.to_problem())
+    layouts = valid_layouts(spec.to_problem().model, spec.to_problem().cluster, spec.to_problem().training)
     assert len({lay.short for lay in layouts}) == len({lay.key for lay in layouts}) > 500
     assert all(fmt.key_text(lay.key) == lay.short for lay in layouts)
 

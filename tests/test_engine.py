@@ -44,8 +44,10 @@ def _rows(sessions, sweep_id):
 
 def test_memory_model_prunes_before_running(db):
     settings, sessions = db
-    model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
-    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    problem = SweepSpec.model_validate(TINY).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    layouts = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                            training=training)).valid
     peaks = sorted(tuner.estimate_memory(x, model=model, cluster=cluster, training=training).total for x in layouts)
     cap = peaks[len(peaks) // 2]  # half the layouts cannot fit
     sw = _sweep(sessions, cluster={"preset": "cpu-local", "device_memory": cap},
@@ -281,9 +283,9 @@ def test_memory_fit_does_not_compound_across_refits():
     import dataclasses
     from types import SimpleNamespace
 
-    from api.engine import Problem
+    from api.engine import SweepModel
 
-    problem = Problem.from_spec(SweepSpec.model_validate(TINY))
+    problem = SweepModel.from_spec(SweepSpec.model_validate(TINY))
     layouts = problem.space.layouts[:4]
 
     def row(layout):

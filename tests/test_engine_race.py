@@ -52,8 +52,10 @@ def _slow_factory(spec):
 def test_two_runners_racing_write_each_trial_number_once_with_its_own_layout(fresh_pg_url, monkeypatch, caplog):
     monkeypatch.setattr(_claim, "HEARTBEAT_S", 0.05)
     engine, sessions = store.open_store(fresh_pg_url)
-    model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
-    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    problem = SweepSpec.model_validate(TINY).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    layouts = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                            training=training)).valid
     peaks = sorted(tuner.estimate_memory(x, model=model, cluster=cluster, training=training).total for x in layouts)
     spec = SweepSpec.model_validate({
         **TINY, "backend": "simulate", "cluster": {"preset": "cpu-local", "device_memory": peaks[len(peaks) // 2]},

@@ -538,7 +538,8 @@ def _expected(stored, rank, fmt, header=()):
 
     from api.spec import SweepSpec
 
-    model, cluster, training = SweepSpec.model_validate(SPEC).to_problem()
+    problem = SweepSpec.model_validate(SPEC).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     row = stored["rows"][rank - 1]
     return export_layout(Layout(**row.layout), model=model, cluster=cluster, training=training, format=fmt,
                          header=header)

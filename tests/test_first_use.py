@@ -130,7 +130,7 @@ def test_plan_and_sweeps_keep_one_headroom_rule():
     starts only what leaves its headroom. One rule now: a layout leaving less than 1% of the device
     free (tuner.MEMORY_HEADROOM) is *tight*: it still fits (neither pruned nor refused), the plan
     ranks it after every layout with room and marks it, and a sweep's warm start takes it last."""
-    from api.engine._model import Problem
+    from api.engine import SweepModel
     from api.spec import SearchSettings
 
     model, cluster = model_spec("mixtral-8x7b"), cluster_spec({"preset": "h100-sxm", "nodes": 4})
@@ -138,14 +138,15 @@ def test_plan_and_sweeps_keep_one_headroom_rule():
     tight = Layout(tp=1, cp=2, ep=2, dp=2, pp=4, zero=1, mbs=1, schedule="1f1b")
     mem = tuner.estimate_memory(tight, model=model, cluster=cluster, training=training)
     assert 0 < cluster.device_memory - mem.total < 4e6 and mem.fits and mem.tight  # 3.4 MB to spare
-    planned = tuner.plan(model=model, cluster=cluster, training=training)
+    planned = tuner.plan(problem=tuner.Problem(model=model, cluster=cluster, training=training))
     flags = [e.memory.tight for e in planned.entries]
     assert not flags[0] and flags == sorted(flags)  # every layout with room first, the tight ones after
     assert tight.key in {e.layout.key for e in planned.entries if e.memory.tight}
     assert planned.to_dict(top=1)["entries"][0]["memory"]["tight"] is False
     first = planned.entries[0]
     assert cluster.device_memory - first.memory.total >= tuner.MEMORY_HEADROOM * cluster.device_memory
-    problem = Problem(model, cluster, training, layouts=[tight, first.layout])
+    problem = SweepModel(tuner.Problem(model=model, cluster=cluster,
+                                       training=training), layouts=[tight, first.layout])
     assert problem.predict(tight).fits  # not pruned: the plan keeps it too
     start = problem.warm_start(SearchSettings(warm_start_top_k=1))
     assert [lay.key for lay, _ in start] == [first.layout.key]  # the sweep launches the one with room first

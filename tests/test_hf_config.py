@@ -22,6 +22,7 @@ from api.spec import SweepSpec
 from tuner import (
     Layout,
     LayoutError,
+    Problem,
     SearchSpace,
     SpecError,
     check_supported,
@@ -160,7 +161,7 @@ def test_spec_file_path_is_relative_to_the_file_and_stored_inline() -> None:
 
     spec = load_spec(str(EXAMPLES / "hf-qwen3-moe-tiny-cpu.yaml"))
     assert isinstance(spec.model["hf_config"], dict)  # what is stored needs no file
-    assert spec.to_problem()[0] == problem.model
+    assert spec.to_problem().model == problem.model
 
 
 def test_round_trip_through_to_dict_and_one_truth_with_the_config() -> None:
@@ -216,13 +217,14 @@ def test_the_built_in_model_refuses_what_it_cannot_split() -> None:
                                           r"only without sp \(tp=2, sp=True\)$"):
         check_supported(Layout(tp=2, dp=2, sp=True), q2)
     check_supported(Layout(tp=2, dp=2), q2)
-    enum = enumerate_layouts(model=q2, cluster=cluster, training=training)
+    enum = enumerate_layouts(problem=Problem(model=q2, cluster=cluster, training=training))
     assert any(layout.tp > 1 for layout in enum.valid) and not any(layout.sp for layout in enum.valid)
     with pytest.raises(SpecError, match=r"^space.sp=\[True\]: workload 'builtin' realises only sp in \[False\]"):
-        enumerate_layouts(model=q2, cluster=cluster, training=training, space=SearchSpace(sp=(True,)))
+        enumerate_layouts(problem=Problem(model=q2, cluster=cluster, training=training,
+                                          space=SearchSpace(sp=(True,))))
     tiny = model_spec({"hf_config": str(HF / "qwen3-moe-tiny.json")})  # qk-norm, head_dim 32: every axis
-    assert {(layout.tp > 1, layout.ep > 1) for layout in enumerate_layouts(
-        model=tiny, cluster=cluster, training=training).valid} >= {(True, False), (False, True)}
+    every = enumerate_layouts(problem=Problem(model=tiny, cluster=cluster, training=training)).valid
+    assert {(layout.tp > 1, layout.ep > 1) for layout in every} >= {(True, False), (False, True)}
     mixed = model_spec({"hf_config": shrink(load_hf_config(HF / "qwen3-30b-a3b.json"), mlp_only_layers=[0])})
     assert mixed.dense_layers == (0,)
     check_supported(Layout(tp=2, ep=2), mixed)  # dense layers of a MoE model: built (and tested below)

@@ -81,7 +81,8 @@ def test_plan_sweep_show_and_export_a_qwen3_moe_config(home, capsys, ray_local, 
     # service's header), and the framework's own classes accept it.
     spec_obj = SweepSpec.model_validate({**SWEEP, "model": {"hf_config": load_hf_config(TINY),
                                                             "name": "qwen3-moe-tiny", "seq_len": 32}})
-    model, cluster, training = spec_obj.to_problem()
+    problem = spec_obj.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     for row in rows:
         layout = Layout(**row["layout"])
         for fmt in EXPORT_FORMATS:

@@ -8,7 +8,7 @@ import pytest
 
 import tuner
 from api import store
-from api.engine import Problem, SweepRunner
+from api.engine import SweepModel, SweepRunner
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -45,10 +45,12 @@ class CudaStyle(TruthBackend):
 
 
 def _truth_best(truth) -> tuple[dict[str, float], float]:
-    model, cluster, training = SweepSpec.model_validate(PROBLEM).to_problem()
+    problem = SweepSpec.model_validate(PROBLEM).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     tokens = training.global_batch * model.seq_len / cluster.devices
     tps = {}
-    for lay in tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid:
+    for lay in tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                             training=training)).valid:
         a = truth.answer(lay, model, cluster, training)
         if a.step_s is not None:
             tps[lay.key] = tokens / a.step_s
@@ -99,13 +101,15 @@ def test_when_nothing_left_is_predicted_to_fit_the_likeliest_layouts_run(tmp_pat
     """Once the layouts predicted to fit have run out of memory, the model predicts that nothing
     left fits: the search goes on with the layouts most likely to fit. Before, the OOM scaled the
     whole model and every later proposal of every sampler was recorded as pruned, none launched."""
-    model, cluster, training = SweepSpec.model_validate(TINY).to_problem()
-    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    problem = SweepSpec.model_validate(TINY).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    layouts = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                            training=training)).valid
     peaks = sorted(tuner.estimate_memory(x, model=model, cluster=cluster, training=training).total for x in layouts)
     cap = peaks[2]  # three layouts fit as the model predicts memory
     cluster_spec = {"preset": "cpu-local", "device_memory": cap}
     truth = MixedSigns()
-    problem = Problem.from_spec(SweepSpec.model_validate({**TINY, "cluster": cluster_spec}))
+    problem = SweepModel.from_spec(SweepSpec.model_validate({**TINY, "cluster": cluster_spec}))
     doomed = {lay.key for lay in problem.space.layouts if problem.predict(lay).fits}
     assert len(doomed) == 3 and not any(truth.memory(lay, model, cluster, training) <= cap
                                         for lay in problem.space.layouts if lay.key in doomed)

@@ -22,6 +22,7 @@ import pytest
 from api.cli import main
 from tuner import (
     Layout,
+    Problem,
     TrainingSpec,
     canonical_layout,
     check_layout,
@@ -95,7 +96,7 @@ def test_twins_share_one_key_brute_force(preset: str) -> None:
     Realisation has landed, equal realisations <=> one canonical key."""
     model, cluster = model_spec(preset), cluster_spec("cpu-local")
     training = training_spec({"global_batch": 16})
-    enum = enumerate_layouts(model=model, cluster=cluster, training=training)
+    enum = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training))
     listed = set(enum.valid)
     realise = _realise()
     by_program: dict[str, set[str]] = {}
@@ -178,7 +179,7 @@ def test_no_valid_layout_is_refused_by_the_workers(preset: str, cluster: dict, b
 
     model, c = model_spec(preset), cluster_spec(cluster)
     training = training_spec({"global_batch_tokens": batch_tokens}, seq_len=model.seq_len)
-    enum = enumerate_layouts(model=model, cluster=c, training=training)
+    enum = enumerate_layouts(problem=Problem(model=model, cluster=c, training=training))
     check, realise = _workers_check(), _realise()
     refused = []
     # Every canonical valid layout (mixtral: ~1.8 x 10^4, llama: ~4.5 x 10^4; the check is cheap).
@@ -201,8 +202,8 @@ RUNTIME_BATCH = 8  # the smallest batch that leaves pp=4 schedules (m >= 4 at dp
 def draw_layouts(preset: str, n: int, seed: int) -> list[Layout]:
     """``n`` distinct canonical valid layouts: one per mesh (tp, cp, ep, dp, pp) first, then the rest
     at random, all from a seeded shuffle of the enumeration."""
-    enum = enumerate_layouts(model=model_spec(preset), cluster=cluster_spec("cpu-local"),
-                             training=training_spec({"global_batch": RUNTIME_BATCH}))
+    enum = enumerate_layouts(problem=Problem(model=model_spec(preset), cluster=cluster_spec("cpu-local"),
+                                             training=training_spec({"global_batch": RUNTIME_BATCH})))
     pool = list(enum.valid)
     random.Random(seed).shuffle(pool)
     picked, meshes = [], set()

@@ -29,8 +29,9 @@ def test_plan_entries_equal_the_golden_ones(name: str) -> None:
 def test_entries_equal_the_per_layout_estimators() -> None:
     """The plan costs every layout at once on arrays; the public estimators one at a time, through the
     same functions on numbers: the same numbers."""
-    model, cluster, training, opts = golden.problem("dense-shapes-mi300x")
-    p = plan(model=model, cluster=cluster, training=training, **opts)
+    problem, opts = golden.problem("dense-shapes-mi300x")
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    p = plan(problem=problem, **opts)
     kw = {"model": model, "cluster": cluster, "training": training}
     for e in p.entries[::5] + p.infeasible[::5]:
         assert e.memory == estimate_memory(e.layout, **kw)
@@ -40,9 +41,8 @@ def test_entries_equal_the_per_layout_estimators() -> None:
 def test_plan_does_no_work_per_layout_that_a_mesh_shares(monkeypatch) -> None:
     """Planning's speed is its structure: one Realisation per mesh (not one per mesh, ZeRO level,
     mbs and schedule), and no object per layout until an entry is read."""
-    model, cluster, training, opts = golden.problem("llama3-8b-h100x4")
-    meshes = {(x.tp, x.cp, x.ep, x.dp, x.pp, x.vpp) for x in enumerate_layouts(model=model, cluster=cluster,
-                                                                              training=training).valid}
+    problem, opts = golden.problem("llama3-8b-h100x4")
+    meshes = {(x.tp, x.cp, x.ep, x.dp, x.pp, x.vpp) for x in enumerate_layouts(problem=problem).valid}
     calls = []
     realise = tuner._memory.realise
     monkeypatch.setattr(tuner._memory, "realise", lambda *a, **k: calls.append(1) or realise(*a, **k))
@@ -53,7 +53,7 @@ def test_plan_does_no_work_per_layout_that_a_mesh_shares(monkeypatch) -> None:
         return sum(type(o) is Layout for o in objects), sum(type(o) is PlannedLayout for o in objects)
 
     before = alive()
-    p = plan(model=model, cluster=cluster, training=training, **opts)
+    p = plan(problem=problem, **opts)
     made = tuple(a - b for a, b in zip(alive(), before, strict=True))
     assert len(p.entries) + len(p.infeasible) > 10 * len(meshes) and len(calls) <= len(meshes)
     assert made == (0, 0), made

@@ -11,6 +11,7 @@ import pytest
 from api import format as fmt
 from api.cli import main
 from tuner import (
+    Problem,
     SearchSpace,
     SpecError,
     check_node_counts,
@@ -69,14 +70,14 @@ def test_plan_sizes_fixed_and_scaled_batch():
     m, c = model_spec("tiny"), cluster_spec("cpu-local")
     t = training_spec({"global_batch": 16, "critical_batch": 16, "train_tokens": 1e9}, seq_len=m.seq_len)
     c = cluster_spec({"preset": "cpu-local", "price_per_device_hour": 0.5})
-    fixed = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2, 4])
+    fixed = plan_sizes(problem=Problem(model=m, cluster=c, training=t), nodes=[1, 2, 4])
     assert [p.devices for p in fixed] == [4, 8, 16] and {p.global_batch for p in fixed} == {16}
     for p in fixed:
         assert p.layout is not None and p.budget is not None and p.feasible > 0
         assert p.budget.time_to_train_s == pytest.approx(1e9 / p.tokens_per_s)
         assert p.budget.cost == pytest.approx(p.devices * p.budget.time_to_train_s / 3600 * 0.5)
         assert p.useful_tokens_per_s == pytest.approx(p.tokens_per_s / 2)  # B = B_crit
-    scaled = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2, 4], scale_batch=True)
+    scaled = plan_sizes(problem=Problem(model=m, cluster=c, training=t), nodes=[1, 2, 4], scale_batch=True)
     assert [p.global_batch for p in scaled] == [16, 32, 64]
     share = [p.useful_tokens_per_s / p.tokens_per_s for p in scaled]
     assert share == sorted(share, reverse=True) and share[-1] == pytest.approx(1 / 5)
@@ -90,7 +91,8 @@ def test_a_size_where_nothing_fits_says_why():
     m = model_spec("tiny")
     t = training_spec({"global_batch": 2}, seq_len=m.seq_len)
     space = SearchSpace.from_mapping({"tp": [1], "cp": [1], "pp": [1]})  # dp only: 16 ranks, batch 2
-    points = plan_sizes(model=m, cluster=cluster_spec("cpu-local"), training=t, nodes=[1, 4], space=space)
+    points = plan_sizes(problem=Problem(model=m, cluster=cluster_spec("cpu-local"), training=t,
+                                        space=space), nodes=[1, 4])
     assert points[0].layout is None and points[1].layout is None  # 4 and 16 data ranks, 2 sequences
     assert points[1].why.startswith("no layout fits: batch") and points[1].budget is None
 
@@ -155,11 +157,12 @@ def test_sizes_plan_only_what_the_workload_runs():
     m, c = model_spec("tiny"), cluster_spec("cpu-local")
     t = training_spec({"global_batch": 16}, seq_len=m.seq_len)
     caps = check_workload("_workloads:NOKV", m, t)
-    points = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2], capabilities=caps)
-    bare = plan_sizes(model=m, cluster=c, training=t, nodes=[1, 2])
+    points = plan_sizes(problem=Problem(model=m, cluster=c, training=t, capabilities=caps), nodes=[1, 2])
+    bare = plan_sizes(problem=Problem(model=m, cluster=c, training=t), nodes=[1, 2])
     for p, b in zip(points, bare, strict=True):
-        single = plan(model=m, cluster=cluster_spec({"preset": "cpu-local", "nodes": p.nodes}), training=t,
-                      capabilities=caps)
+        single = plan(problem=Problem(model=m,
+                                      cluster=cluster_spec({"preset": "cpu-local", "nodes": p.nodes}),
+                                      training=t, capabilities=caps))
         assert p.feasible == len(single.entries) and p.layout_key == single.best.layout.key
         assert all(e.layout.tp != 4 for e in single.entries)
         assert b.feasible > p.feasible  # the built-in model runs tp=4 on tiny: the workload's refusal cut it

@@ -215,11 +215,12 @@ def test_a_probed_plan_costs_every_layout_as_the_per_layout_estimators_do(name):
     optimiser's constant, per-unit sync, the baseline and the allocator's share. The same numbers."""
     from tests import _plan_golden as golden
 
-    model, sheet, training, opts = golden.problem(name)
+    problem, opts = golden.problem(name)
+    model, sheet, training = problem.model, problem.cluster, problem.training
     layers = tuple(tuner.LayerFigure(tp, sp, 0.002 * tp, 0.0004 * tp, 0.001, 0.0002 * (1 + sp))
                    for tp in (1, 2, 4, 8) for sp in ((False, True) if tp > 1 else (False,)))
     cluster = with_probe(sheet, truth(layers=layers))
-    p = tuner.plan(model=model, cluster=cluster, training=training, **opts)
+    p = tuner.plan(problem=dataclasses.replace(problem, cluster=cluster), **opts)
     entries = list(p.entries) + list(p.infeasible)
     kw = {"model": model, "cluster": cluster, "training": training}
     for i, e in enumerate(entries):

@@ -31,7 +31,8 @@ from workers.simulate import SimulateBackend
 SPEC = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16, "precision": "fp32"},
         "backend": "ray", "space": {"tp": [1, 2]},  # what the test double's probe measured layers of
         "search": {"max_trials": 3, "remeasure_top_k": 0, "warm_start_top_k": 2}}
-MODEL, CLUSTER, TRAINING = SweepSpec.model_validate(SPEC).to_problem()
+problem = SweepSpec.model_validate(SPEC).to_problem()
+MODEL, CLUSTER, TRAINING = problem.model, problem.cluster, problem.training
 LAYOUTS = [tuner.Layout(dp=4), tuner.Layout(tp=2, dp=2), tuner.Layout(tp=2, dp=2, sp=True)]
 
 

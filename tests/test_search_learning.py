@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from api import store
-from api.engine import Problem, SweepRunner
+from api.engine import SweepModel, SweepRunner
 from api.engine import _calibrate as cal
 from api.engine._memory import MEMORY_SIGMA
 from api.ranking import service as rankings
@@ -88,7 +88,7 @@ def test_an_oom_teaches_its_layout_and_neighbours_never_every_prediction():
     model thinks stopped with nothing left to launch. Now the bound is local (its layout, its
     neighbours, every layout needing at least as much of each memory part), and a measured peak
     stays what was measured."""
-    problem = Problem.from_spec(SweepSpec.model_validate(TINY))
+    problem = SweepModel.from_spec(SweepSpec.model_validate(TINY))
     _, parts = problem.arrays()
     device = problem.cluster.device_memory
     fits = [lay for lay in problem.space.layouts if problem.predict(lay).fits]
@@ -182,7 +182,8 @@ def test_ranking_pred_err_is_computed_under_one_calibration(db):
 
     settings, sessions = db
     spec = SweepSpec.model_validate({**TINY, "backend": "simulate", "name": "v"})
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     old, new = Layout(dp=4), Layout(tp=2, dp=2)
     weights = {"time": dict(zip(cal.TIME_PARTS, (3.0, 1.0, 1.0, 1.0, 0.5), strict=True)),
                "memory": dict(zip(cal.MEMORY_PARTS, (1.0, 1.0, 1.0), strict=True))}

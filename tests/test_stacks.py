@@ -10,6 +10,7 @@ import pytest
 from tuner import (
     STACKS,
     Layout,
+    Problem,
     SpecError,
     Stack,
     TrainingSpec,
@@ -105,7 +106,7 @@ def test_plan_under_a_stack_equals_its_per_layout_estimators():
     model, cluster = model_spec("small"), cluster_spec({"preset": "h100-sxm", "nodes": 2})
     for stack in ("megatron", "torchtitan"):
         training = training_spec({"global_batch": 32, "stack": stack})
-        p = plan(model=model, cluster=cluster, training=training)
+        p = plan(problem=Problem(model=model, cluster=cluster, training=training))
         assert len(p.entries) > 100
         for e in list(p.entries[::97]) + list(p.infeasible[::13]):
             kw = dict(model=model, cluster=cluster, training=training)
@@ -118,9 +119,10 @@ def test_megatron_ranks_layouts_otherwise_than_the_workers():
     # llama3-8b on 8 H100s: the workers' eager kernels keep ~2x the activations, so Megatron fits layouts
     # without recompute that the workers must checkpoint; the two stacks' plans differ in their winners.
     training = {"global_batch_tokens": 2**20}
-    kw = dict(model=MODEL, cluster=NODE)
-    ours = plan(training=training_spec(training, seq_len=MODEL.seq_len), **kw)
-    theirs = plan(training=training_spec({**training, "stack": "megatron"}, seq_len=MODEL.seq_len), **kw)
+    ours = plan(problem=Problem(model=MODEL, cluster=NODE,
+                                training=training_spec(training, seq_len=MODEL.seq_len)))
+    theirs = plan(problem=Problem(model=MODEL, cluster=NODE,
+                                  training=training_spec({**training, "stack": "megatron"}, seq_len=MODEL.seq_len)))
     assert len(theirs.entries) > len(ours.entries)
     assert theirs.best.layout != ours.best.layout and theirs.best.time.mfu > ours.best.time.mfu
 

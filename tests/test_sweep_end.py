@@ -16,7 +16,7 @@ from test_api import ALICE, client_for
 from api import store
 from api.cli import main
 from api.cli.show import calibration_lines
-from api.engine import Problem, SweepRunner
+from api.engine import SweepModel, SweepRunner
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -107,7 +107,7 @@ def test_a_sweep_whose_trials_all_run_out_of_memory_ends_with_a_reason(db):
     left, with the counts; one that goes on reaches max_trials and says that."""
     _, settings, sessions = db
     final = _run(settings, sessions, {"max_trials": 150}, trial={"options": {"memory_cap_bytes": 1}})
-    space = len(Problem.from_spec(SweepSpec.model_validate(final.spec)).space)
+    space = len(SweepModel.from_spec(SweepSpec.model_validate(final.spec)).space)
     assert final.status == "completed" and final.n_completed == 0 and final.stop_reason
     unseen = re.fullmatch(r"the memory model predicts none of the (\d+) unseen layouts fits \(learned from "
                           r"0 measured peaks and (\d+) OOMs\)", final.stop_reason)

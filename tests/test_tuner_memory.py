@@ -281,10 +281,10 @@ def test_memory_calibration_compares_like_with_like(measure: str) -> None:
     import dataclasses
     from types import SimpleNamespace
 
-    from api.engine import Problem
+    from api.engine import SweepModel
     from api.spec import SweepSpec
 
-    problem = Problem.from_spec(SweepSpec.model_validate(
+    problem = SweepModel.from_spec(SweepSpec.model_validate(
         {"model": "llama3-1b", "cluster": {"preset": "h100-sxm", "nodes": 1}, "training": {"global_batch": 64}}))
     layouts = problem.space.layouts[:4]
     for lay in layouts[:3]:

@@ -11,6 +11,7 @@ from tuner import (
     AXES,
     Layout,
     LayoutError,
+    Problem,
     cluster_spec,
     model_spec,
     place,
@@ -88,7 +89,7 @@ def test_plan_never_puts_tp_across_nodes_by_default() -> None:
     model = model_spec("small")
     c = cluster(6, 2)
     training = training_spec({"global_batch": 24, "precision": "fp32"})
-    result = plan(model=model, cluster=c, training=training)
+    result = plan(problem=Problem(model=model, cluster=c, training=training))
     assert result.entries and result.rejected.get("tp crosses nodes", 0) > 0
     seen_tp = set()
     for e in result.entries + result.infeasible:
@@ -96,6 +97,6 @@ def test_plan_never_puts_tp_across_nodes_by_default() -> None:
         for group in e.placement.groups("tp"):
             assert len({e.placement.rank_devices[r][0] for r in group}) == 1
     assert seen_tp == {1, 2}  # tp=4 would span two nodes; tp=3, 6, 12 do not divide heads=8
-    allowed = plan(model=model, cluster=c, training=training, allow_tp_across_nodes=True)
+    allowed = plan(problem=Problem(model=model, cluster=c, training=training), allow_tp_across_nodes=True)
     assert "tp crosses nodes" not in allowed.rejected
     assert len(allowed.entries) + len(allowed.infeasible) > len(result.entries) + len(result.infeasible)

@@ -8,6 +8,7 @@ import pytest
 
 from tuner import (
     REFERENCE_LAYOUTS,
+    Problem,
     SearchSpace,
     check_layout,
     cluster_spec,
@@ -17,24 +18,33 @@ from tuner import (
     model_spec,
     place,
     plan,
+    plan_one,
     training_spec,
 )
 
 
 @pytest.fixture(scope="module")
 def tiny_plan():
-    return plan(model=model_spec("tiny"), cluster=cluster_spec("cpu-local"), training=training_spec({"global_batch": 16}))
+    return plan(problem=Problem(model=model_spec("tiny"), cluster=cluster_spec("cpu-local"),
+                                training=training_spec({"global_batch": 16})))
 
 
 def test_plan_ranks_and_accounts_for_every_layout(tiny_plan) -> None:
     p = tiny_plan
-    enum = enumerate_layouts(model=p.model, cluster=p.cluster, training=p.training)
+    enum = enumerate_layouts(problem=Problem(model=p.model, cluster=p.cluster, training=p.training))
     assert len(p.entries) + len(p.infeasible) == len(enum.valid)
     assert p.rejected == {**enum.rejected, **({"memory exceeds device": len(p.infeasible)} if p.infeasible else {})}
     speeds = [e.time.tokens_per_s_per_device for e in p.entries]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.memory.fits for e in p.entries) and not any(e.memory.fits for e in p.infeasible)
     assert p.best is p.entries[0]
+
+
+def test_plan_one_costs_a_layout_of_the_problem_as_the_plan_does(tiny_plan) -> None:
+    problem = Problem(model=tiny_plan.model, cluster=tiny_plan.cluster, training=tiny_plan.training)
+    for e in (tiny_plan.entries[0], tiny_plan.entries[-1]):
+        one = plan_one(e.layout, problem=problem)
+        assert (one.layout, one.memory, one.time, one.microbatches) == (e.layout, e.memory, e.time, e.microbatches)
 
 
 def test_plan_entries_read_as_a_list(tiny_plan) -> None:
@@ -62,10 +72,12 @@ def test_memory_prunes_big_models() -> None:
     space = SearchSpace(mbs=(1,), schedules=("1f1b",), ac=("full",))
     node = cluster_spec({"preset": "h100-sxm", "nodes": 1})
     # 70B x 16 bytes of model states = 1.13 TB > 8 x 80 GiB: however it is sharded, nothing fits.
-    big = plan(model=model_spec("llama3-70b"), cluster=node, training=training_spec({"global_batch": 64}), space=space)
+    big = plan(problem=Problem(model=model_spec("llama3-70b"), cluster=node,
+                               training=training_spec({"global_batch": 64}), space=space))
     assert not big.entries and big.rejected["memory exceeds device"] == len(big.infeasible) > 0
     # 8B x 16 bytes = 128 GB: plain data parallelism does not fit 80 GiB, ZeRO-3 over 8 ranks does.
-    p = plan(model=model_spec("llama3-8b"), cluster=node, training=training_spec({"global_batch": 64}), space=space)
+    p = plan(problem=Problem(model=model_spec("llama3-8b"), cluster=node,
+                             training=training_spec({"global_batch": 64}), space=space))
     by_key = {e.layout.key: e for e in p.entries + p.infeasible}
     assert not by_key["tp1-cp1-ep1-dp8-pp1-z0-mbs1-ac_full-nopp"].memory.fits
     assert by_key["tp1-cp1-ep1-dp8-pp1-z3-mbs1-ac_full-nopp"].memory.fits
@@ -125,5 +137,5 @@ def test_llama3_mfu_falls_at_128k_context() -> None:
 def test_reference_layouts_are_in_the_enumerated_space() -> None:
     ref = REFERENCE_LAYOUTS["bloom-176b-384-a100"]
     space = SearchSpace(tp=(4,), cp=(1,), pp=(12,), mbs=(2,), ac=("full",), zero=(1,), sp=(False,), schedules=("1f1b",))
-    p = plan(model=ref.model, cluster=ref.cluster, training=ref.training, space=space)
+    p = plan(problem=Problem(model=ref.model, cluster=ref.cluster, training=ref.training, space=space))
     assert [e.layout for e in p.entries] == [ref.layout]

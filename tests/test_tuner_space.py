@@ -10,6 +10,7 @@ import pytest
 from tuner import (
     Layout,
     LayoutError,
+    Problem,
     SearchSpace,
     SpecError,
     canonical_layout,
@@ -35,8 +36,8 @@ def test_hand_counted_six_devices() -> None:
     """small (8 layers, 8 heads, seq 256) on 6 devices, batch 12, one value per knob:
     tp=1: cp=1 x pp in {1,2,3,6} and cp=2 x pp in {1,3} are valid, cp=3 (pp 1,2) and cp=6 are not;
     tp=2: cp=1 x pp in {1,3} valid, cp=3 not; tp=3 (3 meshes) and tp=6 (1) do not divide 8 heads."""
-    enum = enumerate_layouts(model=model_spec("small"), cluster=cpu(6), training=training_spec({"global_batch": 12}),
-                             space=ONE_KNOB)
+    enum = enumerate_layouts(problem=Problem(model=model_spec("small"), cluster=cpu(6),
+                                             training=training_spec({"global_batch": 12}), space=ONE_KNOB))
     got = sorted((x.tp, x.cp, x.dp, x.pp) for x in enum.valid)
     assert got == [(1, 1, 1, 6), (1, 1, 2, 3), (1, 1, 3, 2), (1, 1, 6, 1), (1, 2, 1, 3), (1, 2, 3, 1),
                    (2, 1, 1, 3), (2, 1, 3, 1)]
@@ -91,7 +92,7 @@ def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layou
 )
 def test_enumeration_agrees_with_check_layout(preset: str, devices: int, batch: int, space: SearchSpace) -> None:
     model, cluster, training = model_spec(preset), cpu(devices), training_spec({"global_batch": batch})
-    enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+    enum = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training, space=space))
     valid, reasons, twins = brute_force(model, cluster, training, space)
     assert len(enum.valid) == len(set(enum.valid)) == len(valid) > 0
     assert set(enum.valid) == valid
@@ -105,8 +106,8 @@ def test_enumeration_agrees_with_check_layout(preset: str, devices: int, batch: 
 
 def test_explicit_degrees_count_world_mismatch_and_ep_on_dense() -> None:
     space = SearchSpace(tp=(3, 2), pp=(1,), ep=(1, 2), zero=(0,), mbs=(1,), ac=("none",), sp=(False,))
-    enum = enumerate_layouts(model=model_spec("tiny"), cluster=cpu(4), training=training_spec({"global_batch": 8}),
-                             space=space)
+    enum = enumerate_layouts(problem=Problem(model=model_spec("tiny"), cluster=cpu(4),
+                                             training=training_spec({"global_batch": 8}), space=space))
     # tp=3 does not divide 4 (counted once per explicit ep value: 2); tp=2, cp=2 leaves one device,
     # which ep=2 does not divide (1); tp=2, cp=1, ep=2 fits the devices but the model is dense.
     assert enum.rejected == {"world size mismatch": 3, "ep needs a MoE model": 1}
@@ -116,14 +117,17 @@ def test_explicit_degrees_count_world_mismatch_and_ep_on_dense() -> None:
 def test_schedule_reasons_and_max_layouts() -> None:
     model, cluster = model_spec("tiny"), cpu(4)
     space = SearchSpace(tp=(1,), cp=(1,), pp=(4,), zero=(0,), mbs=(1, 2), ac=("none",), sp=(False,), vpp=(2,))
-    enum = enumerate_layouts(model=model, cluster=cluster, training=training_spec({"global_batch": 6}), space=space)
+    enum = enumerate_layouts(problem=Problem(model=model, cluster=cluster,
+                                             training=training_spec({"global_batch": 6}), space=space))
     # pp=4, dp=1: m = 6 (mbs 1) or 3 (mbs 2). 1F1B needs m >= 4; interleaved also needs 4 | m and
     # pp*vpp = 8 > 4 layers; gpipe takes both.
     assert sorted((x.schedule, x.mbs) for x in enum.valid) == [("1f1b", 1), ("gpipe", 1), ("gpipe", 2)]
     assert enum.rejected == {"micro-batches fewer than pp": 1, "stages exceed layers": 2}
-    capped = enumerate_layouts(model=model, cluster=cluster, training=training_spec({"global_batch": 16}),
-                               space=SearchSpace(max_layouts=10))
-    full = enumerate_layouts(model=model, cluster=cluster, training=training_spec({"global_batch": 16}))
+    capped = enumerate_layouts(problem=Problem(model=model, cluster=cluster,
+                                               training=training_spec({"global_batch": 16}),
+                                               space=SearchSpace(max_layouts=10)))
+    full = enumerate_layouts(problem=Problem(model=model, cluster=cluster,
+                                             training=training_spec({"global_batch": 16})))
     assert len(capped.valid) == 10 == len(capped.microbatches)
     assert capped.rejected["beyond space.max_layouts"] == len(full.valid) - 10
 
@@ -158,10 +162,10 @@ def test_space_accepts_scalars_and_lists() -> None:
 def test_tp_across_nodes_is_rejected_per_mesh_unless_allowed() -> None:
     model, cluster, training = model_spec("tiny"), cpu(8, per_node=2), training_spec({"global_batch": 8})
     space = SearchSpace(tp=(4,), cp=(1,), pp=(1,), zero=(0, 1), mbs=(1,), ac=("none",), sp=(False, True))
-    enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space)
+    enum = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training, space=space))
     assert enum.valid == [] and enum.rejected == {"tp crosses nodes": 4}  # 2 zero x 2 sp
-    allowed = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                                allow_tp_across_nodes=True)
+    allowed = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training,
+                                                space=space), allow_tp_across_nodes=True)
     assert len(allowed.valid) == 4 and allowed.rejected == {}
     # The workers place their mesh the same way and refuse such a layout, so layout validation (a
     # run-trial or search.layouts entry) refuses it too, with the same reason, before any process.
@@ -171,6 +175,7 @@ def test_tp_across_nodes_is_rejected_per_mesh_unless_allowed() -> None:
         check_layout(layout, model=model, cluster=cluster, training=training)
     assert check_layout(layout, model=model, cluster=cluster, training=training, allow_tp_across_nodes=True) == 4
     # With dp innermost, tp=4 has stride 2 and still spans nodes; tp=2 with stride 4 would too.
-    inner_dp = enumerate_layouts(model=model, cluster=cluster, training=training,
-                                 space=SearchSpace(tp=(2,), cp=(1,), pp=(1,)), order=("dp", "tp", "cp", "ep", "pp"))
+    inner_dp = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training,
+                                                 space=SearchSpace(tp=(2,), cp=(1,), pp=(1,))),
+                                 order=("dp", "tp", "cp", "ep", "pp"))
     assert inner_dp.valid == [] and inner_dp.rejected["tp crosses nodes"] > 0

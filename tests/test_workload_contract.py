@@ -89,11 +89,12 @@ def test_readme_example_meets_the_contract_and_its_spec_validates(example):
     from workers.workload_registry import check_workload
 
     spec = SweepSpec.model_validate(example)
-    model, _, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, training = problem.model, problem.training
     caps = check_workload(spec.workload, model, training)
     assert caps.workload == "my_model" and not caps.cp and not caps.ep
     assert [lay.key for lay in spec.listed_layouts()]  # every listed layout realisable
-    space = spec.search_space()
+    space = spec.to_problem().space
     assert space.cp == (1,) and space.ep == (1,)  # narrowed to what the workload declares
     with pytest.raises(ValueError, match=r"search\.layouts\[0\]\.cp: workload 'my_model' does not support cp"):
         SweepSpec.model_validate({**example, "search": {"layouts": [{"cp": 2, "dp": 2}]}}).listed_layouts()

@@ -83,7 +83,8 @@ def readme_requests(tmp_path_factory) -> dict[str, TrialRequest]:
     where, data = readme_example(tmp_path_factory.mktemp("readme-workload"))
     sys.path.insert(0, str(where))
     spec = SweepSpec.model_validate({**data, "training": {**data["training"], "lr": 1e-3, "seed": 7}})
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     layouts = spec.listed_layouts()[: len(README_LAYOUTS)]
     out = {f"readme-{name}": TrialRequest(model=model, cluster=cluster, training=training, layout=lay, warmup_steps=1,
                                           measure_steps=STEPS - 1, options={"grad_norm": True}, workload=spec.workload)

@@ -17,8 +17,7 @@ from test_workers_numerics import RTOL, STEPS
 
 import tuner
 from api import store
-from api.engine import SweepRunner
-from api.engine._model import Problem, check_runnable
+from api.engine import SweepModel, SweepRunner, check_runnable
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
@@ -43,8 +42,8 @@ WORKLOADS = {
 
 
 def _refused(spec: SweepSpec, layouts: list[Layout]) -> list[str]:
-    model, _, _ = spec.to_problem()
-    caps = spec.workload_capabilities()
+    problem = spec.to_problem()
+    model, caps = problem.model, problem.capabilities
     out = []
     for layout in layouts:
         try:
@@ -57,20 +56,23 @@ def _refused(spec: SweepSpec, layouts: list[Layout]) -> list[str]:
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_the_engine_enumerates_only_what_the_workload_runs(name):
     spec = SweepSpec.model_validate({**BASE, **WORKLOADS[name]()})
-    problem = Problem.from_spec(spec)
+    problem = SweepModel.from_spec(spec)
     assert len(problem.space) > 1
     assert _refused(spec, problem.space.layouts) == []
     # The refusal is the engine's own: the bare space would have held layouts the workload refuses.
-    model, cluster, training = spec.to_problem()
-    builtin = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    builtin = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                            training=training)).valid
     assert _refused(spec, builtin), name
 
 
 def test_what_the_space_cannot_cut_is_counted_as_refused():
     spec = SweepSpec.model_validate({**BASE, "workload": "_workloads:NOKV"})
-    model, cluster, training = spec.to_problem()
-    enum = tuner.enumerate_layouts(model=model, cluster=cluster, training=training,
-                                   capabilities=spec.workload_capabilities())
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    enum = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster, training=training,
+                                                         capabilities=spec.to_problem().capabilities))
     assert {lay.tp for lay in enum.valid} == {1, 2} and enum.rejected[R_WORKLOAD] > 0
     assert enum.refusal == ("workload 'nokv' needs tp=4 to divide kv_heads=2 (it cannot keep k/v projections "
                             "whole)")
@@ -123,7 +125,8 @@ def _cut_request(layout: Layout, workload: str):
     spec = SweepSpec.model_validate({**BASE, "model": CUT_MODEL, "workload": workload,
                                      "cluster": {"preset": "cpu-local", "devices_per_node": layout.world_size},
                                      "training": {"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}})
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     return TrialRequest(model=model, cluster=cluster, training=training, layout=layout, warmup_steps=1,
                         measure_steps=STEPS - 1, options={"grad_norm": True}, workload=workload)
 

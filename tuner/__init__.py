@@ -76,12 +76,13 @@ from tuner._probe import (
     summary,
     with_probe,
 )
+from tuner._problem import Problem
 from tuner._realise import Capabilities, Realisation, builtin_capabilities, check_supported, realise
 from tuner._references import REFERENCE_LAYOUTS, ReferenceLayout
 from tuner._regression import LayoutComparison, RegressionPolicy, compare_night, fingerprint_diff
 from tuner._scaling import SizePoint, check_node_counts, plan_sizes, sizes_figure
 from tuner._space import Enumeration, SearchSpace, divisors, enumerate_layouts, within_capabilities
-from tuner._specfile import Problem, load_problem, load_yaml, problem_from_mapping, read_spec_file
+from tuner._specfile import load_problem, load_yaml, problem_from_mapping, read_spec_file
 from tuner._specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec, to_dict
 from tuner._stack import DEFAULT_STACK, STACKS, Stack, check_stack, stack_of
 from tuner._stats import (

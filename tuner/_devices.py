@@ -16,6 +16,7 @@ from typing import Any
 
 from tuner._errors import SpecError
 from tuner._presets import CLUSTER_PRESETS, cluster_spec
+from tuner._problem import Problem
 from tuner._realise import Capabilities
 from tuner._scaling import SizePoint, check_node_counts, plan_sizes
 from tuner._space import SearchSpace
@@ -131,9 +132,10 @@ def compare_devices(
     rows: list[tuple[str, SizePoint]] = []
     for c in clusters:
         counts = check_node_counts(list(nodes) if nodes is not None else [c.nodes], field="nodes")
-        for p in plan_sizes(model=model, cluster=c, training=training, nodes=counts, space=space, factors=factors,
-                            allow_tp_across_nodes=allow_tp_across_nodes, scale_batch=scale_batch,
-                            capabilities=capabilities):
+        problem = Problem(model=model, cluster=c, training=training, space=space or SearchSpace(),
+                          capabilities=capabilities)
+        for p in plan_sizes(problem=problem, nodes=counts, factors=factors,
+                            allow_tp_across_nodes=allow_tp_across_nodes, scale_batch=scale_batch):
             rows.append((c.name, p))
     ok = [i for i, (_, p) in enumerate(rows) if p.tokens_per_s]
     fastest = max(ok, key=lambda i: rows[i][1].tokens_per_s or 0.0, default=None)

@@ -28,7 +28,7 @@ from tuner._memory import (
     usable_memory,
 )
 from tuner._placement import AXES, Placement, _place, check_order, place
-from tuner._realise import Capabilities
+from tuner._problem import Problem
 from tuner._space import (
     R_TP_NODES,
     Enumeration,
@@ -203,19 +203,14 @@ class Plan:
 
 def plan(
     *,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    training: TrainingSpec,
-    space: SearchSpace | None = None,
+    problem: Problem,
     factors: CalibrationFactors | None = None,
     allow_tp_across_nodes: bool = False,
     order: tuple[str, ...] = AXES,
     enumeration: Enumeration | None = None,
-    capabilities: Capabilities | None = None,
 ) -> Plan:
-    """Every valid layout placed and estimated; feasible ones sorted by tokens/s per device.
-    ``capabilities``: the workload's (None: the built-in model), as ``enumerate_layouts`` takes them;
-    unused when ``enumeration`` is given (it was enumerated under them).
+    """Every valid layout of ``problem`` placed and estimated; feasible ones sorted by tokens/s per
+    device. ``enumeration``: the problem's, when the caller has it already (``enumerate_layouts``).
 
     Work is done once at the level it depends on: placement and the prepared memory and time models
     per mesh, micro-batches in flight and model states per group of layouts (mesh, schedule, mbs),
@@ -223,9 +218,8 @@ def plan(
     through the same functions that cost one layout (``rank_activation_bytes``, ``step_time``)."""
     order = check_order(order)
     f = factors or CalibrationFactors()
-    enum = enumeration or enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                                            allow_tp_across_nodes=allow_tp_across_nodes, order=order,
-                                            capabilities=capabilities)
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    enum = enumeration or enumerate_layouts(problem=problem, allow_tp_across_nodes=allow_tp_across_nodes, order=order)
     result = Plan(model=model, cluster=cluster, training=training, rejected=dict(enum.rejected), twins=enum.twins)
     groups = _costed_groups(enum, model=model, cluster=cluster, training=training, factors=f, order=order,
                             allow_tp_across_nodes=allow_tp_across_nodes)
@@ -392,14 +386,13 @@ def _costed_groups(enum: Enumeration, *, model: ModelSpec, cluster: ClusterSpec,
 def plan_one(
     layout: Layout,
     *,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    training: TrainingSpec,
+    problem: Problem,
     factors: CalibrationFactors | None = None,
     allow_tp_across_nodes: bool = False,
 ) -> PlannedLayout:
-    """Check, place and estimate a single layout as given (raises LayoutError if it is invalid); the
-    caller canonicalises (``canonical_layout``) where twins must be one entry."""
+    """Check, place and estimate a single layout of ``problem`` as given (raises LayoutError if it is
+    invalid); the caller canonicalises (``canonical_layout``) where twins must be one entry."""
+    model, cluster, training = problem.model, problem.cluster, problem.training
     m = check_layout(layout, model=model, cluster=cluster, training=training, allow_tp_across_nodes=allow_tp_across_nodes)
     placement = place(layout, cluster, allow_tp_across_nodes=allow_tp_across_nodes)
     mem = estimate_memory(layout, model=model, cluster=cluster, training=training)

@@ -14,9 +14,7 @@ from tuner._budget import Budget, training_budget
 from tuner._errors import SpecError
 from tuner._formulas import useful_tokens_per_s
 from tuner._plan import plan
-from tuner._realise import Capabilities
-from tuner._space import SearchSpace
-from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+from tuner._problem import Problem
 from tuner._timing import CalibrationFactors
 
 MAX_SIZES = 32  # cluster sizes one request may compare
@@ -78,18 +76,18 @@ class SizePoint:
 
 
 def plan_sizes(
-    *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, nodes: Sequence[int],
-    space: SearchSpace | None = None, factors: CalibrationFactors | None = None,
-    allow_tp_across_nodes: bool = False, scale_batch: bool = False, capabilities: Capabilities | None = None,
+    *, problem: Problem, nodes: Sequence[int], factors: CalibrationFactors | None = None,
+    allow_tp_across_nodes: bool = False, scale_batch: bool = False,
 ) -> list[SizePoint]:
-    """The best layout at each node count in ``nodes`` (the cluster otherwise unchanged), among what
-    the workload runs (``capabilities``, None: the built-in model; see ``enumerate_layouts``).
+    """The best layout of ``problem`` at each node count in ``nodes`` (the cluster otherwise
+    unchanged), among what its workload runs (``problem.capabilities``; see ``enumerate_layouts``).
 
     With a fixed global batch (the default) bigger clusters split the same batch finer (strong
     scaling), and the data-parallel degree is bounded by it. ``scale_batch`` grows the batch with
     the device count from the first size's (weak scaling): tokens/s keep growing, useful tokens/s
     level off once the batch passes the critical batch (McCandlish et al. 2018)."""
     counts = check_node_counts(list(nodes))
+    cluster, training = problem.cluster, problem.training
     base = counts[0] * cluster.devices_per_node
     out = []
     for n in counts:
@@ -97,8 +95,8 @@ def plan_sizes(
         t = training
         if scale_batch:
             t = dataclasses.replace(training, global_batch=max(1, training.global_batch * c.devices // base))
-        result = plan(model=model, cluster=c, training=t, space=space, factors=factors,
-                      allow_tp_across_nodes=allow_tp_across_nodes, capabilities=capabilities)
+        result = plan(problem=dataclasses.replace(problem, cluster=c, training=t), factors=factors,
+                      allow_tp_across_nodes=allow_tp_across_nodes)
         best = result.best
         if best is None:
             top = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))[:2]

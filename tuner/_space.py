@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tuner._errors import LayoutError, SpecError
 from tuner._layout import (
@@ -33,6 +33,9 @@ from tuner._layout import (
 from tuner._placement import AXES, _place, check_order
 from tuner._realise import Capabilities, builtin_capabilities, check_supported
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+
+if TYPE_CHECKING:  # a Problem holds a SearchSpace; enumeration reads the Problem
+    from tuner._problem import Problem
 
 R_MAX_LAYOUTS = "beyond space.max_layouts"
 R_WORKLOAD = "not realised by the workload"
@@ -338,19 +341,17 @@ def _refusal(tp: int, cp: int, ep: int, dp: int, pp: int, ac: str, sp: bool, *, 
 
 def enumerate_layouts(
     *,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    training: TrainingSpec,
-    space: SearchSpace | None = None,
+    problem: Problem,
     allow_tp_across_nodes: bool = False,
     order: tuple[str, ...] = AXES,
-    capabilities: Capabilities | None = None,
 ) -> Enumeration:
-    """Every valid layout of ``space`` for (model, cluster, training), and the rejected ones counted.
-    ``capabilities``: what the trial's workload realises (None: the built-in model for this shape);
-    the space is cut to it and what ``check_supported`` still refuses is counted as ``R_WORKLOAD``.
-    TP groups stay inside a node (placed in ``order``) unless ``allow_tp_across_nodes``."""
-    space = space or SearchSpace()
+    """Every valid layout of ``problem.space`` for its model, cluster and training, and the rejected
+    ones counted. ``problem.capabilities``: what the trial's workload realises (None: the built-in
+    model for this shape); the space is cut to it and what ``check_supported`` still refuses is
+    counted as ``R_WORKLOAD``. TP groups stay inside a node (placed in ``order``) unless
+    ``allow_tp_across_nodes``."""
+    model, cluster, training, capabilities = problem.model, problem.cluster, problem.training, problem.capabilities
+    space = problem.space
     # Only what the workload realises is enumerated (valid means runnable); None: the built-in model.
     space = within_capabilities(space, capabilities or builtin_capabilities(model))
     order = check_order(order)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ except ImportError:  # pragma: no cover - Python 3.10
 
 from tuner._errors import SpecError
 from tuner._presets import cluster_spec, model_spec, training_spec
+from tuner._problem import Problem
 from tuner._space import SearchSpace
-from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
@@ -48,14 +47,6 @@ SpecLoader.add_implicit_resolver(
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` with YAML 1.2 floats (``SpecLoader``): for every YAML spec text."""
     return yaml.load(text, Loader=SpecLoader)  # noqa: S506 - SpecLoader is a SafeLoader
-
-
-@dataclass(frozen=True)
-class Problem:
-    model: ModelSpec
-    cluster: ClusterSpec
-    training: TrainingSpec
-    space: SearchSpace = field(default_factory=SearchSpace)
 
 
 def read_spec_file(path: str | Path) -> dict[str, Any]:

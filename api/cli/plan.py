@@ -12,6 +12,7 @@ tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from tuner import (
     DevicePoint,
     LayoutError,
     Plan,
+    Problem,
     SearchSpace,
     SizePoint,
     SpecError,
@@ -120,7 +122,9 @@ def _train_tokens(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--train-tokens=")) from None
 
 
-def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace, Any]:
+def _problem(args: argparse.Namespace) -> tuple[Problem, list[Any]]:
+    """The problem of the spec file and the flags (on the first cluster), and every device type
+    compared (``--cluster a,b``: one cluster each)."""
     data: dict[str, Any] = read_spec_file(args.spec_file) if args.spec_file else {}
     prefix = f"{args.spec_file}: " if args.spec_file else ""
     if args.reference is not None:  # the published run's problem: flags still override it
@@ -179,7 +183,8 @@ def _problem(args: argparse.Namespace) -> tuple[Any, list[Any], Any, SearchSpace
             space = within_capabilities(space, caps)
     except SpecError as exc:
         raise type(exc)(f"{prefix}{exc}") from None
-    return model, clusters, training, space, caps
+    return Problem(model=model, cluster=clusters[0], training=training, space=space,
+                   capabilities=caps), clusters
 
 
 def _price(text: str) -> float | str:
@@ -200,14 +205,13 @@ def _reference(name: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError(f"--top must be a positive integer, got {args.top}")
-    model, clusters, training, space, caps = _problem(args)
+    problem, clusters = _problem(args)
     if len(clusters) > 1:
-        return _run_devices(args, model, clusters, training, space, caps)
-    cluster = clusters[0]
+        return _run_devices(args, problem, clusters)
     if (args.nodes is not None and len(args.nodes) > 1) or args.plot:
-        return _run_sizes(args, model, cluster, training, space, caps)
-    enum = enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                             allow_tp_across_nodes=args.allow_tp_across_nodes, capabilities=caps)
+        return _run_sizes(args, problem)
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    enum = enumerate_layouts(problem=problem, allow_tp_across_nodes=args.allow_tp_across_nodes)
     if not enum.count:  # nothing to rank: the problem (or the space) admits no layout at all
         reasons = ", ".join(f"{r} ({n:,})" for r, n in sorted(enum.rejected.items(), key=lambda kv: -kv[1])[:3])
         raise LayoutError(
@@ -215,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             f"training.global_batch={training.global_batch}: {reasons or 'the space is empty'}"
         )
     cluster, figures = _figures(args, model, cluster, training, enum)
-    result = plan(model=model, cluster=cluster, training=training, space=space,
+    result = plan(problem=dataclasses.replace(problem, cluster=cluster),
                   allow_tp_across_nodes=args.allow_tp_across_nodes, enumeration=enum)
     published = _published(result, _reference(args.reference)) if args.reference is not None else None
     if args.json:
@@ -358,12 +362,11 @@ def _print(result: Plan, top: int) -> None:
         console.print("[bold red]No layout fits in device memory[/]: see the rejected reasons above.")
 
 
-def _run_sizes(args: argparse.Namespace, model: Any, cluster: Any, training: Any, space: SearchSpace,
-               caps: Any) -> int:
+def _run_sizes(args: argparse.Namespace, problem: Problem) -> int:
+    model, cluster, training = problem.model, problem.cluster, problem.training
     counts = check_node_counts(args.nodes if args.nodes is not None else [cluster.nodes], field="--nodes")
-    points = plan_sizes(model=model, cluster=cluster, training=training, nodes=counts, space=space,
-                        allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch,
-                        capabilities=caps)
+    points = plan_sizes(problem=problem, nodes=counts, allow_tp_across_nodes=args.allow_tp_across_nodes,
+                        scale_batch=args.scale_batch)
     figure = sizes_figure(points, title=_sizes_title(model, cluster, training))
     if args.plot:
         _write_plot(args.plot, figure)
@@ -430,13 +433,13 @@ def stack_line(training: Any) -> str:
     return f"predicted for stack {st.name} ({st.description})"
 
 
-def _run_devices(args: argparse.Namespace, model: Any, clusters: list[Any], training: Any, space: SearchSpace,
-                 caps: Any) -> int:
+def _run_devices(args: argparse.Namespace, problem: Problem, clusters: list[Any]) -> int:
     """``--cluster a,b,...``: every device type at every size (``--nodes``, else each type's own)."""
+    model, training = problem.model, problem.training
     counts = check_node_counts(args.nodes, field="--nodes") if args.nodes is not None else None
-    points = compare_devices(model=model, clusters=clusters, training=training, nodes=counts, space=space,
+    points = compare_devices(model=model, clusters=clusters, training=training, nodes=counts, space=problem.space,
                              allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch,
-                             capabilities=caps)
+                             capabilities=problem.capabilities)
     title = devices_title(model, clusters, training)
     figure = devices_figure(points, title=title)
     if args.plot:

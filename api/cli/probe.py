@@ -41,18 +41,21 @@ def _problem(args: argparse.Namespace) -> tuple[Any, ...]:
 
     if args.spec:
         from api.cli.sweep import load_spec
-        from api.engine._model import Problem
+        from api.engine._submission import enumerate_space
 
         spec = load_spec(args.spec, backend=args.backend, model=args.model)
-        problem = Problem.from_spec(spec)
-        return (problem.model, problem.cluster, problem.training, problem.space.layouts, spec.backend,
-                spec.workload)
+        problem = spec.to_problem()
+        layouts = spec.listed_layouts()
+        if layouts is None:
+            layouts = enumerate_space(problem, space_fields=spec.space).valid
+        return problem.model, problem.cluster, problem.training, layouts, spec.backend, spec.workload
     from tuner import model_arg
 
     model = tuner.model_spec(model_arg(args.model or "tiny"))
     cluster = tuner.cluster_spec(args.cluster or "cpu-local")
     training = tuner.training_spec({"global_batch": args.global_batch or 8}, seq_len=model.seq_len)
-    layouts = tuner.enumerate_layouts(model=model, cluster=cluster, training=training).valid
+    layouts = tuner.enumerate_layouts(problem=tuner.Problem(model=model, cluster=cluster,
+                                                            training=training)).valid
     return model, cluster, training, layouts, args.backend or get_settings().backend, "builtin"
 
 

@@ -142,7 +142,8 @@ def _problem_label(spec: Any) -> str:
     preset or a mapping of overrides (a mapping printed as it is read ``{'preset': ...}``)."""
     from api import format as fmt
 
-    model, cluster, _ = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster = problem.model, problem.cluster
     workload = show.workload_text(spec.workload).strip()
     return f"{model.name} on {fmt.cluster_label(cluster)}" + (f", {workload}" if workload else "")
 

@@ -55,7 +55,8 @@ def problem(sweep: Any) -> dict[str, Any]:
         "budget": budget_of(spec),
     }
     try:  # a spec stored by an older version may no longer validate: show what we can
-        model, cluster, training = SweepSpec.model_validate(spec).to_problem()
+        problem = SweepSpec.model_validate(spec).to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
     except ValueError:
         return out
     out.update(
@@ -165,7 +166,7 @@ def probe_panel(sweep: Any) -> dict[str, Any] | None:
     rows: list[dict[str, str]] = []
     if figures:
         try:
-            _, cluster, _ = SweepSpec.model_validate(sweep.spec).to_problem()
+            cluster = SweepSpec.model_validate(sweep.spec).to_problem().cluster
             rows = display.rows(hardware(cluster), ProbedFigures.from_dict(figures))
         except ValueError:  # a spec (or probe) this version no longer reads: the line alone
             rows = []

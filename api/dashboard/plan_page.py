@@ -28,6 +28,7 @@ from tuner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
     STACKS,
+    Problem,
     SpecError,
     check_node_counts,
     check_planning_work,
@@ -103,7 +104,8 @@ def compare(values: dict[str, str], *, charge: Any = None) -> dict[str, Any]:
         charge(cost)
     if len(clusters) > 1:
         return _devices(model, clusters, t, counts, bool(values["scale_batch"]))
-    points = plan_sizes(model=model, cluster=c, training=t, nodes=counts, scale_batch=bool(values["scale_batch"]))
+    points = plan_sizes(problem=Problem(model=model, cluster=c, training=t), nodes=counts,
+                        scale_batch=bool(values["scale_batch"]))
     title = f"{model.name} on {c.name}: best predicted layout per cluster size"
     rows = []
     for p in points:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from api import store
 
 if TYPE_CHECKING:
-    from api.engine._model import Problem
+    from api.engine._model import SweepModel
     from api.spec import SweepSpec
 
 
@@ -23,7 +23,7 @@ class LoopContext:
     spec: SweepSpec
     sessions: Any  # the store's session factory
     runner_id: str  # this coordinator, as the sweep's claim names it
-    problem: Problem  # the sweep's model (api/engine/_model.py)
+    problem: SweepModel  # the sweep's model (api/engine/_model.py)
     stop: threading.Event  # set: the coordinator is stopping, the loop ends soon
     rows: dict[int, store.Trial] = field(default_factory=dict)  # live rows (not "interrupted") by number
     spent: float = 0.0  # device-seconds held by every recorded trial (interrupted ones too)

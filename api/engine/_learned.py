@@ -57,7 +57,8 @@ def earlier(session: Any, *, fingerprint: str, sweep_id: int, scaled: Any,
         if ((sw.calibration or {}).get("probe") or {}).get("id") != probe_id:
             continue
         try:
-            model, cluster, training = SweepSpec.model_validate(sw.spec).to_problem()
+            problem = SweepSpec.model_validate(sw.spec).to_problem()
+            model, cluster, training = problem.model, problem.cluster, problem.training
             cluster = cluster_under(sw.calibration, cluster)
         except Exception as exc:  # an old spec this version no longer reads: skip it, say so
             log.warning("sweep %s: earlier sweep %s not learned from (%s)", sweep_id, sw.id, exc)

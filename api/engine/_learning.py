@@ -128,7 +128,7 @@ class Learning:
             pred, measured, lower = [], [], []
             for t in first:
                 known = p.peaks.get(t.layout_key) if t.status == "completed" else None
-                if known is not None:  # the peak as the memory model compares it (Problem.observe)
+                if known is not None:  # the peak as the memory model compares it (SweepModel.observe)
                     mparts, peak = known
                 elif t.status == "oom":
                     mparts, peak = p.parts(Layout(**t.layout))[1], float(p.cluster.device_memory)

@@ -24,7 +24,7 @@ from api.engine._confirm import CONFIRM, Confirm
 from api.engine._context import LoopContext
 from api.engine._learning import Learning
 from api.engine._lost import REQUEUED, LostNodes
-from api.engine._model import Problem
+from api.engine._model import SweepModel
 from api.engine._outage import Outages
 from api.engine._probing import Probing
 from api.engine._share import Claimant, DeviceLedger, Sharing
@@ -47,7 +47,7 @@ log = logging.getLogger("meshtune.engine")
 __all__ = ["SweepLoop"]
 
 
-def _proposer(problem: Problem, search: Any) -> Any:
+def _proposer(problem: SweepModel, search: Any) -> Any:
     """The sampler that walks the sweep's space (api/engine/_space.py, api/engine/_surrogate.py)."""
     space = problem.space
     if problem.listed:  # search.layouts: the listed order, no sampler
@@ -72,7 +72,7 @@ class SweepLoop:
             calibration = sweep.calibration
             asked = sweep.confirm  # the latest confirm round asked (api/engine/_confirm.py)
             self.claimant = Claimant(sweep_id, sweep.owner, sweep.priority or "normal", sweep.created_at)
-        problem = Problem.from_spec(spec, calibration=calibration)
+        problem = SweepModel.from_spec(spec, calibration=calibration)
 
         # The collaborators, in the order each needs the one before. Built here, on the store alone:
         # 1. what they all share: the sweep, its spec and model, the store, the stop flag, the rows;

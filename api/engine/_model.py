@@ -1,6 +1,6 @@
-"""A sweep's problem as the engine sees it: the valid layouts, the analytical predictions used for
-pruning and warm start, and the calibration learned from measurements (the sweep's own and those of
-earlier sweeps on the same cluster fingerprint).
+"""A sweep's model (``SweepModel``) over its ``tuner.Problem``: the valid layouts, the analytical
+predictions used for pruning and warm start, and the calibration learned from measurements (the
+sweep's own and those of earlier sweeps on the same cluster fingerprint).
 
 Time and memory are weighted parts of the analytical model, each fit kept only when it does at least
 as well as the prior on held-out measurements (api.engine._calibrate); memory is corrected layout by
@@ -26,8 +26,9 @@ from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction, cluste
 from api.engine._prediction import predict_under as predict_under  # re-exported: callers import it from here
 from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
 from api.engine._space import LayoutSpace, _features, knob_values
+from api.engine._submission import enumerate_space
 from api.spec import SearchSettings, SweepSpec
-from tuner import Capabilities, ClusterSpec, Layout, ModelSpec, SpecError, TrainingSpec
+from tuner import Layout, SpecError
 
 REFIT_AT = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200)
 MAX_FIT_SAMPLES = 60
@@ -35,92 +36,27 @@ HEADROOM_Z = 1.645  # one-sided 95%: warm start launches what fits with this man
 log = logging.getLogger("meshtune.engine")
 
 
-def no_valid_layout_message(rejected: dict[str, int], space_fields: dict[str, Any] | None,
-                            refusal: str | None = None) -> str:
-    """Why a search space is empty: the restricting ``space.<field>`` values, then the most common
-    rejection reason (and the others with their counts); ``refusal``: what the workload said of the
-    layouts it refused (``tuner.Enumeration.refusal``)."""
-    reasons = sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0]))
-    where = ", ".join(f"space.{k}={v!r}" for k, v in sorted((space_fields or {}).items()))
-    head = f"{where}: " if where else "space: "
-    top = f"; top rejection reason: {reasons[0][0]} ({reasons[0][1]} of {sum(rejected.values())} layouts)" if reasons else ""
-    rest = ", ".join(f"{k}: {v}" for k, v in reasons[1:])
-    return (f"{head}the search space leaves no valid layout for this model and cluster{top}"
-            + (f" (also: {rest})" if rest else "") + (f"; the workload: {refusal}" if refusal else ""))
+class SweepModel:
+    """The sweep's model over a ``tuner.Problem``: its valid layouts (``space``), the analytical
+    predictions and the calibration learned from measurements. ``layouts``: search.layouts, exactly
+    these in this order; else the problem's enumeration (SpecError when it is empty)."""
 
-
-def check_runnable(spec: SweepSpec) -> None:
-    """What a sweep needs before it is stored (SpecError naming the field and value otherwise): at
-    least one valid layout in its space, one of them predicted to fit in device memory (what
-    ``meshtune plan`` says of the same problem), and a backend that resolves. "ray" and "simulate"
-    resolve by name (nothing is started); a ``module:attr`` backend is imported and its attribute
-    looked up."""
-    check_fits(Problem.from_spec(spec))
-    check_backend(spec.backend)
-
-
-def check_fits(problem: Problem) -> None:
-    """SpecError naming ``cluster`` when the memory model says that no layout of the problem fits (a
-    sweep would prune every layout and measure nothing): the plan's own verdict and reasons."""
-    if problem.listed:
-        fits = any(tuner.estimate_memory(lay, model=problem.model, cluster=problem.cluster,
-                                         training=problem.training).fits for lay in problem.space.layouts)
-        rejected = {} if fits else {tuner.R_MEMORY: len(problem.space)}
-    else:
-        planned = tuner.plan(model=problem.model, cluster=problem.cluster, training=problem.training,
-                             enumeration=problem.enumeration)
-        fits, rejected = bool(planned.entries), planned.rejected
-    if fits:
-        return
-    c = problem.cluster
-    reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0])))
-    raise SpecError(
-        f"cluster: No layout fits in device memory: {problem.model.name} on {c.nodes} x {c.devices_per_node} "
-        f"{c.name} ({c.device_memory / 2**30:,.1f} GiB each) — rejected: "
-        f"{reasons}; give more nodes, a device with more memory, or a smaller batch (`meshtune plan` shows the same)")
-
-
-def check_backend(name: str) -> None:
-    from workers import BUILTIN_BACKENDS, resolve_backend
-
-    if name in BUILTIN_BACKENDS:
-        return
-    try:
-        obj = resolve_backend(name)
-    except tuner.BackendError as exc:
-        raise SpecError(str(exc)) from None  # names backend= and the value
-    except Exception as exc:  # the module raised while importing: still the user's backend
-        raise SpecError(f"backend={name!r} cannot be used: importing it raised {type(exc).__name__}: {exc}") from None
-    if not (callable(obj) or callable(getattr(obj, "run", None))):
-        raise SpecError(f"backend={name!r} resolves to a {type(obj).__name__}, not a backend class, factory or object")
-
-
-class Problem:
     def __init__(
         self,
-        model: ModelSpec,
-        cluster: ClusterSpec,
-        training: TrainingSpec,
+        problem: tuner.Problem,
         *,
-        space: Any = None,
         calibration: dict[str, Any] | None = None,
         layouts: list[Layout] | None = None,
         space_fields: dict[str, Any] | None = None,
-        capabilities: Capabilities | None = None,
     ) -> None:
-        self.model, self.cluster, self.training = model, cluster, training
+        # The cluster is replaced by a probe's figures (use_probe, load); the problem's is the datasheet's.
+        self.model, self.cluster, self.training = problem.model, problem.cluster, problem.training
+        model, cluster, training = self.model, self.cluster, self.training
         self.listed = layouts is not None  # search.layouts: exactly these, in this order
         if layouts is None:
-            # ``capabilities``: the sweep's workload (None: the built-in model). The enumeration keeps
-            # only what ``tuner.check_supported`` lets it run, the check a listed layout passes.
-            enumeration = tuner.enumerate_layouts(model=model, cluster=cluster, training=training, space=space,
-                                                  capabilities=capabilities)
-            if not enumeration.valid:
-                raise SpecError(no_valid_layout_message(enumeration.rejected, space_fields, enumeration.refusal))
-            self.enumeration: tuner.Enumeration | None = enumeration
-            layouts = enumeration.valid
-        else:
-            self.enumeration = None
+            # The enumeration keeps only what the problem's workload runs (``problem.capabilities``;
+            # ``tuner.check_supported``, the check a listed layout passes).
+            layouts = enumerate_space(problem, space_fields=space_fields).valid
         self.space = LayoutSpace(layouts, cluster.devices)
         raw = self.space._features  # scaled as the surrogate scales them: [0, 1] over the space
         self._feat_lo, span = raw.min(axis=0), np.ptp(raw, axis=0)
@@ -147,11 +83,9 @@ class Problem:
             self.load(calibration)
 
     @classmethod
-    def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> Problem:
-        model, cluster, training = spec.to_problem()
-        return cls(model, cluster, training, space=spec.search_space(), calibration=calibration,
-                   layouts=spec.listed_layouts(), space_fields=spec.space,
-                   capabilities=spec.workload_capabilities())
+    def from_spec(cls, spec: SweepSpec, *, calibration: dict[str, Any] | None = None) -> SweepModel:
+        return cls(spec.to_problem(), calibration=calibration, layouts=spec.listed_layouts(),
+                   space_fields=spec.space)
 
     @property
     def version(self) -> int:

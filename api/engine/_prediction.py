@@ -1,6 +1,6 @@
 """What the analytical model predicts for a layout under a calibration's weights: the prior's (all
 parts weighted 1, no per-step constant) or those a stored calibration recorded as in force
-(api.engine._model.Problem fits them; api.engine._calibrate names the parts), on the cluster with
+(api.engine._model.SweepModel fits them; api.engine._calibrate names the parts), on the cluster with
 the probed figures the sweep used (``cluster_under``). ``predict_under`` re-predicts stored rows
 under one calibration, so a ranking's errors never mix versions.
 """

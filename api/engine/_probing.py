@@ -42,7 +42,7 @@ class Probing:
         """Before any trial. Returns the warm start (``warm``: the layouts still to launch first),
         re-ranked by the probed model when one is used."""
         ctx, problem = self.ctx, self.ctx.problem
-        if "probe" in problem.calibration:  # resumed: the figures it started from (Problem.load)
+        if "probe" in problem.calibration:  # resumed: the figures it started from (SweepModel.load)
             return warm
         if self.mode == "off" or ctx.spec.backend == "simulate":  # the datasheet: nothing to say
             return warm  # (simulate answers from the datasheet's model: it measures nothing)

@@ -37,7 +37,7 @@ def predictive_sd(sigma: float | None, n: int, p: int, floor: float) -> float:
 def weigh(earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``earlier`` (api.engine._learned) with the uncertainty of each accepted fit recorded
     (``calibration["evidence"]``) and an inherited memory model's error widened to it: what
-    Problem.inherit takes."""
+    SweepModel.inherit takes."""
     out = []
     for e in earlier:
         e = copy.deepcopy(e)

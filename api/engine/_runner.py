@@ -37,7 +37,7 @@ def _default_backend(spec: SweepSpec, settings: Settings) -> Any:
         kwargs = {"seed": spec.search.seed, "devices": settings.simulate_devices, "pace": settings.simulate_pace}
     elif name == "ray":
         # A local Ray (no RAY_ADDRESS) gets a logical CPU per rank even on a 2-core machine.
-        kwargs = {"address": settings.ray_address, "num_cpus": spec.to_problem()[1].devices}
+        kwargs = {"address": settings.ray_address, "num_cpus": spec.to_problem().cluster.devices}
     return get_backend(name, **kwargs)
 
 

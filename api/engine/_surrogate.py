@@ -172,7 +172,7 @@ class SurrogateProposer:
             self.failed.add(i)  # infeasible with its cost: lowers the proposals around it
         elif violation <= 0 and values and values[0] and values[0] > 0:
             self.obs.setdefault(i, []).append(math.log(values[0]))
-        # peaks and OOMs: the problem's memory model learns them (Problem.observe)
+        # peaks and OOMs: the problem's memory model learns them (SweepModel.observe)
 
     # --- the posterior -----------------------------------------------------------------------------
 

@@ -60,7 +60,8 @@ def export_sweep(session: Session, *, sweep_id: int, format: str, rank: int | No
         if want > len(rows):
             raise NotFoundError(f"rank={want} is not in sweep {sweep_id}'s ranking (ranks 1..{len(rows)})")
         row = rows[want - 1]
-    model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+    problem = SweepSpec.model_validate(sweep.spec).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     measured = (f"rank {row.rank} of {len(rows)}: {row.tokens_per_s_per_device:.6g} tokens/s per device, "
                 f"median of {row.n} run(s)" + (" (simulated, not measured)" if row.simulated else ""))
     header = [f"sweep {sweep_id} ({sweep.name}), {measured}", *how_sure(row, rows, sweep_id=sweep_id),

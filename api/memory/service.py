@@ -20,7 +20,8 @@ def predicted_parts(spec: dict[str, Any] | None, layout: dict[str, Any]) -> list
     """The memory model's parts for each pp rank of ``layout`` under the sweep's problem (None when the
     stored spec no longer reads, or the layout is not one of it)."""
     try:
-        model, cluster, training = SweepSpec.model_validate(spec).to_problem()
+        problem = SweepSpec.model_validate(spec).to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
         return memory_parts(Layout(**layout), model=model, cluster=cluster, training=training)
     except (ValueError, TypeError):
         return None

@@ -79,11 +79,11 @@ def get_plan(
     and return the fastest predicted ones with their memory and time breakdowns (and, given
     train_tokens / price_per_device_hour, each one's time and cost to train the budget), predicted
     for the stack it is trained with (``stack``)."""
-    m, c, t = service.preset_problem(
+    problem = service.preset_problem(
         model=model, cluster=cluster, nodes=nodes, devices_per_node=devices_per_node, global_batch=global_batch,
         global_batch_tokens=global_batch_tokens, critical_batch_tokens=critical_batch_tokens, precision=precision,
         train_tokens=train_tokens, price_per_device_hour=price_per_device_hour, stack=stack)
-    return PlanOut(**service.plan_answer(session, model=m, cluster=c, training=t, backend=settings.backend, top=top,
+    return PlanOut(**service.plan_answer(session, problem=problem, backend=settings.backend, top=top,
                                          charge=_charger(request, caller)))
 
 
@@ -98,9 +98,9 @@ def post_plan(request: Request, caller: ReaderDep, session: SessionDep, settings
               body: PlanRequest) -> PlanOut:
     """As ``GET /api/plan``, for a model, cluster and training given as mappings (the same rules as a
     sweep's: ``model: {"hf_config": {...}}`` takes the config object itself, never a path)."""
-    m, c, t = body.to_problem()
-    service.check_devices(c)
-    return PlanOut(**service.plan_answer(session, model=m, cluster=c, training=t, backend=settings.backend,
+    problem = body.to_problem()
+    service.check_devices(problem.cluster)
+    return PlanOut(**service.plan_answer(session, problem=problem, backend=settings.backend,
                                          top=body.top, charge=_charger(request, caller)))
 
 
@@ -146,11 +146,11 @@ def get_plan_sizes(
     """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
     batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
     counts = check_node_counts(nodes, field="nodes")
-    m, c, t = service.preset_problem(
+    problem = service.preset_problem(
         model=model, cluster=cluster, nodes=counts[0], devices_per_node=devices_per_node, global_batch=global_batch,
         global_batch_tokens=global_batch_tokens, critical_batch_tokens=critical_batch_tokens, precision=precision,
         train_tokens=train_tokens, price_per_device_hour=price_per_device_hour, stack=stack)
-    return PlanSizesOut(**service.sizes_answer(model=m, cluster=c, training=t, counts=counts, scale_batch=scale_batch,
+    return PlanSizesOut(**service.sizes_answer(problem=problem, counts=counts, scale_batch=scale_batch,
                                                charge=_charger(request, caller)))
 
 

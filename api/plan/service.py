@@ -12,6 +12,7 @@ which figures (a stored probe's or the datasheet's) a plan is made with.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from tuner import (
     ClusterSpec,
     Layout,
     ModelSpec,
+    Problem,
     SpecError,
     TrainingSpec,
     check_planning_work,
@@ -92,7 +94,7 @@ def _timed(compute: Callable[[], Any]) -> tuple[Any, float]:
 def preset_problem(*, model: str, cluster: str, nodes: int | None, devices_per_node: int | None,
                    global_batch: int | None, global_batch_tokens: int | None, critical_batch_tokens: int | None,
                    precision: str, train_tokens: float | None, price_per_device_hour: float | None,
-                   stack: str = "meshtune") -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+                   stack: str = "meshtune") -> Problem:
     """The problem named by presets and overrides (the GET routes' query parameters)."""
     overrides = {k: v for k, v in (("nodes", nodes), ("devices_per_node", devices_per_node),
                                    ("price_per_device_hour", price_per_device_hour)) if v is not None}
@@ -103,7 +105,7 @@ def preset_problem(*, model: str, cluster: str, nodes: int | None, devices_per_n
     m, t = preset_model_training(model=model, global_batch=global_batch, global_batch_tokens=global_batch_tokens,
                                  critical_batch_tokens=critical_batch_tokens, precision=precision,
                                  train_tokens=train_tokens, stack=stack)
-    return m, c, t
+    return Problem(model=m, cluster=c, training=t)
 
 
 def preset_model_training(*, model: str, global_batch: int | None, global_batch_tokens: int | None,
@@ -134,10 +136,10 @@ def check_devices(c: ClusterSpec) -> None:
         )
 
 
-def plan_answer(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                backend: str, top: int, charge: Charge) -> dict[str, Any]:
+def plan_answer(session: Session, *, problem: Problem, backend: str, top: int, charge: Charge) -> dict[str, Any]:
     """The plan of the problem on the cluster's stored probe where there is one (``backend``'s, as
     ``meshtune plan`` does), cached, or a new one charged first: the fields of a PlanOut."""
+    model, cluster, training = problem.model, problem.cluster, problem.training
     row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored_in(
         session, model=model, cluster=cluster, training=training, backend=backend)
     c, figures = plan_figures(row=row, note=note, cluster=cluster, training=training)
@@ -145,19 +147,19 @@ def plan_answer(session: Session, *, model: ModelSpec, cluster: ClusterSpec, tra
     if answer is None:
         charge(check_planning_work(model=model, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                    remedy="plan it with `meshtune plan`, which has no such limit"))
-        answer = _PLANS.put((model, c, training), _timed(lambda: plan(model=model, cluster=c, training=training)))
+        probed = dataclasses.replace(problem, cluster=c)
+        answer = _PLANS.put((model, c, training), _timed(lambda: plan(problem=probed)))
     result, seconds = answer
     return {**result.to_dict(top=top), "seconds": round(seconds, 4), "figures": figures}
 
 
-def sizes_answer(*, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, counts: tuple[int, ...],
-                 scale_batch: bool, charge: Charge) -> dict[str, Any]:
+def sizes_answer(*, problem: Problem, counts: tuple[int, ...], scale_batch: bool, charge: Charge) -> dict[str, Any]:
     """The best predicted layout at each node count and the comparison's figure: the fields of a
     PlanSizesOut (cached, or bounded and charged as a new plan is)."""
-    m, c, t = model, cluster, training
+    m, c, t = problem.model, problem.cluster, problem.training
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
     points, seconds = _bounded(_SIZES, (m, c, t, counts, scale_batch), m, sizes, charge,
-                               lambda: plan_sizes(model=m, cluster=c, training=t, nodes=counts, scale_batch=scale_batch))
+                               lambda: plan_sizes(problem=problem, nodes=counts, scale_batch=scale_batch))
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
     return dict(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
                 sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),

@@ -27,7 +27,8 @@ def step_time_errors(sweep: Any, ranking: Any) -> dict[str, Any] | None:
     if not rows:
         return None
     try:
-        model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+        problem = SweepSpec.model_validate(sweep.spec).to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
     except ValueError:
         return None
     probe = (sweep.calibration or {}).get("probe")

@@ -29,7 +29,8 @@ def problem(sweep: Any) -> tuple[ClusterSpec, TrainingSpec] | None:
 
 def _problem_of(spec: dict[str, Any]) -> tuple[ClusterSpec, TrainingSpec] | None:
     try:
-        _, cluster, training = SweepSpec.model_validate(spec).to_problem()
+        problem = SweepSpec.model_validate(spec).to_problem()
+        cluster, training = problem.cluster, problem.training
     except ValueError:
         return None
     return cluster, training

@@ -222,7 +222,8 @@ def _repredicted(sweep: Sweep, kept: Predictions, stale: dict[str, Layout]) -> P
     if not stale:
         return kept
     try:
-        model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+        problem = SweepSpec.model_validate(sweep.spec).to_problem()
+        model, cluster, training = problem.model, problem.cluster, problem.training
     except ValueError:  # a stored spec this version no longer reads: no error rather than a mixed one
         return kept
     return {**kept, **predict_under(sweep.calibration, stale, model=model, cluster=cluster, training=training)}

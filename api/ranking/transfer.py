@@ -77,7 +77,8 @@ class Transfer:
 
 
 def _problem(sweep: Any, stack: str) -> tuple[Any, Any, Any, Any]:
-    model, cluster, training = SweepSpec.model_validate(sweep.spec).to_problem()
+    problem = SweepSpec.model_validate(sweep.spec).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     return model, cluster, training, dataclasses.replace(training, stack=stack)
 
 

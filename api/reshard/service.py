@@ -51,7 +51,8 @@ def _steps(name: str, value: Any) -> int:
 def build_job(sweep_spec: dict[str, Any], *, from_layout: Any, to_layout: Any, steps_before: int,
               steps_after: int, corrupt: str | None = None, checkpoint_dir: str = "<temporary>") -> ReshardJob:
     """The check for a sweep's problem (model, cluster, training), validated (raises before any run)."""
-    model, cluster, training = SweepSpec.model_validate(sweep_spec).to_problem()
+    problem = SweepSpec.model_validate(sweep_spec).to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     job = ReshardJob(
         model=model, cluster=cluster, training=training,
         from_layout=parse_layout("from_layout", from_layout), to_layout=parse_layout("to_layout", to_layout),
@@ -71,7 +72,8 @@ def refusal(sweep: Any) -> str | None:
     size is known only once Ray is up in this process (it is never started to answer this): before
     that the Ray backend's own check refuses such a job, naming the numbers, before any rank starts."""
     try:
-        model, cluster, _ = SweepSpec.model_validate(sweep.spec).to_problem()
+        problem = SweepSpec.model_validate(sweep.spec).to_problem()
+        model, cluster = problem.model, problem.cluster
     except ValueError:
         return None  # build_job reports the spec's own error
     where = f"{model.name} on {cluster.devices} ranks of {cluster.name}"

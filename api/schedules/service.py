@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from api import store
 from api.auth import Principal, require_owner
-from api.engine._model import check_runnable
+from api.engine._submission import check_runnable
 from api.paging import MAX_ID, check_page
 from api.schedules import _store
 from api.schedules._cron import as_utc, next_fire

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from api import store
 from api._lru import LRU
 from api.auth import Principal, require_owner
-from api.engine._model import check_runnable
+from api.engine._submission import check_runnable
 from api.paging import check_page
 from api.ranking.service import median
 from api.settings import Settings
@@ -86,7 +86,8 @@ def check_submission(session: Session, *, spec: SweepSpec, owner: str | None, pr
         raise SpecError(f"priority={priority!r} is not a priority (one of {', '.join(store.SWEEP_PRIORITIES)})")
 
     known = tuner.REFERENCE_LAYOUTS
-    model, cluster, training = spec.to_problem()
+    problem = spec.to_problem()
+    model, cluster, training = problem.model, problem.cluster, problem.training
     for i, name in enumerate(spec.search.reference_layouts):
         if name not in known:
             raise SpecError(

@@ -42,7 +42,7 @@ def upgrade() -> None:
     try:
         for sweep_id, spec in bind.execute(sa.select(_SWEEPS.c.id, _SWEEPS.c.spec).order_by(_SWEEPS.c.id)).all():
             try:  # the problem's training (global batch) decides the micro-batch count, so the twins
-                training = SweepSpec.model_construct(**(spec or {})).to_problem()[2]
+                training = SweepSpec.model_construct(**(spec or {})).to_problem().training
             except Exception as exc:  # noqa: BLE001 - an old spec that no longer builds: left as it is
                 log.warning("sweep %s: not re-keyed, its spec does not build a problem (%s)", sweep_id, exc)
                 continue
