@@ -323,7 +323,7 @@ def tokens_text(n: float | None, *, dash: str = DASH) -> str:
 
 def budget_cells(budget: Mapping[str, Any] | Any | None, *, simulated: bool = False,
                  dash: str = DASH) -> dict[str, str]:
-    """A layout's time and cost to train the token budget (``tuner._budget.Budget`` or its dict)
+    """A layout's time and cost to train the token budget (``tuner.TrainingBudget`` or its dict)
     as table cells; from simulated throughput they say so."""
     if budget is None:
         return {"time": dash, "cost": dash, "per_mtok": dash}

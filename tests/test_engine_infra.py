@@ -14,7 +14,7 @@ import pytest
 import tuner
 from api import store
 from api.engine import SweepRunner, _loop
-from api.engine._budget import Budget
+from api.engine._budget import SearchBudget
 from api.engine._context import LoopContext
 from api.settings import Settings
 from api.spec import SweepSpec
@@ -159,7 +159,7 @@ def test_a_backend_error_is_recorded_truthfully_on_each_trial_in_flight(db):
 
 
 def _context(search, space):
-    """A loop's context for ``Budget`` alone: a spec's search section and a model's listed flag and space."""
+    """A loop's context for ``SearchBudget`` alone: a spec's search section and a model's listed flag and space."""
     return LoopContext(sweep_id=1, spec=SimpleNamespace(search=search), sessions=None, runner_id="t",
                        problem=SimpleNamespace(listed=False, space=space), stop=threading.Event())
 
@@ -177,7 +177,7 @@ def test_remeasure_plan_ranks_layouts_by_their_median_search_measurement():
     # One lucky fast measurement among slow ones must not make a contender of its layout.
     ctx.rows = {i: r for i, r in enumerate([row(0, lucky, 900.0), row(1, lucky, 100.0), row(2, lucky, 110.0),
                                             row(3, steady, 500.0), row(4, steady, 480.0)])}
-    assert [(lay.key, rep) for lay, rep in Budget(ctx).remeasure_plan()] == [(steady, 1)]
+    assert [(lay.key, rep) for lay, rep in SearchBudget(ctx).remeasure_plan()] == [(steady, 1)]
 
 
 def test_remeasure_plan_spends_no_more_than_the_announced_re_measurements():
@@ -193,7 +193,7 @@ def test_remeasure_plan_spends_no_more_than_the_announced_re_measurements():
                                status="completed", repeat=repeat)
 
     ctx = _context(SimpleNamespace(remeasure_top_k=2, repeats=2), space)
-    budget = Budget(ctx)
+    budget = SearchBudget(ctx)
     ctx.rows = {i: r for i, r in enumerate([row(0, a, 1000.0), row(1, b, 990.0), row(2, c, 980.0)])}
     first = [(lay.key, rep) for lay, rep in budget.remeasure_plan()]
     assert first == [(a, 1), (b, 1)]

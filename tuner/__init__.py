@@ -4,7 +4,7 @@ Public names are re-exported here from private modules (Optuna's convention); im
 This package imports neither torch.distributed nor the database.
 """
 
-from tuner._budget import training_budget
+from tuner._budget import TrainingBudget, training_budget
 from tuner._confirm import compare, drift
 from tuner._devices import DevicePoint, cluster_types, compare_devices, devices_figure
 from tuner._errors import (
@@ -234,6 +234,7 @@ __all__ = [
     "summary",
     "t_quantile",
     "to_dict",
+    "TrainingBudget",
     "training_budget",
     "training_spec",
     "twin_note",

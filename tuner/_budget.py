@@ -11,7 +11,7 @@ from tuner._formulas import cost_per_token, device_hours, time_to_train_s
 
 
 @dataclass(frozen=True)
-class Budget:
+class TrainingBudget:
     """Time and money to train ``train_tokens`` at ``tokens_per_s`` (whole job) on ``devices``.
     None where an input is missing (no token budget, no price)."""
 
@@ -30,17 +30,17 @@ class Budget:
         return {name: getattr(self, name) for name in _BUDGET_FIELDS}
 
 
-_BUDGET_FIELDS = tuple(f.name for f in dataclasses.fields(Budget))
+_BUDGET_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingBudget))
 
 
 def training_budget(tokens_per_s: float, *, devices: int, train_tokens: float | None,
-                    price_per_device_hour: float | None) -> Budget:
-    """``Budget`` of a sustained whole-job ``tokens_per_s`` (measured or predicted)."""
+                    price_per_device_hour: float | None) -> TrainingBudget:
+    """``TrainingBudget`` of a sustained whole-job ``tokens_per_s`` (measured or predicted)."""
     ok = tokens_per_s > 0
     seconds = time_to_train_s(train_tokens, tokens_per_s) if ok and train_tokens else None
     hours = device_hours(devices, seconds) if seconds is not None else None
     price = price_per_device_hour
-    return Budget(
+    return TrainingBudget(
         tokens_per_s=tokens_per_s, devices=devices, train_tokens=train_tokens, price_per_device_hour=price,
         time_to_train_s=seconds, device_hours=hours,
         cost=None if hours is None or price is None else hours * price,

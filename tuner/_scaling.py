@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tuner._budget import Budget, training_budget
+from tuner._budget import TrainingBudget, training_budget
 from tuner._errors import SpecError
 from tuner._formulas import useful_tokens_per_s
 from tuner._plan import plan
@@ -65,7 +65,7 @@ class SizePoint:
     tokens_per_s_per_device: float | None
     mfu: float | None
     useful_tokens_per_s: float | None
-    budget: Budget | None
+    budget: TrainingBudget | None
     feasible: int
     why: str | None = None
 

@@ -1,4 +1,4 @@
-"""When a sweep's search stops and what it re-measures (``Budget``, one of the loop's collaborators).
+"""When a sweep's search stops and what it re-measures (``SearchBudget``, one of the loop's collaborators).
 
 Budgets: ``max_trials`` counts search trial numbers (pruned ones included); ``max_device_seconds``
 stops new trials once the recorded trials have held devices that long; ``patience`` stops after k
@@ -15,7 +15,7 @@ from api.engine._context import LoopContext
 from tuner import Layout, rank
 
 
-class Budget:
+class SearchBudget:
     """Reads the context's rows, spent device-seconds, seen layouts, spec and model; the loop tells it
     when the proposer has nothing more (``note_exhausted``)."""
 

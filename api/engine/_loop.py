@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from api import store
-from api.engine._budget import Budget
+from api.engine._budget import SearchBudget
 from api.engine._claim import Claim, KeepAlive, LostClaim
 from api.engine._confirm import CONFIRM, Confirm
 from api.engine._context import LoopContext
@@ -83,7 +83,7 @@ class SweepLoop:
         # 3. the claim: the restart rule, the check before each insert, the heartbeat;
         self.claim = Claim(self.ctx)
         # 4. the budget: when the search stops, what is re-measured;
-        self.budget = Budget(self.ctx)
+        self.budget = SearchBudget(self.ctx)
         # 5. learning: what each outcome teaches the sampler, the model and the calibration;
         self.learning = Learning(self.ctx, self.proposer)
         # 6. confirm runs: the round asked, begun under the claim;

@@ -38,7 +38,7 @@ def _problem_of(spec: dict[str, Any]) -> tuple[ClusterSpec, TrainingSpec] | None
 
 def row_budget(tokens_per_s_per_device: float | None, *, cluster: ClusterSpec, training: TrainingSpec,
                simulated: bool) -> dict[str, Any] | None:
-    """``tuner._budget.Budget`` of one ranked layout as a dict, plus whether it is simulated."""
+    """``tuner.TrainingBudget`` of one ranked layout as a dict, plus whether it is simulated."""
     if not tokens_per_s_per_device:
         return None
     b = training_budget(tokens_per_s_per_device * cluster.devices, devices=cluster.devices,
