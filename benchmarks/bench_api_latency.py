@@ -88,7 +88,7 @@ def seed(url: str, n_trials: int) -> int:
     """Store one sweep of ``n_trials`` rows (40% pruned, 40% measured once, 20% re-measurements).
     The rows are written in bulk (a loaded 2-core machine would take many minutes through one
     ``record_result`` each), then ranked once by ``store.refresh_sweep_cache`` — the same stored
-    ranking that per-result folding maintains (tests/test_ranking_incremental.py shows they agree)."""
+    ranking that per-result folding maintains (tests/api/sweeps/test_ranking_incremental.py shows they agree)."""
     spec = SweepSpec.model_validate(SPEC | {"search": {"max_trials": n_trials}})
     problem = spec.to_problem()
     model, cluster, training = problem.model, problem.cluster, problem.training

@@ -123,7 +123,7 @@ def main() -> None:
     space, f = SearchSpace(), CalibrationFactors()
     golden = None
     if not args.no_check:
-        from tests import _plan_golden as golden  # the recorded plans and how they are compared
+        from tests.helpers import plan_golden as golden  # the recorded plans and how they are compared
 
     load0 = os.getloadavg()
     print(f"one core (cpu {args.core}), best of {args.repeats}; load average {load0[0]:.2f} {load0[1]:.2f} "

@@ -13,7 +13,7 @@ skipped and listed as skipped, never silently dropped):
    GPUs (with two or more), real layers and steps, the allocator; its figures (tuner/_probe.py)
    are printed beside the datasheet's and the predictions below are made with them (the
    datasheet's prediction is kept beside each);
-1. the CUDA chunk-attention test of context parallelism (``pytest tests/test_cp_ep.py -k cuda``);
+1. the CUDA chunk-attention test of context parallelism (``pytest tests/workers/test_cp_ep.py -k cuda``);
 2. world-size-1 layouts of the model (bf16 on CUDA, seq = the preset's, 2048 for ``llama3-1b``)
    with different micro-batch sizes and activation checkpointing. ZeRO is not varied at world
    size 1: with no data-parallel axis there is nothing to shard, the workers apply no FSDP;
@@ -225,7 +225,7 @@ def _prediction(request: TrialRequest, probed: Any = None) -> dict[str, Any]:
 
 
 def _cp_cuda_test(timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cp_ep.py", "-k", "cuda"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/workers/test_cp_ep.py", "-k", "cuda"]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and not args.skip_pytest:
         cp = _cp_cuda_test(timeout_s=max(10.0, min(120.0, left() - 60.0)))
         report["cp_cuda_test"] = cp
-        check("cp chunk attention on cuda (pytest tests/test_cp_ep.py -k cuda)", cp["ok"], cp["detail"])
+        check("cp chunk attention on cuda (pytest tests/workers/test_cp_ep.py -k cuda)", cp["ok"], cp["detail"])
     else:
         report["skipped"].append("cp cuda pytest: " + ("--skip-pytest" if cuda else "no CUDA in --device cpu"))
 

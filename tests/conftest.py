@@ -41,8 +41,8 @@ def artifacts_dir() -> Path:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     """A headless Chromium shared by a module's tests (each opens its own context); once per module,
-    not per session: tests/_browser.py says why."""
-    from _browser import chromium
+    not per session: tests/helpers/browser.py says why."""
+    from tests.helpers.browser import chromium
 
     with chromium() as b:
         yield b

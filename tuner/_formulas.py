@@ -90,7 +90,7 @@ def layer_activation_bytes(
     out-projection's input.
 
     What eager torch saves beyond Korthikanti's count (each measured by workers/memory_probe.py's
-    saved-tensor hooks, tests/test_memory_harness.py): ``eager_norms``: torch's composite RMSNorm
+    saved-tensor hooks, tests/workers/test_memory_harness.py): ``eager_norms``: torch's composite RMSNorm
     keeps the normalised input before the weight (elt·h) and the fp32 reciprocal RMS (4 B) per token
     and norm; ``kv_repeated``: the attention saves K and V repeated to the query heads;
     ``gathered_inputs``: under sequence parallelism DTensor's all-gather hands the attention and the

@@ -2,7 +2,7 @@
 or a model directory of the local Hugging Face cache (never a network lookup).
 
 The mapping follows each architecture's ``transformers`` implementation, so ``ModelSpec.params``
-equals the parameter count of ``AutoModelForCausalLM.from_config(config)`` (tests/test_hf_config.py
+equals the parameter count of ``AutoModelForCausalLM.from_config(config)`` (tests/tuner/test_hf_config.py
 instantiates every architecture on the meta device and compares). What a config.json does not hold
 is ``seq_len`` (the training sequence length, not ``max_position_embeddings``): it is given
 alongside, or defaults to ``DEFAULT_SEQ_LEN`` capped by ``max_position_embeddings``. Nothing that

@@ -6,7 +6,7 @@ vocab-sharded logits, CP's K/V) is read from its Realisation (tuner/_realise.py,
 the workers assert); the formulas are in tuner/_formulas.py; this module composes them. Every pp
 rank holds different things (the first the embedding and the most micro-batches in flight, the
 last the output head and the logits), so each rank is costed and the costliest one reported. All
-results are bytes; tests/test_memory_harness.py compares each part with the workers' tensors.
+results are bytes; tests/workers/test_memory_harness.py compares each part with the workers' tensors.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ micro-batch's worth times the micro-batches in flight (Narayanan et al. 2021 Sec
 recomputation working set, the logits (last rank) and the per-chunk constants (RoPE tables, CP masks),
 and the framework overhead. Each rank's parts add up to the activations and states the memory model
 composes itself (``MeshMemory.states`` / ``MeshMemory.activations``, asserted), and the costliest
-rank's total is ``estimate_memory``'s (tests/test_memory_timeline.py).
+rank's total is ``estimate_memory``'s (tests/workers/test_memory_timeline.py).
 """
 
 from __future__ import annotations

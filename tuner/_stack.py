@@ -3,7 +3,7 @@
 One small frozen dataclass per stack (``Stack``), each property with its source. ``training.stack``
 names one (``STACKS``); the one memory model (tuner/_memory.py) and the one time model
 (tuner/_timing.py) read it, and so do the model states (``tuner._realise.holding``). ``meshtune`` is
-meshtune's own workers (what a sweep measures, and what tests/test_memory_harness.py checks the memory
+meshtune's own workers (what a sweep measures, and what tests/workers/test_memory_harness.py checks the memory
 model against); ``torchtitan`` and ``megatron`` are those frameworks as meshtune's exports configure
 them (tuner/_export_titan.py, tuner/_export_megatron.py). The long story is docs/stacks.md.
 """
@@ -132,7 +132,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         name="meshtune",
         description="meshtune's own workers (workers/model.py, workers/parallelize.py): what a sweep measures",
         attention="flash",  # torch SDPA, causal (workers/model.py causal_sdpa)
-        repeats_kv=True,  # workers/model.py repeat_kv before SDPA (measured: tests/test_memory_harness.py)
+        repeats_kv=True,  # workers/model.py repeat_kv before SDPA (measured: tests/workers/test_memory_harness.py)
         fused_norms=False,  # nn.RMSNorm, composite on the CPU ranks the harness measures
         swiglu_saved=4,  # workers/model.py: w2(silu(w1 x) * w3 x), eager
         sequence_parallel="dtensor",  # DTensor SequenceParallel (workers/parallelize.py)

@@ -90,7 +90,7 @@ class RankWorker:
     def threads(self) -> dict[str, int]:
         from workers._launch import threads_by_name
 
-        return threads_by_name()  # between trials: no gloo thread of a past trial (tests/test_actor_threads.py)
+        return threads_by_name()  # between trials: no gloo thread of a past trial (tests/workers/test_actor_threads.py)
 
 
 RankActor = ray.remote(concurrency_groups={"control": 1})(RankWorker)

@@ -196,7 +196,7 @@ def release_mesh_caches() -> None:
     ``get_group`` still found the current group, by name; measured with torch 2.13).
     Call after ``destroy_process_group``, in the thread that ran the trial (two caches are per
     thread), then collect garbage (planners and their cost closures are reference cycles). A cache
-    a torch version lacks is skipped: tests/test_actor_threads.py notices a release that no longer
+    a torch version lacks is skipped: tests/workers/test_actor_threads.py notices a release that no longer
     frees the groups."""
     if "torch.distributed.tensor" not in sys.modules:
         return  # no DTensor was ever made in this process: nothing is cached

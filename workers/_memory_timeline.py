@@ -81,7 +81,7 @@ class _Readings:
     """(time, bytes, high-water mark) readings in arrays allocated and written before the step: the
     recorder allocates nothing that lives on while the step runs, so it does not grow the resident
     memory it measures (a list of tuples grew it by 434 kB over 2,000 markers, and by ~15 kB in a
-    tiny model's step, as much as the step's own growth: tests/test_memory_timeline.py). When full, every other reading is dropped and ``stride`` doubles (the sampler then
+    tiny model's step, as much as the step's own growth: tests/workers/test_memory_timeline.py). When full, every other reading is dropped and ``stride`` doubles (the sampler then
     reads half as often); with ``drop_when_full`` later readings are counted, not kept."""
 
     def __init__(self, capacity: int, *, drop_when_full: bool = False) -> None:

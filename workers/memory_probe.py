@@ -1,5 +1,5 @@
 """What one rank of a layout really holds, part by part, measured from its tensors (for the memory
-model's harness, tests/test_memory_harness.py; run on every rank of a process group).
+model's harness, tests/workers/test_memory_harness.py; run on every rank of a process group).
 
 Parts: params, grads and optimizer state (unique storages of this rank's tensors), activations
 per layer (what autograd saves while one micro-batch runs forward, by the running block; storages

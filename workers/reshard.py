@@ -17,8 +17,8 @@ from typing import Any, Literal
 from tuner import ClusterSpec, Layout, LayoutError, ModelSpec, SpecError, TrainingSpec, check_layout
 from workers._contract import TrialRequest
 
-# The workers' numerics tolerances (tests/test_workers_numerics.py RTOL / BF16_RTOL, same values,
-# checked by tests/test_reshard.py): fp32 reduction-order noise, and one bf16 rounding step.
+# The workers' numerics tolerances (tests/workers/test_workers_numerics.py RTOL / BF16_RTOL, same values,
+# checked by tests/api/reshard/test_reshard.py): fp32 reduction-order noise, and one bf16 rounding step.
 LOSS_RTOL = 1e-5
 BF16_LOSS_RTOL = 2e-3
 CORRUPTIONS = ("swap-layers", "permute-shards")

@@ -21,7 +21,7 @@ import numpy as np
 from api.engine._surrogate import _gp
 
 # Memory error assumed far from any measured peak: the spread of the memory model against the
-# workers' measured peaks in tests/test_tuner_memory.py is within 10%; allocator fragmentation and
+# workers' measured peaks in tests/tuner/test_tuner_memory.py is within 10%; allocator fragmentation and
 # communicator buffers on a real cluster add to it. The GP's prior spread (its sd far from measured
 # layouts) is chosen from SIGNAL_SIGMAS by marginal likelihood, never below it: peaks that agree
 # with each other say little of layouts unlike them (a floor of 2% launched twice the OOMs on the

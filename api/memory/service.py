@@ -1,7 +1,7 @@
 """A trial's memory as the trial page and GET /api/sweeps/{id}/trials/{trial_id}/memory show it: every
 rank's stored timeline (workers/_memory_timeline.py) with its pipeline rank's predicted parts
 (tuner/_memory_parts.py, the analytical prior), and the trial's reported peak, which is the
-timelines' maximum (checked by tests/test_memory_timeline.py on a real trial)."""
+timelines' maximum (checked by tests/workers/test_memory_timeline.py on a real trial)."""
 
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def _ranked_state(session: Session, *, sweep_id: int) -> Any:
 
 def ranking_from_trials(session: Session, *, sweep_id: int, metric: str = "tokens_per_s_per_device") -> Ranking:
     """The ranking recomputed from every trial (what each request did before the stored ranking):
-    the reference the stored one is tested against (tests/test_ranking_incremental.py)."""
+    the reference the stored one is tested against (tests/api/sweeps/test_ranking_incremental.py)."""
     _check_metric(metric)
     sweep = _known_sweep(session, sweep_id)
     result = _ranking(session, sweep, metric)

@@ -1,6 +1,6 @@
 """Column types shared by every table of the store.
 
-``UTCDateTime`` is the one timestamp type (every DateTime column uses it; tests/test_store_contract.py
+``UTCDateTime`` is the one timestamp type (every DateTime column uses it; tests/api/store/test_store_contract.py
 checks it): it writes every value as UTC and hands back aware UTC datetimes on SQLite and PostgreSQL
 alike, with the DDL of ``DateTime(timezone=True)``.
 
