@@ -21,7 +21,7 @@ from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
 from tests.helpers.dist import run_ranks
-from tests.workers.test_workers_numerics import RTOL, STEPS
+from tests.helpers.numerics import RTOL, STEPS
 from tuner import Layout, LayoutError, SpecError, check_supported
 from tuner._space import R_WORKLOAD
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,27 +29,10 @@ from api.engine._share import Claimant, DeviceLedger, OwnerLimits
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
+from tests.helpers.devices_held import T0, _peak, _wait
 from tuner import ConflictError
 
 TESTS = Path(__file__).resolve().parents[2]
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - a hang guard, not a threshold
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _peak(rows, key=lambda t: True) -> int:  # noqa: ANN001
-    """The most devices held at once by ``rows`` (their stored [started_at, finished_at) intervals)."""
-    rows = [t for t in rows if key(t) and t.started_at and t.finished_at]
-    return max((sum(o.world_size for o in rows if o.started_at <= t.started_at < o.finished_at) for t in rows),
-               default=0)
-
-
 # --- the ledger alone ----------------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ from api.spec import SweepSpec
 from api.store._leases import ClusterMember, lease_intervals, peak_held
 from api.store._models import utcnow
 from api.sweeps import service as svc
-from tests.api.engine.test_concurrency import _peak, _wait
+from tests.helpers.devices_held import _peak, _wait
 from tests.helpers.pg_server import PgServer, why_not
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]  # hang guard

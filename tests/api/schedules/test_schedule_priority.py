@@ -14,7 +14,7 @@ from api import store
 from api.schedules import _store
 from api.schedules._launch import fire_schedule
 from api.settings import Settings
-from tests.api.schedules.test_schedules import SIM_TEMPLATE
+from tests.helpers.schedules import SIM_TEMPLATE
 
 
 @pytest.fixture

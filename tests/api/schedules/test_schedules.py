@@ -19,13 +19,9 @@ from api.schedules import service as svc
 from api.schedules.schemas import ScheduleIn
 from api.settings import Settings
 from api.store import Trial
+from tests.helpers.schedules import SIM_TEMPLATE
 
 UTC = timezone.utc
-SIM_TEMPLATE = {
-    "name": "nightly-sim", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 8},
-    "search": {"sampler": "random", "max_trials": 4, "repeats": 3, "remeasure_top_k": 1, "warm_start_top_k": 0},
-    "trial": {"warmup_steps": 1, "measure_steps": 3}, "backend": "simulate",
-}
 
 
 @pytest.fixture

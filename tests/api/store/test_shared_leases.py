@@ -23,7 +23,7 @@ from api.spec import SweepSpec
 from api.store._leases import ClusterMember, DeviceWaiter, lease_intervals, peak_held
 from api.store._models import utcnow
 from api.sweeps import service as svc
-from tests.api.engine.test_concurrency import T0, _peak, _wait
+from tests.helpers.devices_held import T0, _peak, _wait
 
 TESTS = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from api.engine import Problem, SweepRunner
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
-from tests.api.test_api import ALICE, client_for
+from tests.helpers.api_client import ALICE, client_for
 from workers.simulate import SimulateBackend
 
 TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}, "backend": "simulate"}
