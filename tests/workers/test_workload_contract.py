@@ -26,12 +26,6 @@ def example(tmp_path, monkeypatch):
     sys.modules.pop("my_model", None)
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
-
 
 CUT_SHAPES = {
     "tiny": "tiny",

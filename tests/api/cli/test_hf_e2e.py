@@ -26,12 +26,6 @@ TINY = HF / "qwen3-moe-tiny.json"
 pytestmark = pytest.mark.filterwarnings(r"ignore::UserWarning:megatron\.core\..*")
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
-
 
 def _sweeps_stored(capsys) -> int:
     assert main(["sweeps", "--json"]) == 0
