@@ -20,7 +20,7 @@ import pytest
 TEST_HOME = tempfile.mkdtemp(prefix="meshtune-test-home-")
 os.environ["MESHTUNE_HOME"] = TEST_HOME
 os.environ.pop("MESHTUNE_DATABASE_URL", None)
-# Sweeps model the cluster from its datasheet unless a test asks for the probe (tests/test_probe*.py):
+# Sweeps model the cluster from its datasheet unless a test asks for the probe (tests/tuner/test_probe.py, tests/api/probes/):
 # a real probe takes tens of seconds on these machines, and most tests' sweeps are about other things.
 os.environ["MESHTUNE_PROBE"] = "off"
 
