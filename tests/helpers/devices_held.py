@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - a hang guard, not a threshold
+def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - a hang guard, not a threshold
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -17,7 +17,7 @@ def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - a han
         time.sleep(0.1)
 
 
-def _peak(rows, key=lambda t: True) -> int:  # noqa: ANN001
+def peak_devices(rows, key=lambda t: True) -> int:  # noqa: ANN001
     """The most devices held at once by ``rows`` (their stored [started_at, finished_at) intervals)."""
     rows = [t for t in rows if key(t) and t.started_at and t.finished_at]
     return max((sum(o.world_size for o in rows if o.started_at <= t.started_at < o.finished_at) for t in rows),
