@@ -40,15 +40,14 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the seeding helper the dashboard tests use
-
-from _dashboard_seed import seed_sweep  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the seeding helper the dashboard tests use (tests.helpers)
 
 from api import store  # noqa: E402
 from api.dashboard import data  # noqa: E402
 from api.main import create_app  # noqa: E402
 from api.settings import Settings  # noqa: E402
 from api.sweeps import service as service  # noqa: E402
+from tests.helpers.dashboard_seed import seed_sweep  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 PLOTS = """() => ['plot-pareto', 'plot-heatmap-0', 'plot-timeline', 'plot-stages', 'plot-losses']

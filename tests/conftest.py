@@ -9,6 +9,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -19,7 +20,7 @@ import pytest
 TEST_HOME = tempfile.mkdtemp(prefix="meshtune-test-home-")
 os.environ["MESHTUNE_HOME"] = TEST_HOME
 os.environ.pop("MESHTUNE_DATABASE_URL", None)
-# Sweeps model the cluster from its datasheet unless a test asks for the probe (tests/test_probe*.py):
+# Sweeps model the cluster from its datasheet unless a test asks for the probe (tests/tuner/test_probe.py, tests/api/probes/):
 # a real probe takes tens of seconds on these machines, and most tests' sweeps are about other things.
 os.environ["MESHTUNE_PROBE"] = "off"
 
@@ -87,6 +88,45 @@ def fresh_pg_url(pg_url: str) -> Iterator[str]:
             )
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
         admin.dispose()
+
+
+class StoreDb(NamedTuple):
+    """A fresh SQLite store: ``settings, sessions = db``; ``db.url`` is its database URL."""
+
+    settings: object  # api.settings.Settings (imported lazily, as every project import here)
+    sessions: object  # its sqlalchemy sessionmaker
+
+    @property
+    def url(self) -> str:
+        return self.settings.database_url
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[StoreDb]:
+    """A SQLite file of its own for one test, migrated to head, and Settings on it (home: tmp_path)."""
+    from api import store
+    from api.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
+    engine, sessions = store.open_store(url)
+    yield StoreDb(Settings(database_url=url, home=tmp_path), sessions)
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database URL on each store the project supports: a SQLite file, and a PostgreSQL
+    database of its own (``fresh_pg_url``)."""
+    return f"sqlite:///{tmp_path / 'store.db'}" if request.param == "sqlite" else request.getfixturevalue("fresh_pg_url")
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A MESHTUNE_HOME of its own (tmp_path/home) and no configured database, for CLI runs in process;
+    returns tmp_path, where a test writes its spec files."""
+    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

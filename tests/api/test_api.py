@@ -8,8 +8,6 @@ import json
 import logging
 import socket
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,49 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from api import store
 from api.auth import match_token
 from api.engine import SweepRunner
-from api.main import create_app
-from api.settings import Settings
+from tests.helpers.api_client import ALICE, CI, SIMULATED, TINY, TOKENS, WRONG, client_for, settings_for
 from tuner import MODEL_PRESETS
-
-TOKENS = {"alice": "tok-alice-5a1d7f0c9e", "ci": "tok-ci-0b3e6c2d81"}
-ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
-CI = {"Authorization": f"Bearer {TOKENS['ci']}"}
-WRONG = {"Authorization": "Bearer tok-alice-5a1d7f0c9X"}
-
-TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16, "precision": "fp32"}}
-SIMULATED = {
-    **TINY,
-    "name": "simulated",
-    "space": {"cp": [1], "mbs": [1, 2], "ac": ["none"], "schedules": ["1f1b"]},
-    "search": {"sampler": "random", "max_trials": 4, "warm_start_top_k": 1, "remeasure_top_k": 2, "repeats": 2},
-    "backend": "simulate",
-}
-
-
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('api') / 'api.db'}"
-    store.upgrade(url)
-    return url
-
-
-def settings_for(db_url: str, **overrides) -> Settings:
-    values = {"home": Path(db_url.removeprefix("sqlite:///")).parent, "database_url": db_url,
-              "api_tokens": TOKENS, "read_requires_auth": False, "ray_address": None, **overrides}
-    return Settings(**values)
-
-
-@contextmanager
-def client_for(db_url: str, **overrides) -> Iterator[TestClient]:
-    app = create_app(settings_for(db_url, **overrides), run_engine=False)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(db_url: str) -> Iterator[TestClient]:
-    with client_for(db_url) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,7 @@ from fastapi.testclient import TestClient
 from api import store
 from api.main import create_app
 from api.settings import Settings
-from tests.api.test_api import ALICE, SIMULATED, TINY, TOKENS, WRONG, client_for
-
-
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('api-input') / 'api.db'}"
-    store.upgrade(url)
-    return url
-
-
-@pytest.fixture(scope="module")
-def client(db_url: str) -> Iterator[TestClient]:
-    with client_for(db_url) as c:
-        yield c
-
-
+from tests.helpers.api_client import ALICE, SIMULATED, TINY, TOKENS, WRONG, client_for
 
 
 @pytest.fixture(scope="module")

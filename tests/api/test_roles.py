@@ -36,7 +36,7 @@ def _auth(name: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+def roles_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     db = tmp_path_factory.mktemp("roles") / "roles.db"
     url = f"sqlite:///{db}"
     store.upgrade(url)
@@ -45,14 +45,14 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         yield c
 
 
-def _sweep(client: TestClient) -> int:
-    r = client.post("/api/sweeps", json=SPEC, headers=_auth("alice"))
+def _sweep(roles_client: TestClient) -> int:
+    r = roles_client.post("/api/sweeps", json=SPEC, headers=_auth("alice"))
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
 
-def _schedule(client: TestClient) -> int:
-    r = client.post("/api/schedules", json={"name": "nightly", "cron": "0 2 * * *", "template": SPEC},
+def _schedule(roles_client: TestClient) -> int:
+    r = roles_client.post("/api/schedules", json={"name": "nightly", "cron": "0 2 * * *", "template": SPEC},
                     headers=_auth("alice"))
     assert r.status_code == 201, r.text
     return r.json()["id"]
@@ -148,8 +148,8 @@ WRITES = {
 }
 
 
-def test_every_write_route_is_covered(client: TestClient) -> None:
-    found = _write_routes(client.app)
+def test_every_write_route_is_covered(roles_client: TestClient) -> None:
+    found = _write_routes(roles_client.app)
     assert found, "no write route found: the route walk is broken"
     missing = found - set(WRITES) - set(EXEMPT)
     assert not missing, f"write routes without a role test (add them to WRITES): {sorted(missing)}"
@@ -158,9 +158,9 @@ def test_every_write_route_is_covered(client: TestClient) -> None:
 
 @pytest.mark.parametrize("route", sorted(WRITES), ids=lambda r: f"{r[0]} {r[1]}")
 @pytest.mark.parametrize("who", CALLERS)
-def test_write_route_by_role(client: TestClient, route: tuple[str, str], who: str) -> None:
+def test_write_route_by_role(roles_client: TestClient, route: tuple[str, str], who: str) -> None:
     call, allowed, ok = WRITES[route]
-    response, unchanged = call(client, who)
+    response, unchanged = call(roles_client, who)
     if who in allowed:
         assert response.status_code == ok, (who, response.text)
         return
@@ -179,16 +179,16 @@ def test_write_route_by_role(client: TestClient, route: tuple[str, str], who: st
         assert read() == value
 
 
-def test_reads_stay_open_to_every_role(client: TestClient) -> None:
-    sid = _sweep(client)
+def test_reads_stay_open_to_every_role(roles_client: TestClient) -> None:
+    sid = _sweep(roles_client)
     for who in CALLERS:
-        assert client.get(f"/api/sweeps/{sid}", headers=_auth(who)).status_code == 200
-    assert client.get(f"/api/sweeps/{sid}").status_code == 200  # reads do not require auth here
+        assert roles_client.get(f"/api/sweeps/{sid}", headers=_auth(who)).status_code == 200
+    assert roles_client.get(f"/api/sweeps/{sid}").status_code == 200  # reads do not require auth here
     for who in CALLERS:  # the exempt POST read is open to read-only tokens too
-        r = client.post("/api/plan", json={"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
+        r = roles_client.post("/api/plan", json={"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
                                            "top": 1}, headers=_auth(who))
         assert r.status_code == 200, (who, r.text)
-        r = client.post("/api/plan/devices", json={"model": "tiny", "cluster": {"preset": ["cpu-local"]},
+        r = roles_client.post("/api/plan/devices", json={"model": "tiny", "cluster": {"preset": ["cpu-local"]},
                                                    "training": {"global_batch": 16}}, headers=_auth(who))
         assert r.status_code == 200, (who, r.text)
 
@@ -209,13 +209,13 @@ def test_roles_from_settings_and_defaults() -> None:
         Settings(api_roles="abc", database_url="sqlite://")
 
 
-def test_dashboard_hides_actions_from_a_read_only_token(client: TestClient) -> None:
-    _sweep(client)
-    client.cookies.set("meshtune_token", TOKENS["viewer"])
+def test_dashboard_hides_actions_from_a_read_only_token(roles_client: TestClient) -> None:
+    _sweep(roles_client)
+    roles_client.cookies.set("meshtune_token", TOKENS["viewer"])
     try:
-        page = client.get("/").text
+        page = roles_client.get("/").text
         assert 'id="submit"' not in page and 'id="read-only"' in page
-        client.cookies.set("meshtune_token", TOKENS["alice"])
-        assert 'id="submit"' in client.get("/").text
+        roles_client.cookies.set("meshtune_token", TOKENS["alice"])
+        assert 'id="submit"' in roles_client.get("/").text
     finally:
-        client.cookies.clear()
+        roles_client.cookies.clear()

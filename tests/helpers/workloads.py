@@ -1,4 +1,4 @@
-"""Test workloads (``workload: _workloads:NAME``): the built-in model cut to the contract
+"""Test workloads (``workload: tests.helpers.workloads:NAME``): the built-in model cut to the contract
 (``workers.workload.builtin_parts``) under capabilities that refuse some layouts, so a test can
 check that nothing the workload refuses is enumerated, proposed or run."""
 

@@ -10,11 +10,6 @@ from alembic.runtime.migration import MigrationContext
 from api import store
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def url(request, tmp_path):
-    return f"sqlite:///{tmp_path / 'm.db'}" if request.param == "sqlite" else request.getfixturevalue("fresh_pg_url")
-
-
 def _tables(url: str) -> set[str]:
     engine = store.create_engine(url)
     try:

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from api import store
 from api.cli import main
 from api.spec import SweepSpec
-from tests.api.test_api import ALICE, client_for
+from tests.helpers.api_client import ALICE, client_for
 from tuner import (
     Layout,
     LayoutError,

@@ -144,7 +144,7 @@ def test_cli_nodes_not_an_integer_is_argparse_exit_2(capsys: pytest.CaptureFixtu
     assert exc.value.code == 2 and "'x' is not a whole number of nodes" in capsys.readouterr().err
 
 
-NOKV_SPEC = "model: tiny\ncluster: cpu-local\nworkload: _workloads:NOKV\ntraining: {global_batch: 16}\n"
+NOKV_SPEC = "model: tiny\ncluster: cpu-local\nworkload: tests.helpers.workloads:NOKV\ntraining: {global_batch: 16}\n"
 
 
 def test_sizes_plan_only_what_the_workload_runs():

@@ -213,7 +213,7 @@ def test_a_probed_plan_costs_every_layout_as_the_per_layout_estimators_do(name):
     """The plan's array path reads every probed term as the single-layout path does: per-op links (sp
     apart from no sp), layer and ends overheads, recompute, compute sharing in the bubble, the
     optimiser's constant, per-unit sync, the baseline and the allocator's share. The same numbers."""
-    from tests import _plan_golden as golden
+    from tests.helpers import plan_golden as golden
 
     problem, opts = golden.problem(name)
     model, sheet, training = problem.model, problem.cluster, problem.training

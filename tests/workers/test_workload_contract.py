@@ -6,7 +6,6 @@ the field and value (CLI exit 2, HTTP 422) before anything is stored or launched
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -15,20 +14,8 @@ import torch
 import yaml
 
 from api.cli import main
+from tests.helpers.readme import README, readme_example
 from tuner import Capabilities, Layout, LayoutError, check_supported, model_spec, training_spec
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "### Your own model code: the workload contract"
-
-
-def readme_example(tmp_path: Path) -> tuple[Path, dict]:
-    """The README's example: its ``my_model.py`` written into ``tmp_path`` and its sweep spec."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split(SECTION, 1)[1].split("\n### ", 1)[0]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    spec = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "my_model.py").write_text(code, encoding="utf-8")
-    return tmp_path, yaml.safe_load(spec)
 
 
 @pytest.fixture
@@ -38,12 +25,6 @@ def example(tmp_path, monkeypatch):
     yield spec
     sys.modules.pop("my_model", None)
 
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
 
 
 CUT_SHAPES = {
@@ -160,7 +141,7 @@ def test_http_refuses_a_bad_workload_with_422_naming_it(tmp_path):
     from fastapi.testclient import TestClient  # noqa: F401 - the API's own client
 
     from api import store
-    from tests.api.test_api import ALICE, client_for
+    from tests.helpers.api_client import ALICE, client_for
 
     url = f"sqlite:///{tmp_path / 'api.db'}"
     store.upgrade(url)

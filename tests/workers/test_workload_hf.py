@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
-from tests.workers.test_workers_numerics import RTOL, STEPS
-from tests.workers.test_workload_contract import readme_example
+from tests.helpers.numerics import RTOL, STEPS
+from tests.helpers.readme import readme_example
 from tuner import Layout, LayoutError, ModelSpec, cluster_spec, training_spec
 from workers import TrialRequest
 

@@ -16,11 +16,10 @@ import torch
 import tuner
 from api import store
 from api.engine import SweepModel, SweepRunner, check_runnable
-from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
 from tests.helpers.dist import run_ranks
-from tests.workers.test_workers_numerics import RTOL, STEPS
+from tests.helpers.numerics import RTOL, STEPS
 from tuner import Layout, LayoutError, SpecError, check_supported
 from tuner._space import R_WORKLOAD
 
@@ -77,13 +76,6 @@ def test_what_the_space_cannot_cut_is_counted_as_refused():
     assert enum.refusal == ("workload 'nokv' needs tp=4 to divide kv_heads=2 (it cannot keep k/v projections "
                             "whole)")
 
-
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'e.db'}"
-    engine, sessions = store.open_store(url)
-    yield Settings(database_url=url, home=tmp_path), sessions
-    engine.dispose()
 
 
 def test_a_sweep_proposes_none_of_the_layouts_its_workload_refuses(db):

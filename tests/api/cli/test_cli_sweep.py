@@ -11,13 +11,6 @@ import yaml
 from api.cli import main
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
-
-
 def _spec(tmp_path, name="s.yaml", **over):
     data = {"name": "cli", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},
             "search": {"sampler": "tpe", "max_trials": 6, "remeasure_top_k": 1, "repeats": 2}, "backend": "simulate"}

@@ -25,12 +25,6 @@ from workers.simulate import SimulateBackend
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
-
 
 def _spec(tmp_path: Path, name: str = "s.yaml", **over) -> Path:
     data = {"name": "first", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16},

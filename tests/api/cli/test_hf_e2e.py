@@ -26,12 +26,6 @@ TINY = HF / "qwen3-moe-tiny.json"
 pytestmark = pytest.mark.filterwarnings(r"ignore::UserWarning:megatron\.core\..*")
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
-
 
 def _sweeps_stored(capsys) -> int:
     assert main(["sweeps", "--json"]) == 0
@@ -136,7 +130,7 @@ def test_an_unreadable_config_is_one_line_in_plan_run_trial_and_sweep(home, caps
 
 def test_api_refuses_a_wrong_typed_or_empty_config_and_a_workload_off_contract(tmp_path):
     from api import store
-    from tests.api.test_api import ALICE, client_for
+    from tests.helpers.api_client import ALICE, client_for
 
     url = f"sqlite:///{tmp_path / 'api.db'}"
     store.upgrade(url)

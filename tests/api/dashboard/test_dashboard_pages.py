@@ -135,20 +135,20 @@ def stored(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(stored):
+def pages_client(stored):
     app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False), run_engine=False)
     with TestClient(app) as c:
         yield c
 
 
-def test_sweep_page_and_its_chart_data(client, stored):
+def test_sweep_page_and_its_chart_data(pages_client, stored):
     sid = stored["sid"]
     truth = summary_of(stored["sessions"], sid)
-    r = client.get(f"/sweeps/{sid}")
+    r = pages_client.get(f"/sweeps/{sid}")
     assert r.status_code == 200
     # The charts' data is fetched by dashboard.js (data.json), not embedded in the page.
     assert 'id="sweep-data"' not in r.text and f'data-data-url="/sweeps/{sid}/data.json"' in r.text
-    bundle = client.get(f"/sweeps/{sid}/data.json").json()
+    bundle = pages_client.get(f"/sweeps/{sid}/data.json").json()
     assert bundle["live"] is False and bundle["pareto"]["points"] == len(truth["pareto"])
     assert sum(len(t["x"]) for t in bundle["timeline"]["traces"]) == truth["n_trials"]
     assert bundle["summary"]["best_tokens_per_s_per_device"] == views.sig(truth["ranking"].rows[0].median)
@@ -210,40 +210,40 @@ def test_sweep_page_etag_and_a_new_result_renders_it_again(tmp_path):
     engine.dispose()
 
 
-def test_trial_pages_and_filters(client, stored):
+def test_trial_pages_and_filters(pages_client, stored):
     sid = stored["sid"]
     with stored["sessions"]() as s:
         crash = service.list_trials(s, sweep_id=sid, status="crash").items[0]
         oom = service.list_trials(s, sweep_id=sid, status="oom").items[0]
-    r = client.get(f"/sweeps/{sid}/trials/{crash.id}")
+    r = pages_client.get(f"/sweeps/{sid}/trials/{crash.id}")
     assert r.status_code == 200 and "injected crash on rank 1" in r.text and "RuntimeError" in r.text
-    r = client.get(f"/sweeps/{sid}/trials/{oom.id}")
+    r = pages_client.get(f"/sweeps/{sid}/trials/{oom.id}")
     assert "exceeds device_memory" in r.text and "bytes_requested" in r.text
-    only_oom = client.get(f"/sweeps/{sid}/tables?trial_status=oom").text
+    only_oom = pages_client.get(f"/sweeps/{sid}/tables?trial_status=oom").text
     table = only_oom.split('id="trials-table"')[1]
     assert table.count('class="badge oom"') == table.count("data-trial=") >= 1
 
 
-def test_unknown_ids_are_404_pages(client, stored):
-    assert client.get("/sweeps/999999").status_code == 404
-    assert "sweep 999999 does not exist" in client.get("/sweeps/999999").text
-    assert client.get(f"/sweeps/{stored['sid']}/trials/999999").status_code == 404
-    assert client.get("/sweeps/999999/data.json").status_code == 404
-    assert client.get("/sweeps/abc").status_code == 422  # the API's own message for a bad path value
+def test_unknown_ids_are_404_pages(pages_client, stored):
+    assert pages_client.get("/sweeps/999999").status_code == 404
+    assert "sweep 999999 does not exist" in pages_client.get("/sweeps/999999").text
+    assert pages_client.get(f"/sweeps/{stored['sid']}/trials/999999").status_code == 404
+    assert pages_client.get("/sweeps/999999/data.json").status_code == 404
+    assert pages_client.get("/sweeps/abc").status_code == 422  # the API's own message for a bad path value
 
 
-def test_assets_are_served_locally(client):
+def test_assets_are_served_locally(pages_client):
     import plotly
 
     shipped = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
-    r = client.get("/dashboard/vendor/plotly.min.js")  # httpx asks for gzip and decodes it
+    r = pages_client.get("/dashboard/vendor/plotly.min.js")  # httpx asks for gzip and decodes it
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/javascript")
     assert r.headers["content-encoding"] == "gzip" and r.content == shipped
-    r = client.get("/dashboard/vendor/plotly.min.js", headers={"Accept-Encoding": "identity"})
+    r = pages_client.get("/dashboard/vendor/plotly.min.js", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in r.headers and r.content == shipped
-    assert client.get("/dashboard/vendor/plotly.min.js", headers={"If-None-Match": r.headers["etag"]}).status_code == 304
+    assert pages_client.get("/dashboard/vendor/plotly.min.js", headers={"If-None-Match": r.headers["etag"]}).status_code == 304
     for name in ("dashboard.css", "dashboard.js", "trial.js", "migrate.js", "sweeps.js"):
-        assert client.get(f"/dashboard/static/{name}").status_code == 200
+        assert pages_client.get(f"/dashboard/static/{name}").status_code == 200
 
 
 FORM = {"name": "form sweep", "model": "tiny", "cluster": "cpu-local", "global_batch": "16", "precision": "fp32",
@@ -256,20 +256,20 @@ FORM = {"name": "form sweep", "model": "tiny", "cluster": "cpu-local", "global_b
     ({"model": "gpt-17"}, {"model": "gpt-17"}),
     ({"sampler": "annealing"}, {"search": {"sampler": "annealing", "max_trials": 4}}),
 ])
-def test_form_errors_are_the_api_errors(client, fields, body):
-    r = client.post("/sweeps", data=FORM | fields | {"token": TOKEN})
+def test_form_errors_are_the_api_errors(pages_client, fields, body):
+    r = pages_client.post("/sweeps", data=FORM | fields | {"token": TOKEN})
     assert r.status_code == 422
     shown = re.findall(r'<ul class="form-errors" id="form-errors">\s*<li>(.*?)</li>', r.text, re.S)
     api_body = {"name": "form sweep", "model": "tiny", "cluster": "cpu-local",
                 "training": {"global_batch": 16, "precision": "fp32"},
                 "search": {"sampler": "random", "max_trials": 4}, "backend": "simulate"} | body
-    api = client.post("/api/sweeps", json=api_body, headers={"Authorization": f"Bearer {TOKEN}"})
+    api = pages_client.post("/api/sweeps", json=api_body, headers={"Authorization": f"Bearer {TOKEN}"})
     assert api.status_code == 422
     assert [html.unescape(s) for s in shown] == [api.json()["detail"]]
 
 
-def test_form_submits_a_sweep_owned_by_the_token(client, stored):
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: {tp: [1, 2]}\ntrial: {measure_steps: 2}"},
+def test_form_submits_a_sweep_owned_by_the_token(pages_client, stored):
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: {tp: [1, 2]}\ntrial: {measure_steps: 2}"},
                     follow_redirects=False)
     assert r.status_code == 303
     sid = int(r.headers["location"].rsplit("/", 1)[1])
@@ -277,23 +277,23 @@ def test_form_submits_a_sweep_owned_by_the_token(client, stored):
         sweep = service.get_sweep(s, sweep_id=sid)
         assert sweep.owner == "alice" and sweep.status == "queued" and sweep.sampler == "random"
         assert sweep.spec["space"]["tp"] == [1, 2] and sweep.spec["trial"]["measure_steps"] == 2
-    assert client.get(r.headers["location"]).status_code == 200
+    assert pages_client.get(r.headers["location"]).status_code == 200
 
 
-def test_names_are_escaped(client, stored):
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "<script>alert(1)</script>"})
+def test_names_are_escaped(pages_client, stored):
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "<script>alert(1)</script>"})
     assert r.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
     assert "<script>alert(1)" not in r.text
-    assert "<script>alert(1)" not in client.get("/").text
+    assert "<script>alert(1)" not in pages_client.get("/").text
 
 
-def test_form_needs_a_valid_token_when_auth_is_on(client):
-    r = client.post("/sweeps", data=FORM)
+def test_form_needs_a_valid_token_when_auth_is_on(pages_client):
+    r = pages_client.post("/sweeps", data=FORM)
     assert r.status_code == 401 and "token: missing" in r.text
-    r = client.post("/sweeps", data=FORM | {"token": "nope"})
+    r = pages_client.post("/sweeps", data=FORM | {"token": "nope"})
     assert r.status_code == 403 and "token: not a valid token" in r.text
     assert "nope" not in r.text  # a token is never echoed
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: [1"})
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: [1"})
     assert r.status_code == 422 and "extra: not valid YAML/JSON" in r.text
 
 
@@ -432,11 +432,11 @@ def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stor
 # --- issue 11: ids, and the form's free-text spec ---------------------------------------------------
 
 @pytest.mark.parametrize("bad", ["99999999999999999999", "2147483648", "0"])
-def test_ids_out_of_range_are_422_not_500(client, stored, bad):
+def test_ids_out_of_range_are_422_not_500(pages_client, stored, bad):
     sid = stored["sid"]
     for url in (f"/sweeps/{bad}", f"/sweeps/{bad}/data.json", f"/sweeps/{bad}/importance.json", f"/sweeps/{bad}/tables",
                 f"/sweeps/{bad}/trials/1", f"/sweeps/{sid}/trials/{bad}", f"/schedules/{bad}/trends"):
-        r = client.get(url)
+        r = pages_client.get(url)
         assert r.status_code == 422, (url, r.status_code)
         assert r.json()["errors"][0]["field"] in ("sweep_id", "trial_id", "schedule_id"), url
 
@@ -454,23 +454,23 @@ def _form_errors(page: str) -> list[str]:
     pytest.param("space: {tp: [" + ", ".join(["1"] * 30_000) + "]}",
                  "extra: 90,013 characters exceeds the limit of 65,536", id="90k-chars"),
 ])
-def test_form_spec_text_is_parsed_with_limits_and_only_after_the_token(client, extra, needle):
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": extra})
+def test_form_spec_text_is_parsed_with_limits_and_only_after_the_token(pages_client, extra, needle):
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": extra})
     assert r.status_code == 422 and _form_errors(r.text) == [needle], _form_errors(r.text)
-    r = client.post("/sweeps", data=FORM | {"extra": extra})  # no token: refused before anything is parsed
+    r = pages_client.post("/sweeps", data=FORM | {"extra": extra})  # no token: refused before anything is parsed
     assert r.status_code == 401 and _form_errors(r.text) == ["token: missing — this coordinator needs a token to submit"]
-    r = client.post("/sweeps", data=FORM | {"token": "nope", "extra": extra})
+    r = pages_client.post("/sweeps", data=FORM | {"token": "nope", "extra": extra})
     assert r.status_code == 403 and _form_errors(r.text) == ["token: not a valid token"]
 
 
-def test_form_text_the_store_cannot_hold_names_the_field(client):
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "a\x00b"})
+def test_form_text_the_store_cannot_hold_names_the_field(pages_client):
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "a\x00b"})
     assert r.status_code == 422 and _form_errors(r.text)[0].startswith("name contains a NUL character")
-    r = client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": 'trial: {options: {"x\\0": 1}}'})
+    r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": 'trial: {options: {"x\\0": 1}}'})
     assert r.status_code == 422 and _form_errors(r.text)[0].startswith("trial.options has a key that contains a NUL")
 
 
-def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(client, stored):
+def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(pages_client, stored):
     """The dashboard prints the lines `meshtune show` prints (issue 13): the held-out (leave-one-out)
     Spearman against the prior's, and the earlier sweeps on this cluster it learned from."""
     from api.cli.show import calibration_lines
@@ -485,7 +485,7 @@ def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_f
         sid = service.create_sweep(s, spec=spec, owner="t").id
         store.set_calibration(s, sweep_id=sid, calibration=calibration)
         s.commit()
-    page = client.get(f"/sweeps/{sid}")
+    page = pages_client.get(f"/sweeps/{sid}")
     assert page.status_code == 200
     m = re.search(r'<div class="muted" id="calibration">(.*?)</div></div>', page.text, re.S)
     assert m, "no calibration lines on the sweep page"

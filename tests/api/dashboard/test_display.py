@@ -48,7 +48,7 @@ def site(tmp_path_factory):
     }
     app = create_app(Settings(database_url=url, api_tokens={"alice": TOKEN}, read_requires_auth=False),
                      run_engine=False)
-    app.state.reshard_runner = runner = StubReshardRunner()  # TEST STUB: runs nothing (see _dashboard_seed)
+    app.state.reshard_runner = runner = StubReshardRunner()  # TEST STUB: runs nothing (see tests/helpers/dashboard_seed.py)
     with TestClient(app) as client:
         yield {"client": client, "ids": ids, "sessions": sessions, "url": url, "runner": runner}
     engine.dispose()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,27 +29,10 @@ from api.engine._share import Claimant, DeviceLedger, OwnerLimits
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
+from tests.helpers.devices_held import T0, peak_devices, wait_for
 from tuner import ConflictError
 
 TESTS = Path(__file__).resolve().parents[2]
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001 - a hang guard, not a threshold
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _peak(rows, key=lambda t: True) -> int:  # noqa: ANN001
-    """The most devices held at once by ``rows`` (their stored [started_at, finished_at) intervals)."""
-    rows = [t for t in rows if key(t) and t.started_at and t.finished_at]
-    return max((sum(o.world_size for o in rows if o.started_at <= t.started_at < o.finished_at) for t in rows),
-               default=0)
-
-
 # --- the ledger alone ----------------------------------------------------------------------------
 
 
@@ -184,7 +167,7 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
         def finished(*ids):  # noqa: ANN002, ANN202
             with sessions() as s:
                 return all(store.get_sweep(s, sweep_id=i).status in store.FINISHED_SWEEP_STATUSES for i in ids)
-        _wait(lambda: finished(a, b), 800, "both sweeps to finish")
+        wait_for(lambda: finished(a, b), 800, "both sweeps to finish")
         with sessions() as s:
             assert [store.get_sweep(s, sweep_id=i).status for i in (a, b)] == ["completed", "completed"]
             rows = {i: store.all_trials(s, sweep_id=i) for i in (a, b)}
@@ -195,8 +178,8 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
         # Side by side: some trial of alice's overlaps some trial of bob's.
         assert any(x.started_at < y.finished_at and y.started_at < x.finished_at for x in rows[a] for y in rows[b])
         # Never more devices than the cluster's, nor than an owner's limit, at any stored instant.
-        assert _peak(both) <= capacity and _peak(both) == 4
-        assert _peak(rows[a]) <= 2 and _peak(rows[b]) <= 2
+        assert peak_devices(both) <= capacity and peak_devices(both) == 4
+        assert peak_devices(rows[a]) <= 2 and peak_devices(rows[b]) <= 2
 
         # Cancelling stops the running trial at once: its gang is killed, its group removed.
         with sessions() as s:
@@ -205,7 +188,7 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
         def running_gang():  # noqa: ANN202
             from workers._gangs import POOL
             return next((g for g in POOL._gangs if g.busy and (g.trial_id or "").startswith(f"{c}-")), None)
-        _wait(lambda: running_gang() is not None and all(s.info for s in running_gang().ranks), 600,
+        wait_for(lambda: running_gang() is not None and all(s.info for s in running_gang().ranks), 600,
               "the cancelled sweep's trial to run")
         gang = running_gang()
         groups = [pg.id.hex() for pg in gang.pgs]
@@ -218,7 +201,7 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
             with sessions() as s:
                 live = [t for t in store.all_trials(s, sweep_id=c) if t.status == "running"]
             return not live and all(table.get(g, {}).get("state") in ("REMOVED", None) for g in groups)
-        _wait(freed, 120, "the cancelled trial's devices to be freed")
+        wait_for(freed, 120, "the cancelled trial's devices to be freed")
         took = time.monotonic() - t0
         print(f"cancel -> trial stopped and placement group removed in {took:.1f} s")
         with sessions() as s:
@@ -227,7 +210,7 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
         assert cancelled and all(t.status == "interrupted" and "sweep cancelled" in t.cause for t in cancelled)
         assert took < 30  # the trial alone would have slept 6 x 30 s
         ledger = runner.ledger_for("ray", capacity)
-        _wait(lambda: ledger.free() == ledger.capacity, 30, "the ledger to be free")
+        wait_for(lambda: ledger.free() == ledger.capacity, 30, "the ledger to be free")
         from workers._gangs import POOL
         assert gang not in POOL._gangs and not gang.pgs  # destroyed, not returned to the pool idle
     finally:
@@ -276,7 +259,7 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
 
     first = _start(url, tmp_path)
     try:
-        _wait(mid_sweep, 120, "both sweeps to be mid-way")
+        wait_for(mid_sweep, 120, "both sweeps to be mid-way")
         first.send_signal(signal.SIGKILL)
         first.wait(10)
     finally:
@@ -289,7 +272,7 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
         def done() -> bool:
             with sessions() as s:
                 return all(store.get_sweep(s, sweep_id=i).status in store.FINISHED_SWEEP_STATUSES for i in ids)
-        _wait(done, 180, "both resumed sweeps to finish")
+        wait_for(done, 180, "both resumed sweeps to finish")
     finally:
         second.send_signal(signal.SIGKILL)
         second.wait(10)
@@ -310,7 +293,7 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
     live = [t for t in every if t.status != "interrupted"]
     assert any(x.sweep_id != y.sweep_id and x.started_at < y.finished_at and y.started_at < x.finished_at
                for x in live for y in live)
-    assert _peak(live) <= 8 and all(_peak(live, lambda t, i=i: t.sweep_id == i) <= 4 for i in ids)
+    assert peak_devices(live) <= 8 and all(peak_devices(live, lambda t, i=i: t.sweep_id == i) <= 4 for i in ids)
     engine.dispose()
 
 

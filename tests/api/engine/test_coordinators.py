@@ -38,7 +38,7 @@ from api.spec import SweepSpec
 from api.store._leases import ClusterMember, lease_intervals, peak_held
 from api.store._models import utcnow
 from api.sweeps import service as svc
-from tests.api.engine.test_concurrency import _peak, _wait
+from tests.helpers.devices_held import peak_devices, wait_for
 from tests.helpers.pg_server import PgServer, why_not
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]  # hang guard
@@ -97,16 +97,16 @@ def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
             return {i: sum(t.status == "completed" for t in store.all_trials(s, sweep_id=i)) for i in ids.values()}
 
     try:
-        _wait(lambda: all(sw.status == "running" for sw in sweeps().values()), 180, "all six sweeps to run")
+        wait_for(lambda: all(sw.status == "running" for sw in sweeps().values()), 180, "all six sweeps to run")
         out.wall["start_s"] = time.monotonic() - t0
-        _wait(lambda: min(completed().values()) >= 3, 180, "every sweep to have results")
+        wait_for(lambda: min(completed().values()) >= 3, 180, "every sweep to have results")
         if server is not None:  # phase 2: the store goes away under load and comes back
             def flying() -> set[str]:
                 lines = [line.split() for line in log.read_text().splitlines()]
                 return {r[1] for r in lines if r[0] == "start"} - {r[1] for r in lines if r[0] == "end"}
 
             for _ in range(3):  # stopped while trials run (a stop between two waves of trials is retried)
-                _wait(lambda: len(flying()) >= 2, 120, "trials in flight")
+                wait_for(lambda: len(flying()) >= 2, 120, "trials in flight")
                 out.t["pg_stop"] = utcnow()
                 server.stop()
                 engine.dispose()  # the test's own connections are gone too
@@ -114,11 +114,11 @@ def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
                 if down:
                     break
                 server.start()
-            _wait(lambda: not down & flying(), 120, "the trials in flight to finish while the store is down")
+            wait_for(lambda: not down & flying(), 120, "the trials in flight to finish while the store is down")
             server.start()
             out.t["pg_start"] = utcnow()
             out.outage_ends = down
-        _wait(lambda: min(completed().values()) >= 10, 180, "every sweep to go on")
+        wait_for(lambda: min(completed().values()) >= 10, 180, "every sweep to go on")
         # Phase 3: kill a coordinator (the first one) while it runs trials.
         victim = procs[0]
         by_pid = {int(r.split(":")[1]): r for r in {sw.runner_id for sw in sweeps().values()}}
@@ -131,11 +131,11 @@ def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
             return ({r[1] for r in lines if r[0] == "start" and r[2] == str(victim.pid)}
                     - {r[1] for r in lines if r[0] == "end"})
 
-        _wait(lambda: len(its_flying()) >= 1, 120, "the victim to run trials")
+        wait_for(lambda: len(its_flying()) >= 1, 120, "the victim to run trials")
         out.t["kill"] = utcnow()
         victim.send_signal(signal.SIGKILL)
         victim.wait(30)
-        _wait(lambda: all(sw.status in store.FINISHED_SWEEP_STATUSES for sw in sweeps().values()), 300,
+        wait_for(lambda: all(sw.status in store.FINISHED_SWEEP_STATUSES for sw in sweeps().values()), 300,
               "every sweep to finish")
         out.wall["total_s"] = time.monotonic() - t0
     finally:
@@ -201,7 +201,7 @@ def test_no_device_is_over_granted_at_any_instant(run: Any) -> None:
     assert peak <= DEVICES
     # The trial rows' own intervals agree (an interrupted row ends when it was found, not when its
     # coordinator died: those are left out).
-    assert _peak([t for rows in run.rows.values() for t in rows if t.status != "interrupted"]) <= DEVICES
+    assert peak_devices([t for rows in run.rows.values() for t in rows if t.status != "interrupted"]) <= DEVICES
     # Every grant asked first, and none outlived its release.
     assert all(x.asked_at is not None and x.asked_at <= x.granted_at <= x.released_at for x in run.leases)
     # The killed coordinator's leases were freed by the others (not left to expire), its member row removed.

@@ -21,13 +21,6 @@ from workers.simulate import SimulateBackend
 TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}}
 
 
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'e.db'}"
-    engine, sessions = store.open_store(url)
-    yield Settings(database_url=url, home=tmp_path), sessions
-    engine.dispose()
-
 
 def _sweep(sessions, **spec):
     # ScriptedBackend's own options (oom_tp, crash_pp, sleep_s) are a plug-in's: only a module:attr

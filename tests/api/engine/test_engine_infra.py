@@ -16,7 +16,6 @@ from api import store
 from api.engine import SweepRunner, _loop
 from api.engine._budget import SearchBudget
 from api.engine._context import LoopContext
-from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
 from workers import BackendUnavailable
@@ -27,13 +26,10 @@ SEARCH = {"sampler": "grid", "max_trials": 4, "warm_start_top_k": 0, "remeasure_
 SLOW_START = "cannot start a local Ray after 3 attempts: Exception: The current node timed out during startup"
 
 
-@pytest.fixture
-def db(tmp_path, monkeypatch):
+
+@pytest.fixture(autouse=True)
+def _no_back_off(monkeypatch):
     monkeypatch.setattr(_loop, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))  # back-off without waiting (read in _loop)
-    url = f"sqlite:///{tmp_path / 'i.db'}"
-    engine, sessions = store.open_store(url)
-    yield Settings(database_url=url, home=tmp_path), sessions
-    engine.dispose()
 
 
 def _sweep(sessions, name="s", **search):

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from api import store
 from api.spec import SweepSpec
 from api.sweeps import service as svc
+from tests.helpers.devices_held import wait_for
 
 TESTS = Path(__file__).resolve().parents[2]
 COORDINATOR = """
@@ -30,14 +30,6 @@ def _start(url: str, home: Path) -> subprocess.Popen:
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-c", COORDINATOR], env=env, cwd=TESTS.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -60,7 +52,7 @@ def test_killed_coordinator_resumes_with_every_trial_exactly_once(backend_db, tm
 
     first = _start(url, tmp_path)
     try:
-        _wait(lambda: sum(t.status == "completed" for t in rows()) >= 4 and any(t.status == "running" for t in rows()),
+        wait_for(lambda: sum(t.status == "completed" for t in rows()) >= 4 and any(t.status == "running" for t in rows()),
               60, "the first coordinator to be mid-sweep")
         first.send_signal(signal.SIGKILL)
         first.wait(10)
@@ -75,7 +67,7 @@ def test_killed_coordinator_resumes_with_every_trial_exactly_once(backend_db, tm
         def done():
             with sessions() as s:
                 return svc.get_sweep(s, sweep_id=sweep_id).status in store.FINISHED_SWEEP_STATUSES
-        _wait(done, 90, "the resumed sweep to finish")
+        wait_for(done, 90, "the resumed sweep to finish")
     finally:
         second.send_signal(signal.SIGKILL)
         second.wait(10)

@@ -116,13 +116,6 @@ def test_an_oom_teaches_its_layout_and_neighbours_never_every_prediction():
     assert sd[problem.space.index[ran.key]] < 0.03 < MEMORY_SIGMA <= float(np.max(sd))
 
 
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'l.db'}"
-    engine, sessions = store.open_store(url)
-    yield Settings(database_url=url, home=tmp_path), sessions
-    engine.dispose()
-
 
 def test_a_sweep_learns_from_earlier_sweeps_on_the_same_cluster(db):
     settings, sessions = db

@@ -515,7 +515,7 @@ def stored(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(stored):
+def export_client(stored):
     from fastapi.testclient import TestClient
 
     from api.main import create_app
@@ -544,10 +544,10 @@ def _expected(stored, rank, fmt, header=()):
 
 
 @pytest.mark.parametrize("fmt", EXPORT_FORMATS)
-def test_api_exports_a_ranked_layout_by_rank_or_key(client, stored, fmt):
+def test_api_exports_a_ranked_layout_by_rank_or_key(export_client, stored, fmt):
     sid, rows = stored["sid"], stored["rows"]
     assert len(rows) >= 2
-    r = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt})
+    r = export_client.get(f"/api/sweeps/{sid}/export", params={"format": fmt})
     assert r.status_code == 200, r.text
     notes = json.loads(r.headers["x-meshtune-notes"])
     header = service_header(notes)
@@ -557,8 +557,8 @@ def test_api_exports_a_ranked_layout_by_rank_or_key(client, stored, fmt):
     assert r.text == want.text and notes == list(want.notes)
     assert r.headers["content-type"].startswith(want.media_type)
     assert f"rank-1-{want.filename}" in r.headers["content-disposition"]
-    by_key = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "layout": rows[1].layout_key})
-    by_rank = client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "rank": 2})
+    by_key = export_client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "layout": rows[1].layout_key})
+    by_rank = export_client.get(f"/api/sweeps/{sid}/export", params={"format": fmt, "rank": 2})
     assert by_key.status_code == by_rank.status_code == 200 and by_key.text == by_rank.text != r.text
 
 
@@ -570,23 +570,23 @@ def test_api_exports_a_ranked_layout_by_rank_or_key(client, stored, fmt):
     ({"format": "megatron", "sweep": "empty"}, 409, "sweep {empty} has no completed trial to export"),
     ({"format": "megatron", "sweep": 424242}, 404, "sweep 424242 does not exist"),
 ])
-def test_api_bad_export_is_one_line(client, stored, query, status, line):
+def test_api_bad_export_is_one_line(export_client, stored, query, status, line):
     query = dict(query)
     sweep = query.pop("sweep", "sid")
     sid = stored[sweep] if isinstance(sweep, str) else sweep
-    r = client.get(f"/api/sweeps/{sid}/export", params=query)
+    r = export_client.get(f"/api/sweeps/{sid}/export", params=query)
     assert r.status_code == status
     assert r.json()["detail"].startswith(line.format(sid=sid, empty=stored["empty"]))
 
 
-def test_cli_export_prints_writes_and_refuses_with_exit_2(stored, client, monkeypatch, capsys, tmp_path):
+def test_cli_export_prints_writes_and_refuses_with_exit_2(stored, export_client, monkeypatch, capsys, tmp_path):
     from api.cli import main
 
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
     sid = stored["sid"]
     assert main(["export", str(sid), "--format", "megatron"]) == 0
     printed = capsys.readouterr()
-    answer = client.get(f"/api/sweeps/{sid}/export", params={"format": "megatron"})
+    answer = export_client.get(f"/api/sweeps/{sid}/export", params={"format": "megatron"})
     assert printed.out == answer.text  # only the arguments on stdout
     assert printed.err.splitlines() == json.loads(answer.headers["x-meshtune-notes"])  # notes on stderr
     out = tmp_path / "ds.json"
@@ -606,21 +606,21 @@ def test_cli_export_prints_writes_and_refuses_with_exit_2(stored, client, monkey
     assert f"sweep {stored['empty']} has no completed trial to export" in capsys.readouterr().err
 
 
-def test_dashboard_ranked_rows_link_each_format(client, stored):
+def test_dashboard_ranked_rows_link_each_format(export_client, stored):
     import html
     import re
 
     sid, rows = stored["sid"], stored["rows"]
-    page = client.get(f"/sweeps/{sid}")
+    page = export_client.get(f"/sweeps/{sid}")
     assert page.status_code == 200
     links = [html.unescape(h) for h in re.findall(r'href="(/sweeps/\d+/export\?[^"]+)"', page.text)]
     for row in rows:
         for fmt in EXPORT_FORMATS:
             assert f"/sweeps/{sid}/export?format={fmt}&layout={row.layout_key}" in links
-    got = client.get(links[0])
+    got = export_client.get(links[0])
     assert got.status_code == 200 and "attachment" in got.headers["content-disposition"]
-    assert got.text == client.get(f"/api/sweeps/{sid}/export", params={"format": "torchtitan"}).text
-    bad = client.get(f"/sweeps/{sid}/export", params={"format": "xml", "layout": rows[0].layout_key})
+    assert got.text == export_client.get(f"/api/sweeps/{sid}/export", params={"format": "torchtitan"}).text
+    bad = export_client.get(f"/sweeps/{sid}/export", params={"format": "xml", "layout": rows[0].layout_key})
     assert bad.status_code == 422 and bad.text.startswith("format='xml' is not an export format")
 
 

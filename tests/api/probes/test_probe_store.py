@@ -48,12 +48,10 @@ class SweepingBackend(ProbingBackend):
 
 
 @pytest.fixture
-def db(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'p.db'}"
+def probe_db(db, tmp_path, monkeypatch):
+    """``db`` with the probe on (the session turns it off) and MESHTUNE_HOME at tmp_path."""
     monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path))
-    engine, sessions = store.open_store(url)
-    yield Settings(database_url=url, home=tmp_path, probe="auto"), sessions
-    engine.dispose()
+    return Settings(database_url=db.url, home=tmp_path, probe="auto"), db.sessions
 
 
 def _count(sessions) -> int:
@@ -66,8 +64,8 @@ def _ensure(sessions, backend, **kw):
                          layouts=kw.pop("layouts", LAYOUTS), **kw)
 
 
-def test_a_probe_runs_once_then_is_found_by_its_cluster_model_and_environment(db):
-    _, sessions = db
+def test_a_probe_runs_once_then_is_found_by_its_cluster_model_and_environment(probe_db):
+    _, sessions = probe_db
     backend = SweepingBackend()
     first = _ensure(sessions, backend)
     assert not first.reused and backend.calls == ["probe_rank"]  # nothing stored: nothing to compare with
@@ -77,8 +75,8 @@ def test_a_probe_runs_once_then_is_found_by_its_cluster_model_and_environment(db
     assert _count(sessions) == 1
 
 
-def test_a_newer_environment_probe_version_or_unprobed_tensor_parallel_degree_is_probed_again(db):
-    _, sessions = db
+def test_a_newer_environment_probe_version_or_unprobed_tensor_parallel_degree_is_probed_again(probe_db):
+    _, sessions = probe_db
     first = _ensure(sessions, SweepingBackend())
     upgraded = SweepingBackend(env={**ENV, "torch": "2.14.0+cpu"})
     assert not _ensure(sessions, upgraded).reused  # torch upgraded: the probe is older than the environment
@@ -97,16 +95,16 @@ def test_a_newer_environment_probe_version_or_unprobed_tensor_parallel_degree_is
     (BackendUnavailable("no room for 4 CPU bundles within 120 s"),
      "could not start the probe's rank processes (measuring): no room for 4 CPU bundles within 120 s"),
 ])
-def test_a_probe_that_fails_or_cannot_start_names_the_cause_in_one_line_and_stores_nothing(db, fail, cause):
-    _, sessions = db
+def test_a_probe_that_fails_or_cannot_start_names_the_cause_in_one_line_and_stores_nothing(probe_db, fail, cause):
+    _, sessions = probe_db
     with pytest.raises(probes.ProbeError) as exc:
         _ensure(sessions, SweepingBackend(fail=fail))
     assert str(exc.value) == cause and "\n" not in str(exc.value)
     assert _count(sessions) == 0
 
 
-def test_an_interrupted_probe_stores_nothing(db):
-    _, sessions = db
+def test_an_interrupted_probe_stores_nothing(probe_db):
+    _, sessions = probe_db
     with pytest.raises(KeyboardInterrupt):
         _ensure(sessions, SweepingBackend(fail=KeyboardInterrupt()))
     assert _count(sessions) == 0
@@ -118,8 +116,8 @@ def _sweep(settings, sessions, backend, **spec):
     return SweepRunner(settings, sessions=sessions, backend_factory=lambda _: backend).run_sweep(sw.id)
 
 
-def test_a_sweep_probes_before_its_first_trial_predicts_with_the_figures_and_the_next_one_reuses_them(db):
-    settings, sessions = db
+def test_a_sweep_probes_before_its_first_trial_predicts_with_the_figures_and_the_next_one_reuses_them(probe_db):
+    settings, sessions = probe_db
     backend = SweepingBackend()
     one = _sweep(settings, sessions, backend)
     probe = one.calibration["probe"]
@@ -138,8 +136,8 @@ def test_a_sweep_probes_before_its_first_trial_predicts_with_the_figures_and_the
     assert "probe #1" in probes.probe_line(two.calibration) and "reused" in probes.probe_line(two.calibration)
 
 
-def test_sweeps_that_use_no_probe_say_why_and_keep_the_datasheet(db):
-    settings, sessions = db
+def test_sweeps_that_use_no_probe_say_why_and_keep_the_datasheet(probe_db):
+    settings, sessions = probe_db
     off = _sweep(settings.model_copy(update={"probe": "off"}), sessions, SweepingBackend())
     assert "probe" not in (off.calibration or {})
     assert probes.probe_line(off.calibration, "ray") == "cluster figures: datasheet (this sweep used no probe)"
@@ -175,8 +173,8 @@ def _stored(sessions):
         return probes.save(s, fields).id
 
 
-def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(db, capsys, monkeypatch):
-    settings, sessions = db
+def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(probe_db, capsys, monkeypatch):
+    settings, sessions = probe_db
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", settings.database_url)
     args = ["--model", "tiny", "--cluster", "cpu-local"]
     assert main(["probe", "--show", *args]) == 2
@@ -194,8 +192,8 @@ def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(db, capsys, m
     assert "backend='simulate' runs no probe" in capsys.readouterr().err
 
 
-def test_the_api_and_the_dashboard_show_probed_beside_datasheet(db):
-    settings, sessions = db
+def test_the_api_and_the_dashboard_show_probed_beside_datasheet(probe_db):
+    settings, sessions = probe_db
     sweep = _sweep(settings, sessions, SweepingBackend())
     with TestClient(create_app(settings, run_engine=False)) as c:
         listed = c.get("/api/probes").json()

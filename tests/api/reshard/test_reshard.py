@@ -94,7 +94,7 @@ def reference():
 
 
 def test_tolerance_is_the_workers_numerics_tolerance():
-    from tests.workers.test_workers_numerics import BF16_RTOL, RTOL
+    from tests.helpers.numerics import BF16_RTOL, RTOL
 
     assert LOSS_RTOL == RTOL and BF16_LOSS_RTOL == BF16_RTOL
 

@@ -8,30 +8,11 @@ import json
 from datetime import datetime, timezone
 
 import pytest
-from fastapi.testclient import TestClient
 
 from api import store
 from api.schedules import _store
 from api.schedules._launch import fire_schedule
-from api.settings import Settings
-from tests.api.schedules.test_schedules import SIM_TEMPLATE
-
-
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
-    engine, sessions = store.open_store(url)
-    yield url, sessions
-    engine.dispose()
-
-
-@pytest.fixture
-def client(db):
-    from api.main import create_app
-
-    url, _ = db
-    with TestClient(create_app(Settings(database_url=url, api_tokens={}), run_engine=False)) as c:
-        yield c
+from tests.helpers.schedules import SIM_TEMPLATE
 
 
 def _body(**over) -> dict:
@@ -46,7 +27,7 @@ def _fired_priority(client, sid: int) -> str:
 
 
 def test_the_sweeps_a_schedule_fires_carry_its_priority(db, client) -> None:
-    url, sessions = db
+    sessions = db.sessions
     low = client.post("/api/schedules", json=_body(priority="low")).json()
     assert low["priority"] == "low"
     assert _fired_priority(client, low["id"]) == "low"
@@ -90,7 +71,7 @@ def test_an_unknown_priority_is_one_line_naming_the_field_and_value(client, meth
 def test_cli_takes_shows_and_refuses_a_priority(db, monkeypatch, capsys, tmp_path) -> None:
     from api.cli import main
 
-    url, _ = db
+    url = db.url
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
     spec = tmp_path / "t.json"
     spec.write_text(json.dumps(SIM_TEMPLATE))

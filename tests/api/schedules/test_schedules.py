@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -19,30 +18,11 @@ from api.schedules import service as svc
 from api.schedules.schemas import ScheduleIn
 from api.settings import Settings
 from api.store import Trial
+from tests.helpers.schedules import SIM_TEMPLATE
 
 UTC = timezone.utc
-SIM_TEMPLATE = {
-    "name": "nightly-sim", "model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 8},
-    "search": {"sampler": "random", "max_trials": 4, "repeats": 3, "remeasure_top_k": 1, "warm_start_top_k": 0},
-    "trial": {"warmup_steps": 1, "measure_steps": 3}, "backend": "simulate",
-}
 
 
-@pytest.fixture
-def db(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'meshtune.db'}"
-    engine, sessions = store.open_store(url)  # Alembic upgrade to head, schedules migration included
-    yield url, sessions
-    engine.dispose()
-
-
-@pytest.fixture
-def client(db):
-    from api.main import create_app
-
-    url, _ = db
-    with TestClient(create_app(Settings(database_url=url, api_tokens={}), run_engine=False)) as c:
-        yield c
 
 
 @pytest.fixture
@@ -145,7 +125,7 @@ def test_crud_over_http(client) -> None:
 def test_cli_errors_exit_2_and_commands_work(db, monkeypatch, capsys, tmp_path) -> None:
     from api.cli import main
 
-    url, _ = db
+    url = db.url
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
     spec = tmp_path / "t.json"
     spec.write_text(json.dumps(SIM_TEMPLATE))
@@ -176,7 +156,7 @@ def test_cli_errors_exit_2_and_commands_work(db, monkeypatch, capsys, tmp_path) 
 def test_misfire_policy_runs_latest_within_grace_once_and_records_the_rest(db) -> None:
     """Nightly 02:00 Berlin, coordinator down from Jan 1 to Jan 4 03:30 Berlin, grace 2 h: the
     Jan 4 fire runs (1.5 h late); Jan 2 and Jan 3 are recorded missed. A later tick adds nothing."""
-    url, sessions = db
+    sessions = db.sessions
     sid = make_schedule(sessions, cron="0 2 * * *", timezone="Europe/Berlin", misfire_grace_s=7200)
     berlin = ZoneInfo("Europe/Berlin")
     set_active_since(sessions, sid, datetime(2026, 1, 1, 12, 0, tzinfo=berlin))
@@ -192,7 +172,7 @@ def test_misfire_policy_runs_latest_within_grace_once_and_records_the_rest(db) -
 
 
 def test_misfire_policy_coalesces_fires_within_grace_and_runs_nothing_too_late(db) -> None:
-    url, sessions = db
+    sessions = db.sessions
     every_10 = make_schedule(sessions, cron="*/10 * * * *", misfire_grace_s=3600)
     hourly = make_schedule(sessions, cron="0 * * * *", misfire_grace_s=600)
     start = datetime(2026, 3, 1, 9, 58, tzinfo=UTC)
@@ -211,7 +191,7 @@ def test_misfire_policy_coalesces_fires_within_grace_and_runs_nothing_too_late(d
 
 
 def test_disabled_time_is_not_owed_and_manual_runs_do_not_move_the_anchor(db) -> None:
-    url, sessions = db
+    sessions = db.sessions
     sid = make_schedule(sessions, cron="0 * * * *", misfire_grace_s=7200, enabled=False)
     scheduler = Scheduler(sessions=sessions, replica_id="r1")
     with sessions() as s:
@@ -232,7 +212,7 @@ def test_remeasure_runs_exact_layouts_and_plain_noise_raises_no_alert(db, webhoo
     """Re-measure the top 2 layouts of a sweep 3 times per run, 4 runs with nothing changed (the
     simulate backend's 3% lognormal noise is the only difference): every layout is compared with
     its history, none is flagged, nothing is POSTed."""
-    url, sessions = db
+    url, sessions = db.url, db.sessions
     with sessions() as s:
         from api.spec import SweepSpec
         from api.sweeps.service import create_sweep
@@ -315,7 +295,7 @@ def _failed_fire(sessions, url: str, webhook: str) -> tuple[int, int]:
 
 
 def test_failing_webhook_is_retried_recorded_and_then_delivered(db, webhook_receiver, allow_private_webhooks) -> None:
-    url, sessions = db
+    url, sessions = db.url, db.sessions
     sid, fire_id = _failed_fire(sessions, url, webhook_receiver.url)
     webhook_receiver.statuses = [500, 503]  # two failures, then 200
     scheduler = Scheduler(sessions=sessions, replica_id="r1",
@@ -344,7 +324,7 @@ def test_dead_webhook_gives_up_without_losing_the_alert(db, client, allow_privat
     with socket.socket() as probe:  # a port with nothing listening
         probe.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}/hook"
-    url, sessions = db
+    url, sessions = db.url, db.sessions
     sid, fire_id = _failed_fire(sessions, url, dead)
     scheduler = Scheduler(sessions=sessions, replica_id="r1",
                           delivery=DeliveryPolicy(timeout_s=1, retry_base_s=1, max_attempts=3))
@@ -364,7 +344,7 @@ def test_dead_webhook_gives_up_without_losing_the_alert(db, client, allow_privat
 def test_router_runs_the_scheduler_only_beside_the_engine(db) -> None:
     from api.main import create_app
 
-    url, _ = db
+    url = db.url
     for run_engine, enabled, expected in ((True, True, True), (True, False, False), (False, True, False)):
         app = create_app(Settings(database_url=url, scheduler_enabled=enabled), run_engine=run_engine)
         with TestClient(app):
@@ -381,7 +361,7 @@ def test_speedup_is_reported_as_improvement_with_env_change_and_marked_in_trends
     from api.schedules._launch import pinned_space
     from tuner import Layout
 
-    url, sessions = db
+    url, sessions = db.url, db.sessions
     one_rank = {**SIM_TEMPLATE, "cluster": {"preset": "cpu-local", "devices_per_node": 1},
                 "space": pinned_space(Layout()),
                 "search": {"sampler": "grid", "max_trials": 1, "warm_start_top_k": 0, "repeats": 3,
@@ -512,7 +492,7 @@ def test_webhook_url_is_masked_and_response_bodies_are_not_stored(db, client, al
     threading.Thread(target=server.serve_forever, daemon=True).start()
     hook = f"http://127.0.0.1:{server.server_address[1]}/services/T000/B000/XXXXSECRETXXXX?token=abc"
     try:
-        url, sessions = db
+        url, sessions = db.url, db.sessions
         sid, fire_id = _failed_fire(sessions, url, hook)
         listed = client.get("/api/schedules").json()["items"]
         shown = client.get(f"/api/schedules/{sid}").json()["webhook_url"]
@@ -548,7 +528,7 @@ def test_rejected_webhook_urls_are_masked_wherever_they_are_echoed(db, client, m
     sid = client.post("/api/schedules", json={**body, "webhook_url": None}).json()["id"]
     r = client.patch(f"/api/schedules/{sid}", json={"webhook_url": hook})
     assert r.status_code == 422 and not any(s in r.text for s in secrets), r.text
-    url, _ = db
+    url = db.url
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
     assert main(["schedule", "add", "--name", "n", "--cron", "0 2 * * *", "--remeasure", "1", "--webhook", hook]) == 2
     err = capsys.readouterr().err

@@ -23,7 +23,7 @@ from api.spec import SweepSpec
 from api.store._leases import ClusterMember, DeviceWaiter, lease_intervals, peak_held
 from api.store._models import utcnow
 from api.sweeps import service as svc
-from tests.api.engine.test_concurrency import T0, _peak, _wait
+from tests.helpers.devices_held import T0, peak_devices, wait_for
 
 TESTS = Path(__file__).resolve().parents[2]
 
@@ -178,9 +178,9 @@ def test_two_coordinators_on_sqlite_share_the_cluster_fairly(tmp_path: Path) -> 
             return [store.get_sweep(s, sweep_id=i) for i in ids]
 
     try:
-        _wait(lambda: all(sw.runner_id for sw in sweeps()), 120, "each coordinator to claim a sweep")
+        wait_for(lambda: all(sw.runner_id for sw in sweeps()), 120, "each coordinator to claim a sweep")
         runners = {sw.runner_id for sw in sweeps()}
-        _wait(lambda: all(sw.status in store.FINISHED_SWEEP_STATUSES for sw in sweeps()), 240,
+        wait_for(lambda: all(sw.status in store.FINISHED_SWEEP_STATUSES for sw in sweeps()), 240,
               "both sweeps to finish")
     finally:
         for p in procs:
@@ -191,7 +191,7 @@ def test_two_coordinators_on_sqlite_share_the_cluster_fairly(tmp_path: Path) -> 
     with sessions() as s:
         rows = [t for i in ids for t in store.all_trials(s, sweep_id=i)]
     assert {t.world_size for t in rows if t.started_at} == {4}
-    peak = _peak(rows)
+    peak = peak_devices(rows)
     print(f"peak devices held at once over both coordinators: {peak}")
     assert peak <= 8
     # Fair between the coordinators: each owner held one of the two 4-device slots at a time (before,

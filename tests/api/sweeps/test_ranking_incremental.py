@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -25,10 +24,6 @@ SPEC = SweepSpec.model_validate(
 )
 LAYOUTS = [dict(tp=tp, dp=4 // (tp * pp), pp=pp, mbs=mbs) for tp in (1, 2) for pp in (1, 2) for mbs in (1, 2)]
 
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def url(request, tmp_path):
-    return f"sqlite:///{tmp_path / 'r.db'}" if request.param == "sqlite" else request.getfixturevalue("fresh_pg_url")
 
 
 def _key(layout: dict) -> str:

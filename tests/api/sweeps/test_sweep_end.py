@@ -19,7 +19,7 @@ from api.engine import SweepModel, SweepRunner
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
-from tests.api.test_api import ALICE, client_for
+from tests.helpers.api_client import ALICE, client_for
 from workers.simulate import SimulateBackend
 
 TINY = {"model": "tiny", "cluster": "cpu-local", "training": {"global_batch": 16}, "backend": "simulate"}
@@ -45,13 +45,6 @@ class Misread(SimulateBackend):
         return dataclasses.replace(r, **changes)
 
 
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'end.db'}"
-    engine, sessions = store.open_store(url)
-    yield url, Settings(database_url=url, home=tmp_path), sessions
-    engine.dispose()
-
 
 def _run(settings, sessions, search, backend=None, sampler="surrogate", **over):  # noqa: ANN001, ANN202
     defaults = {"warm_start_top_k": 1, "remeasure_top_k": 1, "repeats": 2, **({"sampler": sampler} if sampler else {})}
@@ -64,12 +57,6 @@ def _run(settings, sessions, search, backend=None, sampler="surrogate", **over):
 
 # --- stop_reason ---------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTUNE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MESHTUNE_DATABASE_URL", raising=False)
-    return tmp_path
 
 
 def _spec_file(tmp_path, name, search):  # noqa: ANN001, ANN202
@@ -105,7 +92,7 @@ def test_a_sweep_whose_trials_all_run_out_of_memory_ends_with_a_reason(db):
     """No silent early stop: every trial OOMs (a diagnostic memory cap). A sweep that ends before
     max_trials says what ended it: the memory model ruling every unseen layout out, or no layout
     left, with the counts; one that goes on reaches max_trials and says that."""
-    _, settings, sessions = db
+    settings, sessions = db
     final = _run(settings, sessions, {"max_trials": 150}, trial={"options": {"memory_cap_bytes": 1}})
     space = len(SweepModel.from_spec(SweepSpec.model_validate(final.spec)).space)
     assert final.status == "completed" and final.n_completed == 0 and final.stop_reason
@@ -121,7 +108,7 @@ def test_a_sweep_whose_trials_all_run_out_of_memory_ends_with_a_reason(db):
 
 
 def test_listed_layouts_and_the_device_budget_say_so(db):
-    _, settings, sessions = db
+    settings, sessions = db
     listed = _run(settings, sessions, {"layouts": [{"tp": 2}, {"tp": 4}], "warm_start_top_k": 0}, sampler=None)
     assert listed.stop_reason == "every listed layout was tried (2 in search.layouts)"
     budget = _run(settings, sessions, {"max_trials": 50, "max_device_seconds": 1e-6, "remeasure_top_k": 0})
@@ -131,7 +118,7 @@ def test_listed_layouts_and_the_device_budget_say_so(db):
 
 
 def test_cancelled_and_failed_sweeps_say_so(db):
-    _, settings, sessions = db
+    settings, sessions = db
     spec = SweepSpec.model_validate({**TINY, "name": "c"})
     with sessions() as s:
         queued = svc.create_sweep(s, spec=spec, owner="t").id
@@ -150,7 +137,7 @@ def test_cancelled_and_failed_sweeps_say_so(db):
 
 
 def test_learn_from_naming_a_missing_or_another_clusters_sweep_is_refused(db, tmp_path, monkeypatch, capsys):
-    url, settings, sessions = db
+    (settings, sessions), url = db, db.url
     measured = _run(settings, sessions, {"max_trials": 2, "remeasure_top_k": 0})
     with sessions() as s:  # another cluster's measured sweep, and one of another backend
         other = svc.create_sweep(s, spec=SweepSpec.model_validate(
@@ -186,7 +173,7 @@ def test_learn_from_naming_a_missing_or_another_clusters_sweep_is_refused(db, tm
 
 
 def test_learn_from_none_is_a_cold_sweep_and_ids_choose_the_teachers(db):
-    _, settings, sessions = db
+    settings, sessions = db
     first = _run(settings, sessions, {"max_trials": 5})
     second = _run(settings, sessions, {"max_trials": 5})
     assert second.calibration["learned_from"] == [first.id]  # auto: by fingerprint
@@ -204,7 +191,7 @@ def test_an_inherited_model_the_new_sweeps_measurements_contradict_is_dropped_an
     """The first sweep ran where peaks were 2x (or steps 3x) the model's and learned it; the second,
     on the same fingerprint, measures the model's own figures: its first measurement contradicts
     what it inherited, which it drops (and says so in the calibration's notes, shown by `show`)."""
-    _, settings, sessions = db
+    settings, sessions = db
     first = _run(settings, sessions, {"max_trials": 8}, backend=Misread(**misread))
     section = "memory" if what == "memory model" else "time"
     assert first.calibration[section]["accepted"]  # it learned the misread cluster
@@ -225,7 +212,7 @@ def test_an_inherited_model_the_new_sweeps_measurements_contradict_is_dropped_an
 def test_what_its_first_measurements_contradicted_stays_dropped_on_resume(db):
     """Stopped after its third result and resumed: the resumed loop inherits again, replays the
     stored rows and drops the same model with the same note (a function of the recorded rows)."""
-    _, settings, sessions = db
+    settings, sessions = db
     first = _run(settings, sessions, {"max_trials": 8}, backend=Misread(memory=2.0))
     spec = SweepSpec.model_validate({**TINY, "name": "resumed", "search": {"max_trials": 8, "remeasure_top_k": 0}})
     with sessions() as s:
