@@ -9,7 +9,7 @@ bound: where the posterior falls below it, it joins as an observation at the bou
 layout shares with its neighbours is raised with it, less with distance; and, per part, every layout
 that needs at least as much of each part (states, activations, overhead) as an OOMed one is predicted
 not to fit. The posterior sd at a layout is its headroom: small next to measured peaks, the prior
-spread (``MEMORY_SIGMA`` or more, by marginal likelihood) far from them.
+spread (``MEMORY_SIGMA`` or more, by marginal likelihood) far from them, never below ``LAYOUT_SIGMA``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from api.engine._surrogate import _gp
+from api.engine._surrogate import _distances, _gp
 
 # Memory error assumed far from any measured peak: the spread of the memory model against the
 # workers' measured peaks in tests/tuner/test_tuner_memory.py is within 10%; allocator fragmentation and
@@ -28,6 +28,10 @@ from api.engine._surrogate import _gp
 # roofline truth of benchmarks/bench_search.py).
 MEMORY_SIGMA = 0.10
 SIGNAL_SIGMAS = (MEMORY_SIGMA, 0.2, 0.4, 0.8)
+# What a layout's peak differs from its neighbours' by, that no feature sees (which tensors happen
+# to be live together, allocator rounding): added to the GP's sd at every unmeasured layout, so one
+# next to measured peaks is still launched with some headroom (fewer OOMs on the generated worlds).
+LAYOUT_SIGMA = 0.03
 MEMORY_NOISE = 0.01  # log spread of one layout's measured peak between runs
 OOM_EXTRA = 0.02  # an OOM needed at least its bound: counted a little above it
 BOUND_ROUNDS = 3  # OOM bounds the posterior still violates join as observations, this many rounds
@@ -78,7 +82,11 @@ class LocalMemory:
         """Posterior mean and sd of log(true peak / base) at scaled features ``xc`` (rows)."""
         if not len(self.ys):
             return np.full(len(xc), self.mean), np.full(len(xc), MEMORY_SIGMA)
-        return _gp(self.xs, self.ys, self.noise, xc, self.mean, SIGNAL_SIGMAS)
+        mu, sd = _gp(self.xs, self.ys, self.noise, xc, self.mean, SIGNAL_SIGMAS)
+        n_peaks = len(self.peaks)
+        measured = (_distances(xc, self.xs[:n_peaks]).min(axis=1) < 1e-9 if n_peaks
+                    else np.zeros(len(xc), bool))  # a measured peak is that layout's own
+        return mu, np.where(measured, sd, np.sqrt(sd * sd + LAYOUT_SIGMA ** 2))
 
     def dominated(self, parts: np.ndarray) -> np.ndarray:
         """Rows of ``parts`` (memory parts per layout) that need at least as much of every part as

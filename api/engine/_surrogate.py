@@ -33,6 +33,10 @@ THETA_BOUNDS = (-6.0, 3.0)  # a weight between 1/400 and 20 times the one in for
 CANDIDATE_MARGIN_Z = 1.0  # candidates: predicted to fit by this many (local) memory errors, if any do
 TRANSFER_W_SIGMA = 0.3  # extra sd of a per-program weight fitted on another model of the cluster
 LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the median measured step
+# The weights' share of a candidate's sd in the acquisition, at most: with few measurements an
+# unpinned program weight (prior sd WEIGHT_SIGMA) gives layouts the prior ranks last an sd near 1,
+# and expected improvement spent a third of a 60-trial sweep on them (benchmarks/bench_search.py).
+EXPLORE_W_SD = 0.15
 
 
 def _phi(z: np.ndarray) -> np.ndarray:
@@ -261,10 +265,14 @@ class SurrogateProposer:
             cand, local, mem_sd = cand[keep], local[keep], mem_sd[keep]
         mu_r, sd_r = self.posterior(cand, prior)
         mu = prior[cand] + mu_r
-        sd = np.sqrt(sd_r ** 2 + fit.sd(cand) ** 2)
+        sd = np.sqrt(sd_r ** 2 + np.minimum(fit.sd(cand), EXPLORE_W_SD) ** 2)
         measured = [float(np.mean(v)) for v in self.obs.values()]
         if measured:
-            z = (mu - max(measured)) / sd
+            # The incumbent is the posterior mean's best at a measured layout, not the best noisy
+            # measurement (one lucky run would end exploitation: plug-in EI, Picheny et al. 2013).
+            seen = np.array(sorted(i for i in self.obs if np.isfinite(prior[i])))
+            incumbent = float(np.max(prior[seen] + self.posterior(seen, prior)[0])) if len(seen) else max(measured)
+            z = (mu - incumbent) / sd
             ei = sd * (z * _cdf(z) + _phi(z))
         else:  # nothing measured yet: the prior's favourite first
             ei = np.exp(mu - mu.max())
