@@ -13,6 +13,9 @@ from typing import NamedTuple
 
 import pytest
 
+# The shared checks of tests/helpers assert as the tests do: their failures show the values too.
+pytest.register_assert_rewrite("tests.helpers")
+
 # No test touches a real store: not the per-user data dir that is MESHTUNE_HOME's default
 # (~/.local/share/meshtune), nor a database the developer configured. Set when pytest loads this file,
 # before any test runs, so every in-process Settings() and every CLI subprocess (they inherit

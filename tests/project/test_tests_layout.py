@@ -12,17 +12,6 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# Left to split (test functions that another module calls, and readers of the frameworks' configs):
-# exactly these; a new import fails the test, and so does an entry here that is gone (delete it then).
-KNOWN_IMPORTS = {
-    ("api/cli/test_hf_e2e.py", "tests.api.export.test_export"),
-    ("tuner/test_export_models.py", "tests.api.export.test_export"),
-    ("tuner/test_export_models.py", "tests.tuner.test_hf_config"),
-}
-# Module-local fixtures that share a name but not a meaning (each module seeds its own store, spawns
-# its own ranks, opens its own page): to be renamed apart. Same rule: exactly these.
-KNOWN_NAMES = {"api", "four_rank_results", "measured", "page", "reference", "seeded", "site", "stored"}
-
 
 def _rel(path: Path) -> str:
     return path.relative_to(TESTS).as_posix()
@@ -67,8 +56,7 @@ def _modules() -> list[Path]:
 
 def test_no_test_module_imports_another() -> None:
     found = {(_rel(p), m) for p in _modules() for m in imported_test_modules(p, p.read_text(encoding="utf-8"))}
-    assert not found - KNOWN_IMPORTS, f"share it through tests/helpers instead: {sorted(found - KNOWN_IMPORTS)}"
-    assert not KNOWN_IMPORTS - found, f"no longer imported, delete from KNOWN_IMPORTS: {sorted(KNOWN_IMPORTS - found)}"
+    assert not found, f"share it through tests/helpers instead: {sorted(found)}"
 
 
 def test_each_fixture_is_defined_once() -> None:
@@ -77,8 +65,7 @@ def test_each_fixture_is_defined_once() -> None:
     for path in _modules():
         for name in fixture_names(path.read_text(encoding="utf-8")):
             (in_conftest if path.name == "conftest.py" else where)[name].append(_rel(path))
-    twice = {name for name, files in where.items() if len(files) > 1}
-    assert not twice - KNOWN_NAMES, {n: where[n] for n in sorted(twice - KNOWN_NAMES)}
-    assert not KNOWN_NAMES - twice, f"defined once now, delete from KNOWN_NAMES: {sorted(KNOWN_NAMES - twice)}"
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, f"one fixture, one definition (in the conftest.py of its users), or names apart: {twice}"
     shadowing = {name: (where[name], in_conftest[name]) for name in where if name in in_conftest}
     assert not shadowing, f"a module's fixture replaces a conftest.py one of the same name: {shadowing}"

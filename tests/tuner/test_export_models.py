@@ -6,7 +6,7 @@ a refusal naming it.
 - Megatron-LM: the exported arguments are parsed by Megatron-LM's own parser, ``validate_args`` and
   ``core_transformer_config_from_args`` when Megatron-LM is importable (it is not on PyPI: set
   ``MEGATRON_LM`` to a checkout, e.g. of tag core_v0.16.1), else megatron-core's TransformerConfig
-  is built from the parsed values as Megatron-LM copies them (tests/api/export/test_export.py). Each field is
+  is built from the parsed values as Megatron-LM copies them (tests/helpers/frameworks.py). Each field is
   compared with what ``transformers`` reads from the config.json, and megatron-core's GPTModel,
   built on the meta device with the layer specs Megatron-LM's gpt_builders.py picks, holds as many
   parameters as ``AutoModelForCausalLM.from_config`` does.
@@ -32,13 +32,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.export.test_export import H100x32, _flags, _quiet_import, megatron_core_values, titan_model_of
-from tests.tuner.test_hf_config import hf_param_count
+from tests.helpers.frameworks import (
+    megatron_core_values,
+    megatron_flags,
+    quiet_import,
+    titan_model_of,
+    titan_train_spec,
+    torchtitan_config,
+)
+from tests.helpers.hf import hf_param_count
 from tuner import (
     MODEL_PRESETS,
     Layout,
     SpecError,
     TrainingSpec,
+    cluster_spec,
     export_layout,
     load_hf_config,
     model_from_hf_config,
@@ -51,6 +59,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings(r"ignore::UserWarning:megatron\.core\..*")
 
 HF = Path(__file__).resolve().parents[2] / "examples" / "hf"
+H100x32 = cluster_spec({"preset": "h100-sxm", "nodes": 4})
 GB64 = TrainingSpec(global_batch=64)
 # model_type -> (published config, a layout on 4 x 8 H100 that splits what the model has).
 ARCHS = {
@@ -139,7 +148,7 @@ def megatron_lm():
     arguments module is loaded under a bare package holding the three names its utils import."""
     if os.environ.get("MEGATRON_LM") and os.environ["MEGATRON_LM"] not in sys.path:
         sys.path.insert(0, os.environ["MEGATRON_LM"])
-    _quiet_import("megatron.core")
+    quiet_import("megatron.core")
     if "megatron.training.arguments" in sys.modules:
         return sys.modules["megatron.training.arguments"]
     spec = importlib.util.find_spec("megatron.training")
@@ -168,7 +177,7 @@ def megatron_config(out, layout, model, monkeypatch):
     from megatron.core.transformer import TransformerConfig
 
     arguments = megatron_lm()
-    fallback = megatron_core_values(_flags(out.settings), torch)
+    fallback = megatron_core_values(megatron_flags(out.settings), torch)
     kw = {k: v for k, v in fallback.items() if k in {f.name for f in dataclasses.fields(TransformerConfig)}}
     kw |= {"params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16, "apply_rope_fusion": False}
     kw["num_query_groups"] = kw.get("num_query_groups") if fallback.get("group_query_attention") else None
@@ -203,7 +212,7 @@ def megatron_config(out, layout, model, monkeypatch):
 @pytest.fixture(scope="module")
 def megatron_world(tmp_path_factory):
     """One gloo rank and megatron-core's model-parallel state of size 1, to build a GPTModel."""
-    _quiet_import("megatron.core")
+    quiet_import("megatron.core")
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -341,8 +350,6 @@ def _titan_args_match(args, ref, model):
 def test_torchtitan_export_names_a_flavour_with_the_configs_arguments_or_refuses(mt, tmp_path):
     import torch
 
-    from tests.api.export.test_export import _titan
-
     if mt in REFUSED:
         with pytest.raises(SpecError, match=r"^format=torchtitan: no torchtitan 0\.2 model builds") as err:
             _export(mt, "torchtitan")
@@ -352,7 +359,7 @@ def test_torchtitan_export_names_a_flavour_with_the_configs_arguments_or_refuses
     (tmp_path / "job.toml").write_text(out.text)
     for name, text in out.files.items():
         (tmp_path / name).write_text(text)
-    config, _ = _titan()
+    config, _ = torchtitan_config()
     job = config.ConfigManager().parse_args(["--job.config_file", str(tmp_path / "job.toml")])
     assert (job.model.name, job.model.flavor) == SHIPPED[mt]
     assert bool(out.files) == job.model.name.startswith("meshtune_")
@@ -368,8 +375,6 @@ def test_torchtitan_export_names_a_flavour_with_the_configs_arguments_or_refuses
 def test_the_flavour_table_is_torchtitans():
     """Every flavour meshtune compares against is torchtitan 0.2's own, field for field, and none
     of its llama3/qwen3 flavours (debug and flex/varlen-attention variants aside) is missing."""
-    from tests.api.export.test_export import titan_train_spec
-
     for name in ("llama3", "qwen3"):
         shipped = titan_train_spec(name).model_args
         listed = {f for (n, f) in TITAN_FLAVOURS if n == name}

@@ -19,6 +19,7 @@ from api import store
 from api.cli import main
 from api.spec import SweepSpec
 from tests.helpers.api_client import ALICE, client_for
+from tests.helpers.hf import hf_param_count
 from tuner import (
     Layout,
     LayoutError,
@@ -56,14 +57,6 @@ PUBLISHED = {
 }
 # Activated parameters as the model cards state them (Mixtral: Jiang et al. 2024, 12.9B; the Qwen cards).
 ACTIVE = {"mixtral-8x7b.json": 12.9e9, "qwen1.5-moe-a2.7b.json": 2.7e9, "qwen3-30b-a3b.json": 3.3e9}
-
-
-def hf_param_count(config: dict) -> int:
-    """Parameters of transformers' own implementation of ``config``, built on the meta device."""
-    cfg = transformers.AutoConfig.for_model(**text_config(config))
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())  # a tied head is one tensor, counted once
 
 
 def shrink(config: dict, **extra: object) -> dict:
@@ -243,25 +236,25 @@ def test_cli_plan_of_a_published_config(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+def hf_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     url = f"sqlite:///{tmp_path_factory.mktemp('api-hf') / 'api.db'}"
     store.upgrade(url)
     with client_for(url) as c:
         yield c
 
 
-def test_api_takes_the_config_object_and_refuses_a_path(api: TestClient) -> None:
+def test_api_takes_the_config_object_and_refuses_a_path(hf_api: TestClient) -> None:
     body = {"name": "hf", "cluster": "cpu-local", "training": {"global_batch": 8, "precision": "fp32"},
             "search": {"sampler": "random", "max_trials": 2}, "backend": "simulate",
             "model": {"hf_config": load_hf_config(HF / "qwen3-moe-tiny.json"), "name": "qwen3-moe-tiny"}}
-    r = api.post("/api/sweeps", json=body, headers=ALICE)
+    r = hf_api.post("/api/sweeps", json=body, headers=ALICE)
     assert r.status_code in (200, 201, 202), r.text
     path = {**body, "model": {"hf_config": str(HF / "qwen3-moe-tiny.json")}}
-    r = api.post("/api/sweeps", json=path, headers=ALICE)
+    r = hf_api.post("/api/sweeps", json=path, headers=ALICE)
     assert r.status_code == 422, r.text
     assert "model.hf_config: a path is not accepted here (the server reads no files it is named)" in r.text
     bad = {**body, "model": {"hf_config": {**body["model"]["hf_config"], "model_type": "deepseek_v3"}}}
-    r = api.post("/api/sweeps", json=bad, headers=ALICE)
+    r = hf_api.post("/api/sweeps", json=bad, headers=ALICE)
     assert r.status_code == 422 and "model_type='deepseek_v3' is not supported" in r.text
     with pytest.raises(ValueError, match="a path is not accepted"):
         SweepSpec.model_validate(path)
@@ -347,14 +340,14 @@ def test_cli_sweep_model_override_from_a_config(capsys: pytest.CaptureFixture[st
     assert "--model='/nonexistent/config.json': no such file or directory" in capsys.readouterr().err
 
 
-def test_api_plan_of_a_config_object(api: TestClient) -> None:
+def test_api_plan_of_a_config_object(hf_api: TestClient) -> None:
     body = {"model": {"hf_config": load_hf_config(HF / "qwen3-30b-a3b.json"), "seq_len": 4096},
             "cluster": {"preset": "h100-sxm", "nodes": 4}, "training": {"global_batch_tokens": 2**22}, "top": 3}
-    r = api.post("/api/plan", json=body, headers=ALICE)
+    r = hf_api.post("/api/plan", json=body, headers=ALICE)
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["model"]["experts"] == 128 and data["model"]["head_dim"] == 128 and len(data["entries"]) == 3
-    r = api.post("/api/plan", json={**body, "model": {"hf_config": "examples/hf/qwen3-30b-a3b.json"}}, headers=ALICE)
+    r = hf_api.post("/api/plan", json={**body, "model": {"hf_config": "examples/hf/qwen3-30b-a3b.json"}}, headers=ALICE)
     assert r.status_code == 422 and "a path is not accepted here" in r.text
 
 

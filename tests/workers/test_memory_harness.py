@@ -67,7 +67,7 @@ def _probe_many(rank: int, world: int, requests: list[TrialRequest]) -> list[dic
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[str, list[dict]]:
+def measured_memory() -> dict[str, list[dict]]:
     # glibc keeps freed heap pages resident (and raises its mmap threshold as large blocks are freed),
     # so a process's RSS would carry the previous phase's tensors as slack; with a fixed threshold and
     # immediate trimming it follows the live tensors, which is what the model predicts (the slack is
@@ -92,25 +92,25 @@ def measured() -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_model_states_are_exact(measured, case) -> None:
+def test_model_states_are_exact(measured_memory, case) -> None:
     name, layout = case
     model, training = _spec(name), _training(name)
     real = realise(layout, model, CLUSTER, training)
     rp = rank_params(model, layout.tp, layout.ep, layout.pp, layout.vpp)
     layer_w = rp.layer_dense + rp.layer_expert
-    for rank in measured[_id(case)]:
+    for rank in measured_memory[_id(case)]:
         r = rank["pp_rank"]
         p, g, o, _ = state_bytes(real, rp.dense[r], rp.expert[r], layer_w, rp.embedding if r == 0 else 0.0)
         assert (rank["params"], rank["grads"], rank["optimizer"]) == (int(p), int(g), int(o)), r
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1].pp == 1], ids=_id)
-def test_saved_activations_per_layer_within_10_percent(measured, case) -> None:
+def test_saved_activations_per_layer_within_10_percent(measured_memory, case) -> None:
     name, layout = case
     model, training = _spec(name), _training(name)
     mm = mesh_memory(model, CLUSTER, training, layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.vpp)
     per_layer = mm.act[layout.ac, layout.sp][0] * layout.mbs + mm.layer_const
-    ranks = measured[_id(case)]
+    ranks = measured_memory[_id(case)]
     # Under EP each rank's experts get the tokens routed to them, which the data decides; the model
     # predicts an even routing, so an EP layout's layer is compared as the mean over its ranks.
     got = [[r["activations"][i] for r in ranks] for i in range(model.layers)]
@@ -124,10 +124,10 @@ def test_saved_activations_per_layer_within_10_percent(measured, case) -> None:
 
 
 @pytest.mark.parametrize("case", [c for launch in LAUNCHES for c in launch[:1]], ids=_id)
-def test_peak_within_15_percent_where_states_dominate(measured, case) -> None:
+def test_peak_within_15_percent_where_states_dominate(measured_memory, case) -> None:
     name, layout = case
     model, training = _spec(name), _training(name)
-    for rank in measured[_id(case)]:
+    for rank in measured_memory[_id(case)]:
         # Like with like: the process's own baseline (resident before the layout was built) in place
         # of the deployment allowance OVERHEAD_BYTES; the model's parts on top of it.
         est = estimate_memory(layout, model=model, cluster=CLUSTER, training=training,

@@ -80,22 +80,22 @@ def _run_layouts(rank: int, world: int, requests: dict[str, TrialRequest]) -> di
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[float], list[float]]:
+def builtin_reference() -> tuple[list[float], list[float]]:
     from workers.train import reference_losses
 
     return reference_losses(make_request(Layout()), steps=STEPS)
 
 
 @pytest.fixture(scope="module")
-def four_rank_results() -> list[dict[str, object]]:
+def builtin_four_rank_results() -> list[dict[str, object]]:
     # Generous: the machine is shared; ~70 s when it is quiet.
     requests = {k: make_request(v) for k, v in LAYOUTS.items()}
     requests.update({k: make_request(v, bf16=True) for k, v in BF16_LAYOUTS.items()})
     return run_ranks(4, _run_layouts, requests, timeout_s=540)
 
 
-def test_reference_learns(reference):
-    losses, norms = reference
+def test_reference_learns(builtin_reference):
+    losses, norms = builtin_reference
     assert len(losses) == STEPS and all(n > 0 for n in norms)
     # The comparison below is meaningful only if steps differ far more than the tolerance.
     assert max(losses) - min(losses) > 1000 * RTOL * max(losses)
@@ -104,9 +104,9 @@ def test_reference_learns(reference):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # the first case also runs the shared 4-rank fixture
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_reference(name, reference, four_rank_results):
-    ref_losses, ref_norms = reference
-    reports = [per_rank[name] for per_rank in four_rank_results]
+def test_layout_matches_reference(name, builtin_reference, builtin_four_rank_results):
+    ref_losses, ref_norms = builtin_reference
+    reports = [per_rank[name] for per_rank in builtin_four_rank_results]
     for r in reports:
         assert not isinstance(r, str), f"{name} failed:\n{r}"
     for r in reports:  # every rank reports the global loss of each step and the same step times
@@ -123,9 +123,9 @@ def test_layout_matches_reference(name, reference, four_rank_results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
-def test_bf16_mixed_precision_layout_tracks_reference(name, reference, four_rank_results):
-    ref_losses, ref_norms = reference
-    for per_rank in four_rank_results:
+def test_bf16_mixed_precision_layout_tracks_reference(name, builtin_reference, builtin_four_rank_results):
+    ref_losses, ref_norms = builtin_reference
+    for per_rank in builtin_four_rank_results:
         r = per_rank[name]
         assert not isinstance(r, str), f"{name} failed:\n{r}"
         assert r.dtype == "bfloat16"

@@ -115,7 +115,7 @@ def references(readme_requests) -> dict[str, tuple[list[float], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(readme_requests) -> list[dict[str, object]]:
+def hf_four_rank_results(readme_requests) -> list[dict[str, object]]:
     requests = {k: make_request(cfg, layout) for k, (cfg, layout) in LAYOUTS.items()}
     requests.update({k: v for k, v in readme_requests.items() if k != "readme-reference"})
     return run_ranks(4, _run_layouts, requests, timeout_s=540)
@@ -144,10 +144,10 @@ def test_hf_reference_is_the_transformers_model_and_learns(references):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # the first case also runs the shared 4-rank fixture
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_hf_layout_matches_reference(name, references, four_rank_results):
+def test_hf_layout_matches_reference(name, references, hf_four_rank_results):
     cfg, layout = LAYOUTS[name]
     ref_losses, ref_norms = references[cfg["model_type"]]
-    reports = [per_rank[name] for per_rank in four_rank_results]
+    reports = [per_rank[name] for per_rank in hf_four_rank_results]
     for r in reports:
         assert not isinstance(r, str), f"{name} failed:\n{r}"
     for r in reports:
@@ -174,10 +174,10 @@ def test_hf_refuses_what_it_cannot_realise_at_validation(cfg, layout, why):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", README_LAYOUTS)
-def test_readme_example_layout_matches_reference(name, readme_requests, references, four_rank_results):
+def test_readme_example_layout_matches_reference(name, readme_requests, references, hf_four_rank_results):
     ref_losses, ref_norms = references["readme"]
     assert max(ref_losses) - min(ref_losses) > 1000 * RTOL * max(ref_losses)
-    for per_rank in four_rank_results:
+    for per_rank in hf_four_rank_results:
         r = per_rank[f"readme-{name}"]
         assert not isinstance(r, str), f"{name} failed:\n{r}"
         assert r.losses == pytest.approx(ref_losses, rel=RTOL), name

@@ -226,7 +226,7 @@ def test_show_flags_diagnostic_sweeps_and_one_run_intervals(home, capsys):
 # --- what `sweeps` and `show` say (issue 11, items 15, 16, 18, 21) ---------------------------------
 
 @pytest.fixture
-def measured(home, monkeypatch):
+def measured_store(home, monkeypatch):
     """A store holding a real-backend sweep whose single fastest run (628.2, pp2 dp2) is not the
     ranking's best median (606.2, dp4 z1 mbs2), with a layout measured once far below; and a
     simulate-backend one. The CLI reads the same store."""
@@ -245,14 +245,14 @@ def measured(home, monkeypatch):
     engine.dispose()
 
 
-def test_sweeps_lists_the_rankings_best_not_the_fastest_run(measured, capsys):
+def test_sweeps_lists_the_rankings_best_not_the_fastest_run(measured_store, capsys):
     assert main(["sweeps"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "real-one" in x)
     assert "dp4 z1 mbs2" in line and "606.2" in line and "628" not in line
 
 
-def test_show_explains_the_comparison_and_never_ties_a_single_run(measured, capsys):
-    assert main(["show", str(measured["real"])]) == 0
+def test_show_explains_the_comparison_and_never_ties_a_single_run(measured_store, capsys):
+    assert main(["show", str(measured_store["real"])]) == 0
     out = capsys.readouterr().out
     assert "2 other layouts are tied with the best." in out  # the best itself is not counted
     flat = " ".join(out.split())  # the legend is wrapped to the console's width
@@ -266,8 +266,8 @@ def test_show_explains_the_comparison_and_never_ties_a_single_run(measured, caps
     assert "device-seconds=104.0" in out and "simulated" not in out.split("\n")[0]
 
 
-def test_show_says_simulated_device_time_is_not_real(measured, capsys):
-    assert main(["show", str(measured["sim"])]) == 0
+def test_show_says_simulated_device_time_is_not_real(measured_store, capsys):
+    assert main(["show", str(measured_store["sim"])]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "simulated device-seconds=48.0 (no real device time)" in first
 

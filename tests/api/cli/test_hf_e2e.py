@@ -2,7 +2,7 @@
 published Qwen3-30B-A3B config.json, a real CPU sweep (Ray, 2 gloo ranks) of the transformers
 implementation (``workload: hf``) of the shrunken Qwen3-MoE config, ``meshtune show``, and
 ``meshtune export`` of every ranked layout to the four formats, each read back by the framework's
-own classes (the validators of tests/api/export/test_export.py, imported, not copied). Then the bad inputs of
+own classes (the read-backs of tests/helpers/frameworks.py, shared with test_export.py). Then the bad inputs of
 issue 14 that tests/tuner/test_hf_config.py, test_workload_contract.py and test_export.py do not cover:
 an unreadable config, a wrong-typed or empty config object, a spec file's missing relative path,
 a workload that does not meet the contract over HTTP — each one line, exit 2 or 422, nothing stored."""
@@ -17,7 +17,13 @@ import pytest
 import yaml
 
 from api.cli import main
-from tests.api.export import test_export as tx
+from tests.helpers.frameworks import (
+    check_deepspeed_export,
+    check_megatron_export,
+    check_nemo_export,
+    check_torchtitan_export,
+    service_header,
+)
 from tuner import EXPORT_FORMATS, Layout, export_layout, load_hf_config
 
 HF = Path(__file__).resolve().parents[3] / "examples" / "hf"
@@ -82,7 +88,7 @@ def test_plan_sweep_show_and_export_a_qwen3_moe_config(home, capsys, ray_local, 
         for fmt in EXPORT_FORMATS:
             assert main(["export", str(sid), "--rank", str(row["rank"]), "--format", fmt]) == 0
             printed = capsys.readouterr()
-            header = tx.service_header(printed.err.splitlines())  # header and caveats on stderr
+            header = service_header(printed.err.splitlines())  # header and caveats on stderr
             assert header[0].startswith(f"sweep {sid} (hf-e2e), rank {row['rank']} of 2")
             want = export_layout(layout, model=model, cluster=cluster, training=training, format=fmt,
                                  header=header)
@@ -92,10 +98,10 @@ def test_plan_sweep_show_and_export_a_qwen3_moe_config(home, capsys, ray_local, 
         case = (row["layout_key"], model, cluster, training, layout)
         titan_dir = home / f"titan-{row['rank']}"
         titan_dir.mkdir()
-        tx.test_torchtitan_job_config_is_read_by_torchtitan(case, titan_dir)
-        tx.test_megatron_args_build_megatron_core_configs(case)
-        tx.test_deepspeed_json_is_read_by_deepspeed(case, monkeypatch)
-        tx.test_nemo_overrides_build_the_configs_bridge_subclasses(case)
+        check_torchtitan_export(case, titan_dir)
+        check_megatron_export(case)
+        check_deepspeed_export(case, monkeypatch)
+        check_nemo_export(case)
     assert any(Layout(**r["layout"]).pp == 2 for r in rows)  # a pipeline split was exported and read back
 
 

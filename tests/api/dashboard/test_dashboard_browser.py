@@ -65,7 +65,7 @@ def coordinator(tmp_path_factory) -> Iterator[dict]:
 
 
 @pytest.fixture
-def page(browser, coordinator) -> Iterator[Watched]:
+def coordinator_page(browser, coordinator) -> Iterator[Watched]:
     with watched_page(browser, coordinator["base"], width=1440, height=900) as w:
         yield w
 
@@ -95,23 +95,23 @@ def _close(a: float, b: float, rel: float = 1e-3) -> bool:
     return math.isclose(a, b, rel_tol=rel)
 
 
-def test_sweeps_list_loads_with_stored_sweeps(page, coordinator):
-    page.goto("/")
-    rows = page.page.locator("#sweeps-table tbody tr")
+def test_sweeps_list_loads_with_stored_sweeps(coordinator_page, coordinator):
+    coordinator_page.goto("/")
+    rows = coordinator_page.page.locator("#sweeps-table tbody tr")
     assert rows.count() == 4
-    text = page.page.locator("#sweeps-table").inner_text()
+    text = coordinator_page.page.locator("#sweeps-table").inner_text()
     assert "llama3-8b on 32 H100" in text and "still running" in text and "alice" in text
     assert "46 / 46" in text  # 40 search trials + 3 layouts re-measured twice
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_sweep_page_plots_the_stored_sweep(page, coordinator, artifacts_dir):
+def test_sweep_page_plots_the_stored_sweep(coordinator_page, coordinator, artifacts_dir):
     sid = coordinator["ids"]["small"]
     truth = summary_of(coordinator["sessions"], sid)
-    page.goto(f"/sweeps/{sid}")
-    page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
-    page.page.wait_for_function("() => document.getElementById('plot-importance').data.length > 0", timeout=60_000)
-    plots = page.page.evaluate(READ_PLOTS)
+    coordinator_page.goto(f"/sweeps/{sid}")
+    coordinator_page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
+    coordinator_page.page.wait_for_function("() => document.getElementById('plot-importance').data.length > 0", timeout=60_000)
+    plots = coordinator_page.page.evaluate(READ_PLOTS)
 
     # Pareto: one point per measured layout (the service's medians), colour traces by TP, front drawn.
     tp_traces = [t for t in plots["pareto"] if t["name"].startswith("TP=")]
@@ -143,23 +143,23 @@ def test_sweep_page_plots_the_stored_sweep(page, coordinator, artifacts_dir):
     # Ranked table: every ranked layout (one page), best first with the service's median.
     assert plots["rankingRows"] == min(50, len(truth["ranking"].rows))
     assert float(plots["firstRank"].replace(",", "")) == pytest.approx(truth["ranking"].rows[0].median, rel=1e-3)
-    assert page.page.locator(".banner.sim").count() == 1  # simulate results are labelled
+    assert coordinator_page.page.locator(".banner.sim").count() == 1  # simulate results are labelled
 
     shot = artifacts_dir / "dashboard-sweep.png"
-    page.page.screenshot(path=str(shot), full_page=True)
+    coordinator_page.page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 50_000
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_submit_form_shows_the_api_validation_message(page, coordinator):
-    page.goto("/")
-    page.page.fill("input[name=max_trials]", "0")
-    page.page.fill("input[name=token]", TOKEN)
-    page.page.click("form.submit button[type=submit]")
-    page.page.wait_for_selector("#form-errors")
-    shown = page.page.locator("#form-errors li").all_inner_texts()
+def test_submit_form_shows_the_api_validation_message(coordinator_page, coordinator):
+    coordinator_page.goto("/")
+    coordinator_page.page.fill("input[name=max_trials]", "0")
+    coordinator_page.page.fill("input[name=token]", TOKEN)
+    coordinator_page.page.click("form.submit button[type=submit]")
+    coordinator_page.page.wait_for_selector("#form-errors")
+    shown = coordinator_page.page.locator("#form-errors li").all_inner_texts()
     assert shown == ["search.max_trials=0: Input should be greater than or equal to 1"]
-    assert "invalid" in (page.page.get_attribute("input[name=max_trials]", "class") or "")
+    assert "invalid" in (coordinator_page.page.get_attribute("input[name=max_trials]", "class") or "")
     # The API says the same for the same body.
     body = {"name": "sweep", "model": "tiny", "cluster": "cpu-local",
             "training": {"global_batch": 16, "precision": "fp32"},
@@ -168,31 +168,31 @@ def test_submit_form_shows_the_api_validation_message(page, coordinator):
     assert api.status_code == 422 and api.json()["detail"] == shown[0]
 
     # A valid submission lands on the new sweep's page, owned by the token's name.
-    page.page.fill("input[name=max_trials]", "5")
-    page.page.fill("input[name=name]", "from the form")
-    page.page.fill("input[name=token]", TOKEN)
-    page.page.click("form.submit button[type=submit]")
-    page.page.wait_for_url("**/sweeps/*")
-    assert "from the form" in page.page.locator("h1").inner_text()
-    assert "owner alice" in page.page.locator("main").inner_text()
-    page.errors = [e for e in page.errors if "422" not in e]  # the invalid POST's own status line
-    page.clean()
+    coordinator_page.page.fill("input[name=max_trials]", "5")
+    coordinator_page.page.fill("input[name=name]", "from the form")
+    coordinator_page.page.fill("input[name=token]", TOKEN)
+    coordinator_page.page.click("form.submit button[type=submit]")
+    coordinator_page.page.wait_for_url("**/sweeps/*")
+    assert "from the form" in coordinator_page.page.locator("h1").inner_text()
+    assert "owner alice" in coordinator_page.page.locator("main").inner_text()
+    coordinator_page.errors = [e for e in coordinator_page.errors if "422" not in e]  # the invalid POST's own status line
+    coordinator_page.clean()
 
 
-def test_trial_detail_pages(page, coordinator):
+def test_trial_detail_pages(coordinator_page, coordinator):
     sid = coordinator["ids"]["small"]
-    page.goto(f"/sweeps/{sid}")
-    page.page.click("#ranking-table tbody tr:first-child a")
-    page.page.wait_for_selector("#measurements")
-    assert "tokens/s per device" in page.page.locator("#measurements").inner_text()
-    assert "simulate" in page.page.locator("#environment").inner_text()
-    page.page.wait_for_function("() => document.getElementById('plot-trial').data.length == 2")
+    coordinator_page.goto(f"/sweeps/{sid}")
+    coordinator_page.page.click("#ranking-table tbody tr:first-child a")
+    coordinator_page.page.wait_for_selector("#measurements")
+    assert "tokens/s per device" in coordinator_page.page.locator("#measurements").inner_text()
+    assert "simulate" in coordinator_page.page.locator("#environment").inner_text()
+    coordinator_page.page.wait_for_function("() => document.getElementById('plot-trial').data.length == 2")
     # A crashed trial shows its error text.
-    page.goto(f"/sweeps/{sid}?trial_status=crash")
-    page.page.click("#trials-table tbody tr:first-child a")
-    page.page.wait_for_selector("#trial-error")
-    assert "injected crash on rank 1" in page.page.locator("#trial-error").inner_text()
-    page.clean()
+    coordinator_page.goto(f"/sweeps/{sid}?trial_status=crash")
+    coordinator_page.page.click("#trials-table tbody tr:first-child a")
+    coordinator_page.page.wait_for_selector("#trial-error")
+    assert "injected crash on rank 1" in coordinator_page.page.locator("#trial-error").inner_text()
+    coordinator_page.clean()
 
 
 # A UI STUB: what POST /api/sweeps/{id}/reshard-check answers (ReshardCheckOut) for a corrupted
@@ -212,13 +212,13 @@ ROW_IS = "([id, status]) => [...document.querySelectorAll('#sweeps-table tbody t
     "tr.cells[0].textContent.trim() === String(id) && tr.cells[2].textContent.trim() === status)"
 
 
-def test_migration_check_button_posts_and_shows_the_verdict(page, coordinator, artifacts_dir):
-    p, runner = page.page, coordinator["reshard_runner"]
-    page.goto(f"/sweeps/{coordinator['ids']['small']}")  # simulated: no check offered, and the page says why
+def test_migration_check_button_posts_and_shows_the_verdict(coordinator_page, coordinator, artifacts_dir):
+    p, runner = coordinator_page.page, coordinator["reshard_runner"]
+    coordinator_page.goto(f"/sweeps/{coordinator['ids']['small']}")  # simulated: no check offered, and the page says why
     assert p.locator("button.mig-open").count() == 0
     assert "is simulated (backend=simulate)" in p.locator("#migration-refused").inner_text()
     sid = coordinator["ids"]["moe"]  # a sweep of the ray backend
-    page.goto(f"/sweeps/{sid}")
+    coordinator_page.goto(f"/sweeps/{sid}")
     rows = p.locator("#ranking-table tbody tr")
     best, third = json.loads(rows.nth(0).get_attribute("data-layout")), json.loads(rows.nth(2).get_attribute("data-layout"))
     rows.nth(2).locator("button.mig-open").click()
@@ -269,7 +269,7 @@ def test_migration_check_button_posts_and_shows_the_verdict(page, coordinator, a
     p.screenshot(path=str(artifacts_dir / "dashboard-migration-check.png"))
 
     # 3. A layout the check cannot move (ep>1): the endpoint's 422 message, shown as it says it.
-    page.goto(f"/sweeps/{sid}")
+    coordinator_page.goto(f"/sweeps/{sid}")
     ep_row = p.locator("#ranking-table tbody tr[data-key^='tp1-cp1-ep2-']")
     ep_row.locator("button.mig-open").click()
     p.locator("tr.mig-panel input.mig-token").fill(TOKEN)
@@ -279,8 +279,8 @@ def test_migration_check_button_posts_and_shows_the_verdict(page, coordinator, a
     assert refused.startswith("Refused (HTTP 422): from_layout.ep=2: expert-parallel weights"), refused
     p.locator("tr.mig-panel").screenshot(path=str(artifacts_dir / "dashboard-migration-refused.png"))
     assert len(runner.jobs) == jobs + 1  # nothing ran
-    page.errors = [e for e in page.errors if "422" not in e]  # the refused POST's own status line
-    page.clean()
+    coordinator_page.errors = [e for e in coordinator_page.errors if "422" not in e]  # the refused POST's own status line
+    coordinator_page.clean()
 
 
 OVERFLOW = """() => ({
@@ -292,26 +292,26 @@ OVERFLOW = """() => ({
 
 
 @pytest.mark.parametrize("which", ["small", "moe", "list"])  # ranking with and without migration; the list
-def test_pages_fit_1400_px_without_horizontal_scrolling(page, coordinator, artifacts_dir, which):
-    page.page.set_viewport_size({"width": 1400, "height": 1000})
+def test_pages_fit_1400_px_without_horizontal_scrolling(coordinator_page, coordinator, artifacts_dir, which):
+    coordinator_page.page.set_viewport_size({"width": 1400, "height": 1000})
     if which == "list":
-        page.goto("/")
+        coordinator_page.goto("/")
         card = "#sweeps-card"
     else:
-        page.goto(f"/sweeps/{coordinator['ids'][which]}")
-        page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
+        coordinator_page.goto(f"/sweeps/{coordinator['ids'][which]}")
+        coordinator_page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
         card = "#ranking-card"
-    page.page.locator(card).screenshot(path=str(artifacts_dir / f"dashboard-1400-{which}.png"))
-    assert page.page.evaluate(OVERFLOW) == {"page": 0, "boxes": []}
-    page.clean()
+    coordinator_page.page.locator(card).screenshot(path=str(artifacts_dir / f"dashboard-1400-{which}.png"))
+    assert coordinator_page.page.evaluate(OVERFLOW) == {"page": 0, "boxes": []}
+    coordinator_page.clean()
 
 
-def test_layouts_measured_once_are_shown_neutral_and_never_as_tied(page, coordinator, artifacts_dir):
+def test_layouts_measured_once_are_shown_neutral_and_never_as_tied(coordinator_page, coordinator, artifacts_dir):
     """A layout measured once is never shown tied unless its interval overlaps the best's: with the
     sweep's pooled noise (issue 13) a single run has an interval and reads "slower" when it is clear
     of the best; without any interval it reads "measured once — not comparable", in a neutral badge."""
-    p, sid = page.page, coordinator["ids"]["small"]
-    page.goto(f"/sweeps/{sid}")
+    p, sid = coordinator_page.page, coordinator["ids"]["small"]
+    coordinator_page.goto(f"/sweeps/{sid}")
     ranking = p.request.get(coordinator["base"] + f"/api/sweeps/{sid}/ranking").json()["rows"]
     best = ranking[0]
     singles = [r for r in ranking if r["n"] == 1]
@@ -332,11 +332,11 @@ def test_layouts_measured_once_are_shown_neutral_and_never_as_tied(page, coordin
                         f"{tied} other layout{'' if tied == 1 else 's'} {'is' if tied == 1 else 'are'} tied with the best.")
     assert "not comparable" in p.locator("#ranking-legend").inner_text()
     p.locator("#ranking-card").screenshot(path=str(artifacts_dir / "dashboard-ranking-versus-best.png"))
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_charts_show_a_loading_line_until_they_are_drawn(page, coordinator):
-    p, held = page.page, []
+def test_charts_show_a_loading_line_until_they_are_drawn(coordinator_page, coordinator):
+    p, held = coordinator_page.page, []
     p.route("**/dashboard/vendor/plotly.min.js", lambda route: held.append(route))  # plotly.js held back
     # (deferred scripts hold DOMContentLoaded back: wait for the response only, then for the held request)
     p.goto(coordinator["base"] + f"/sweeps/{coordinator['ids']['big']}", wait_until="commit")
@@ -357,54 +357,54 @@ def test_charts_show_a_loading_line_until_they_are_drawn(page, coordinator):
     stages = p.evaluate("() => document.getElementById('plot-stages').layout.annotations[0].text")
     stages = stages.replace("<br>", " ")  # broken into lines that fit the plot (dashboard.js wrapNote)
     assert stages.startswith("no per-stage times: the simulate backend records none (") and "all simulated)" in stages
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_running_sweep_refreshes_itself(page, coordinator):
+def test_running_sweep_refreshes_itself(coordinator_page, coordinator):
     sid = coordinator["ids"]["live"]
-    page.goto(f"/sweeps/{sid}?refresh_ms=500")
-    page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
+    coordinator_page.goto(f"/sweeps/{sid}?refresh_ms=500")
+    coordinator_page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
     count = "() => document.getElementById('plot-pareto').data.filter(t => t.name.startsWith('TP=')).reduce((n, t) => n + t.x.length, 0)"
-    before = page.page.evaluate(count)
+    before = coordinator_page.page.evaluate(count)
     add_running_trial(coordinator["sessions"], sweep_id=sid, tokens=123456.0, peak=3 * GiB)
-    page.page.wait_for_function(f"() => ({count})() === {before + 1}", timeout=30_000)
-    page.page.wait_for_function(
+    coordinator_page.page.wait_for_function(f"() => ({count})() === {before + 1}", timeout=30_000)
+    coordinator_page.page.wait_for_function(
         "() => document.querySelector('[data-fact=\"summary.best_tokens_per_s_per_device\"]').textContent.includes('123')",
         timeout=30_000,
     )
-    assert not page.page.locator("#stop-reason").is_visible()  # running: no reason yet
+    assert not coordinator_page.page.locator("#stop-reason").is_visible()  # running: no reason yet
     # When the sweep ends the page says so, and why, and stops polling.
     with store.session_scope(coordinator["sessions"]) as session:
         store.set_sweep_status(session, sweep_id=sid, status="completed", stop_reason="reached max_trials=5")
-    page.page.wait_for_function("() => document.getElementById('refreshed').textContent === 'finished'", timeout=30_000)
-    assert page.page.locator('[data-fact="status"]').inner_text() == "completed"
-    assert page.page.locator("#stop-reason").inner_text() == "Stopped: reached max_trials=5"
+    coordinator_page.page.wait_for_function("() => document.getElementById('refreshed').textContent === 'finished'", timeout=30_000)
+    assert coordinator_page.page.locator('[data-fact="status"]').inner_text() == "completed"
+    assert coordinator_page.page.locator("#stop-reason").inner_text() == "Stopped: reached max_trials=5"
     requests: list[str] = []
-    page.page.on("request", lambda r: requests.append(r.url))
-    page.page.wait_for_timeout(1500)
+    coordinator_page.page.on("request", lambda r: requests.append(r.url))
+    coordinator_page.page.wait_for_timeout(1500)
     assert not [u for u in requests if "data.json" in u]
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_page_with_2000_trials_stays_responsive(page, coordinator, artifacts_dir):
+def test_page_with_2000_trials_stays_responsive(coordinator_page, coordinator, artifacts_dir):
     sid = coordinator["ids"]["big"]
     t0 = time.perf_counter()
-    page.goto(f"/sweeps/{sid}")
+    coordinator_page.goto(f"/sweeps/{sid}")
     loaded = time.perf_counter() - t0
-    page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
+    coordinator_page.page.wait_for_function(PLOTS_DRAWN, timeout=60_000)
     drawn = time.perf_counter() - t0
-    page.page.wait_for_function("() => document.getElementById('plot-importance').data.length > 0", timeout=60_000)
+    coordinator_page.page.wait_for_function("() => document.getElementById('plot-importance').data.length > 0", timeout=60_000)
     with_importance = time.perf_counter() - t0
-    nav = page.page.evaluate("""() => { const n = performance.getEntriesByType('navigation')[0];
+    nav = coordinator_page.page.evaluate("""() => { const n = performance.getEntriesByType('navigation')[0];
         return {ttfb: n.responseStart - n.requestStart, html_bytes: n.transferSize,
                 dom: n.domContentLoadedEventEnd, load: n.loadEventEnd}; }""")
-    plots = page.page.evaluate(READ_PLOTS)
+    plots = coordinator_page.page.evaluate(READ_PLOTS)
     truth = summary_of(coordinator["sessions"], sid)
     assert truth["n_trials"] == 2006
     assert sum(t["n"] for t in plots["pareto"] if t["name"].startswith("TP=")) == len(truth["pareto"])
     assert sum(t["n"] for t in plots["timeline"]) == 2006
     assert plots["rankingRows"] == 50  # paginated
-    assert page.page.locator("#trials-table tbody tr").count() == 100
+    assert coordinator_page.page.locator("#trials-table tbody tr").count() == 100
     report = {
         "trials": 2006, "measured_layouts": len(truth["pareto"]),
         "server_html_s": round(nav["ttfb"] / 1000, 3), "html_bytes": nav["html_bytes"],
@@ -414,11 +414,11 @@ def test_page_with_2000_trials_stays_responsive(page, coordinator, artifacts_dir
     }
     (artifacts_dir / "dashboard-load-2000.json").write_text(json.dumps(report, indent=2))
     print("dashboard load, 2,000 trials:", report)
-    page.clean()
+    coordinator_page.clean()
 
 
-def test_sweeps_list_refreshes_while_a_sweep_is_queued_or_running(page, coordinator):
-    p, sessions = page.page, coordinator["sessions"]
+def test_sweeps_list_refreshes_while_a_sweep_is_queued_or_running(coordinator_page, coordinator):
+    p, sessions = coordinator_page.page, coordinator["sessions"]
     with store.session_scope(sessions) as session:  # only this test's sweep is live
         for status in ("queued", "running"):
             for sw in service.list_sweeps(session, status=status, limit=500).items:
@@ -426,7 +426,7 @@ def test_sweeps_list_refreshes_while_a_sweep_is_queued_or_running(page, coordina
         spec = SweepSpec.model_validate({"name": "list refresh probe", "model": "tiny", "cluster": "cpu-local",
                                          "backend": "simulate", "training": {"global_batch": 8}})
         sid = service.create_sweep(session, spec=spec, owner="alice").id
-    page.goto("/?refresh_ms=500")
+    coordinator_page.goto("/?refresh_ms=500")
     assert p.evaluate(ROW_IS, [sid, "queued"]) and p.get_attribute("[data-live]", "data-live") == "1"
     p.fill("input[name=name]", "half-typed")  # the refresh leaves the submit form alone
     with store.session_scope(sessions) as session:
@@ -440,4 +440,4 @@ def test_sweeps_list_refreshes_while_a_sweep_is_queued_or_running(page, coordina
     p.on("request", lambda r: polled.append(r.url))
     p.wait_for_timeout(1500)  # three periods: no sweep is live, so no more polling
     assert not [u for u in polled if "/sweeps-table" in u]
-    page.clean()
+    coordinator_page.clean()

@@ -126,7 +126,7 @@ def test_summary_counts_a_node_lost_trial_once_its_rerun_exists():
 # --- pages -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory):
+def pages_store(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('pages') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
     sid = seed_sweep(sessions, n_trials=30, name="pages sweep", rich=True)
@@ -135,15 +135,15 @@ def stored(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pages_client(stored):
-    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False), run_engine=False)
+def pages_client(pages_store):
+    app = create_app(Settings(database_url=pages_store["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False), run_engine=False)
     with TestClient(app) as c:
         yield c
 
 
-def test_sweep_page_and_its_chart_data(pages_client, stored):
-    sid = stored["sid"]
-    truth = summary_of(stored["sessions"], sid)
+def test_sweep_page_and_its_chart_data(pages_client, pages_store):
+    sid = pages_store["sid"]
+    truth = summary_of(pages_store["sessions"], sid)
     r = pages_client.get(f"/sweeps/{sid}")
     assert r.status_code == 200
     # The charts' data is fetched by dashboard.js (data.json), not embedded in the page.
@@ -210,9 +210,9 @@ def test_sweep_page_etag_and_a_new_result_renders_it_again(tmp_path):
     engine.dispose()
 
 
-def test_trial_pages_and_filters(pages_client, stored):
-    sid = stored["sid"]
-    with stored["sessions"]() as s:
+def test_trial_pages_and_filters(pages_client, pages_store):
+    sid = pages_store["sid"]
+    with pages_store["sessions"]() as s:
         crash = service.list_trials(s, sweep_id=sid, status="crash").items[0]
         oom = service.list_trials(s, sweep_id=sid, status="oom").items[0]
     r = pages_client.get(f"/sweeps/{sid}/trials/{crash.id}")
@@ -224,10 +224,10 @@ def test_trial_pages_and_filters(pages_client, stored):
     assert table.count('class="badge oom"') == table.count("data-trial=") >= 1
 
 
-def test_unknown_ids_are_404_pages(pages_client, stored):
+def test_unknown_ids_are_404_pages(pages_client, pages_store):
     assert pages_client.get("/sweeps/999999").status_code == 404
     assert "sweep 999999 does not exist" in pages_client.get("/sweeps/999999").text
-    assert pages_client.get(f"/sweeps/{stored['sid']}/trials/999999").status_code == 404
+    assert pages_client.get(f"/sweeps/{pages_store['sid']}/trials/999999").status_code == 404
     assert pages_client.get("/sweeps/999999/data.json").status_code == 404
     assert pages_client.get("/sweeps/abc").status_code == 422  # the API's own message for a bad path value
 
@@ -268,19 +268,19 @@ def test_form_errors_are_the_api_errors(pages_client, fields, body):
     assert [html.unescape(s) for s in shown] == [api.json()["detail"]]
 
 
-def test_form_submits_a_sweep_owned_by_the_token(pages_client, stored):
+def test_form_submits_a_sweep_owned_by_the_token(pages_client, pages_store):
     r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "extra": "space: {tp: [1, 2]}\ntrial: {measure_steps: 2}"},
                     follow_redirects=False)
     assert r.status_code == 303
     sid = int(r.headers["location"].rsplit("/", 1)[1])
-    with stored["sessions"]() as s:
+    with pages_store["sessions"]() as s:
         sweep = service.get_sweep(s, sweep_id=sid)
         assert sweep.owner == "alice" and sweep.status == "queued" and sweep.sampler == "random"
         assert sweep.spec["space"]["tp"] == [1, 2] and sweep.spec["trial"]["measure_steps"] == 2
     assert pages_client.get(r.headers["location"]).status_code == 200
 
 
-def test_names_are_escaped(pages_client, stored):
+def test_names_are_escaped(pages_client, pages_store):
     r = pages_client.post("/sweeps", data=FORM | {"token": TOKEN, "name": "<script>alert(1)</script>"})
     assert r.status_code == 200 and "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
     assert "<script>alert(1)" not in r.text
@@ -297,19 +297,19 @@ def test_form_needs_a_valid_token_when_auth_is_on(pages_client):
     assert r.status_code == 422 and "extra: not valid YAML/JSON" in r.text
 
 
-def test_closed_reads_need_the_token_cookie(stored):
-    settings = Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=True)
+def test_closed_reads_need_the_token_cookie(pages_store):
+    settings = Settings(database_url=pages_store["url"], api_tokens={"alice": TOKEN}, read_requires_auth=True)
     with TestClient(create_app(settings, run_engine=False)) as c:
         r = c.get("/")
         assert r.status_code == 401 and 'action="/login"' in r.text and "pages sweep" not in r.text
-        assert c.get(f"/sweeps/{stored['sid']}/data.json").status_code == 401
+        assert c.get(f"/sweeps/{pages_store['sid']}/data.json").status_code == 401
         assert c.post("/login", data={"token": "wrong", "next": "/"}).status_code == 403
-        r = c.post("/login", data={"token": TOKEN, "next": f"/sweeps/{stored['sid']}"}, follow_redirects=False)
-        assert r.status_code == 303 and r.headers["location"] == f"/sweeps/{stored['sid']}"
+        r = c.post("/login", data={"token": TOKEN, "next": f"/sweeps/{pages_store['sid']}"}, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == f"/sweeps/{pages_store['sid']}"
         assert "httponly" in r.headers["set-cookie"].lower()
         assert c.get("/").status_code == 200 and "pages sweep" in c.get("/").text
-        assert c.get(f"/sweeps/{stored['sid']}/data.json").status_code == 200
-        assert "Migration checks" in c.get(f"/sweeps/{stored['sid']}/tables").text  # the cookie reads the checks
+        assert c.get(f"/sweeps/{pages_store['sid']}/data.json").status_code == 200
+        assert "Migration checks" in c.get(f"/sweeps/{pages_store['sid']}/tables").text  # the cookie reads the checks
         r = c.post("/login", data={"token": TOKEN, "next": "//evil.example"}, follow_redirects=False)
         assert r.headers["location"] == "/"
 
@@ -385,12 +385,12 @@ def _payload(row: dict, targets: list[dict]) -> dict:
     return {"from_layout": row["layout"], "to_layout": to["layout"], "steps_before": 2, "steps_after": 2}
 
 
-def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stored):
+def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(pages_store):
     """The body the page posts, read from the page, sent to the real endpoint (real validation, real
     storage): accepted for every pair without ep, refused with a 422 naming the field for ep>1. Only
     the runner is a stub (``StubReshardRunner``, labelled): the check itself is test_reshard.py's."""
-    sid = seed_migration_sweep(stored["sessions"])
-    app = create_app(Settings(database_url=stored["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False),
+    sid = seed_migration_sweep(pages_store["sessions"])
+    app = create_app(Settings(database_url=pages_store["url"], api_tokens={"alice": TOKEN}, read_requires_auth=False),
                      run_engine=False)
     app.state.reshard_runner = runner = StubReshardRunner()
     with TestClient(app) as c:
@@ -432,8 +432,8 @@ def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(stor
 # --- issue 11: ids, and the form's free-text spec ---------------------------------------------------
 
 @pytest.mark.parametrize("bad", ["99999999999999999999", "2147483648", "0"])
-def test_ids_out_of_range_are_422_not_500(pages_client, stored, bad):
-    sid = stored["sid"]
+def test_ids_out_of_range_are_422_not_500(pages_client, pages_store, bad):
+    sid = pages_store["sid"]
     for url in (f"/sweeps/{bad}", f"/sweeps/{bad}/data.json", f"/sweeps/{bad}/importance.json", f"/sweeps/{bad}/tables",
                 f"/sweeps/{bad}/trials/1", f"/sweeps/{sid}/trials/{bad}", f"/schedules/{bad}/trends"):
         r = pages_client.get(url)
@@ -470,7 +470,7 @@ def test_form_text_the_store_cannot_hold_names_the_field(pages_client):
     assert r.status_code == 422 and _form_errors(r.text)[0].startswith("trial.options has a key that contains a NUL")
 
 
-def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(pages_client, stored):
+def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(pages_client, pages_store):
     """The dashboard prints the lines `meshtune show` prints (issue 13): the held-out (leave-one-out)
     Spearman against the prior's, and the earlier sweeps on this cluster it learned from."""
     from api.cli.show import calibration_lines
@@ -480,8 +480,8 @@ def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_f
                                      "training": {"global_batch": 16}, "backend": "simulate"})
     time = {"n": 8, "prior": "analytical", "prior_spearman": 0.62, "loo_spearman": 0.81, "accepted": True,
             "fitted": ["compute"], "weights": {"compute": 2.5, "comm": 1.0, "dp": 1.0, "p2p": 1.0, "latency": 0.0}}
-    calibration = {"version": 3, "time": time, "learned_from": [stored["sid"]]}
-    with stored["sessions"]() as s:
+    calibration = {"version": 3, "time": time, "learned_from": [pages_store["sid"]]}
+    with pages_store["sessions"]() as s:
         sid = service.create_sweep(s, spec=spec, owner="t").id
         store.set_calibration(s, sweep_id=sid, calibration=calibration)
         s.commit()
@@ -492,4 +492,4 @@ def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_f
     shown = [html.unescape(x) for x in re.findall(r"<div>(.*?)</div>", m.group(1) + "</div>")]
     assert shown == calibration_lines(calibration)
     assert any("held-out (leave-one-out) Spearman +0.81 vs prior (analytical) +0.62" in x for x in shown)
-    assert f"learned from earlier sweeps on this cluster: #{stored['sid']}" in shown
+    assert f"learned from earlier sweeps on this cluster: #{pages_store['sid']}" in shown

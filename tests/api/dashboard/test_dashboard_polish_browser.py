@@ -33,7 +33,7 @@ LONG_CAUSES = [
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Iterator[dict]:
+def polish_site(tmp_path_factory) -> Iterator[dict]:
     url = f"sqlite:///{tmp_path_factory.mktemp('polish') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
     rich = seed_sweep(sessions, n_trials=12, name="llama3-8b on 32 H100", rich=True)
@@ -53,8 +53,8 @@ def site(tmp_path_factory) -> Iterator[dict]:
 
 
 @pytest.fixture
-def page(browser, site):
-    with watched_page(browser, site["base"], width=1400, height=1000) as w:
+def polish_page(browser, polish_site):
+    with watched_page(browser, polish_site["base"], width=1400, height=1000) as w:
         yield w
 
 
@@ -68,40 +68,40 @@ CAUSE_CELLS = """() => {
 }"""
 
 
-def test_long_causes_are_readable_cells_and_the_table_fits_its_card(page, site, artifacts_dir):
-    page.goto(f"/sweeps/{site['rich']}")
-    page.page.wait_for_selector("#trials-table")
-    got = page.page.evaluate(CAUSE_CELLS)
-    page.page.locator("#trials-card").screenshot(path=str(artifacts_dir / "dashboard-1400-trial-causes.png"))
+def test_long_causes_are_readable_cells_and_the_table_fits_its_card(polish_page, polish_site, artifacts_dir):
+    polish_page.goto(f"/sweeps/{polish_site['rich']}")
+    polish_page.page.wait_for_selector("#trials-table")
+    got = polish_page.page.evaluate(CAUSE_CELLS)
+    polish_page.page.locator("#trials-card").screenshot(path=str(artifacts_dir / "dashboard-1400-trial-causes.png"))
     assert got["over"] == [0, 0], got["over"]  # no horizontal scrolling: the table fits its card
     longs = [c for c in got["cells"] if any(c["title"].startswith(long[:40]) for long in LONG_CAUSES)]
     assert len(longs) >= 2, got["cells"]
     for cell in longs:
         assert cell["w"] >= 180 and cell["lines"] <= 2.2, cell  # a readable cell: not one word per line
         assert cell["title"] in LONG_CAUSES  # the full text on hover
-    page.goto(f"/sweeps/{site['rich']}?trial_status=crash")  # and on the trial page
-    page.page.click("#trials-table tbody tr:first-child a")
-    page.page.wait_for_selector("#trial-error")
-    assert any(c in page.page.locator("#trial-error").inner_text() for c in LONG_CAUSES)
-    page.clean()
+    polish_page.goto(f"/sweeps/{polish_site['rich']}?trial_status=crash")  # and on the trial page
+    polish_page.page.click("#trials-table tbody tr:first-child a")
+    polish_page.page.wait_for_selector("#trial-error")
+    assert any(c in polish_page.page.locator("#trial-error").inner_text() for c in LONG_CAUSES)
+    polish_page.clean()
 
 
-def test_the_step_chart_ticks_whole_steps_and_the_stage_note_is_whole(page, site, artifacts_dir):
-    with site["sessions"]() as s:
-        tid = s.scalar(sa.select(Trial.id).where(Trial.sweep_id == site["sim"], Trial.number == 0))
-    page.goto(f"/sweeps/{site['sim']}/trials/{tid}")
-    page.page.wait_for_function("() => document.getElementById('plot-trial')._fullLayout")
-    ticks = page.page.evaluate("() => [...document.querySelectorAll('#plot-trial .xtick text')].map(t => t.textContent)")
+def test_the_step_chart_ticks_whole_steps_and_the_stage_note_is_whole(polish_page, polish_site, artifacts_dir):
+    with polish_site["sessions"]() as s:
+        tid = s.scalar(sa.select(Trial.id).where(Trial.sweep_id == polish_site["sim"], Trial.number == 0))
+    polish_page.goto(f"/sweeps/{polish_site['sim']}/trials/{tid}")
+    polish_page.page.wait_for_function("() => document.getElementById('plot-trial')._fullLayout")
+    ticks = polish_page.page.evaluate("() => [...document.querySelectorAll('#plot-trial .xtick text')].map(t => t.textContent)")
     assert ticks and all(t.replace("−", "-").lstrip("-").isdigit() for t in ticks), ticks
-    page.goto(f"/sweeps/{site['sim']}")
-    page.page.wait_for_function("() => document.getElementById('plot-stages')._fullLayout")
-    box = page.page.evaluate("""() => {
+    polish_page.goto(f"/sweeps/{polish_site['sim']}")
+    polish_page.page.wait_for_function("() => document.getElementById('plot-stages')._fullLayout")
+    box = polish_page.page.evaluate("""() => {
       const plot = document.getElementById('plot-stages').getBoundingClientRect();
       const text = document.querySelector('#plot-stages .annotation-text').getBoundingClientRect();
       return {plot: [plot.left, plot.right], text: [text.left, text.right],
               note: document.querySelector('#plot-stages .annotation-text').textContent};
     }""")
-    page.page.locator("#plot-stages").screenshot(path=str(artifacts_dir / "dashboard-stage-note.png"))
+    polish_page.page.locator("#plot-stages").screenshot(path=str(artifacts_dir / "dashboard-stage-note.png"))
     assert "the simulate backend records none" in box["note"] and box["note"].endswith("all simulated)"), box
     assert box["plot"][0] <= box["text"][0] and box["text"][1] <= box["plot"][1], box  # inside the plot
-    page.clean()
+    polish_page.clean()

@@ -36,7 +36,7 @@ ONCE = Layout(tp=4)  # one run, far below the best
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def display_site(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('display') / 'display.db'}"
     engine, sessions = store.open_store(url)
     ids = {
@@ -61,8 +61,8 @@ def _rows(page: str, attr: str = "data-key") -> dict[str, str]:
 
 # --- item 15: the best is the ranking's #1 -----------------------------------------------------------
 
-def test_the_sweeps_list_shows_the_rankings_first_row_not_the_fastest_run(site):
-    c, sid = site["client"], site["ids"]["real"]
+def test_the_sweeps_list_shows_the_rankings_first_row_not_the_fastest_run(display_site):
+    c, sid = display_site["client"], display_site["ids"]["real"]
     assert c.get(f"/api/sweeps/{sid}/ranking").json()["rows"][0]["layout_key"] == BEST.key
     page = c.get("/").text
     row = next(m[0] for m in re.finditer(r"<tr>.*?</tr>", page, re.S) if f'href="/sweeps/{sid}"' in m[0])
@@ -72,8 +72,8 @@ def test_the_sweeps_list_shows_the_rankings_first_row_not_the_fastest_run(site):
 
 # --- item 16: measured once is not comparable; the tied count leaves out the best ---------------
 
-def test_a_layout_measured_once_is_not_comparable_and_never_tied(site):
-    tables = site["client"].get(f"/sweeps/{site['ids']['real']}/tables").text
+def test_a_layout_measured_once_is_not_comparable_and_never_tied(display_site):
+    tables = display_site["client"].get(f"/sweeps/{display_site['ids']['real']}/tables").text
     rows = _rows(tables)
     versus = {key: re.search(r'data-versus="([^"]+)"', html)[1] for key, html in rows.items()}
     # ONCE (68.5, one run) gets an interval from the sweep's pooled noise (issue 13), clear of the
@@ -91,8 +91,8 @@ def test_a_layout_measured_once_is_not_comparable_and_never_tied(site):
 
 # --- item 17: prediction errors coloured by size -----------------------------------------------------
 
-def test_prediction_errors_are_coloured_by_their_size_not_their_sign(site):
-    rows = _rows(site["client"].get(f"/sweeps/{site['ids']['real']}/tables").text)
+def test_prediction_errors_are_coloured_by_their_size_not_their_sign(display_site):
+    rows = _rows(display_site["client"].get(f"/sweeps/{display_site['ids']['real']}/tables").text)
     cells = {key: re.findall(r'<td class="([^"]*)">([+-]\d+%)</td>', rows[key]) for key in (BEST.key, CLOSE.key, LUCKY.key)}
     assert ("err-poor", "-97%") in cells[BEST.key]  # far off, whatever the sign
     assert ("err-fair", "+30%") in cells[CLOSE.key]
@@ -103,21 +103,21 @@ def test_prediction_errors_are_coloured_by_their_size_not_their_sign(site):
 
 # --- item 18: simulated device time is not real device time -----------------------------------------
 
-def test_simulated_device_seconds_are_labelled_apart_from_real_ones(site):
-    c, sessions = site["client"], site["sessions"]
+def test_simulated_device_seconds_are_labelled_apart_from_real_ones(display_site):
+    c, sessions = display_site["client"], display_site["sessions"]
     with sessions() as s:
         by_sweep = {sid: sum(t.device_seconds or 0.0 for t in store.all_trials(s, sweep_id=sid))
-                    for sid in site["ids"].values()}
+                    for sid in display_site["ids"].values()}
     metrics = c.get("/metrics").text
     values = dict(re.findall(r'^meshtune_device_seconds_total\{simulated="(true|false)"\} (\S+)$', metrics, re.M))
-    assert float(values["false"]) == pytest.approx(by_sweep[site["ids"]["real"]]) == 13 * 2.0 * 4  # 13 trials of 4 ranks, 2 s each
-    assert float(values["true"]) == pytest.approx(by_sweep[site["ids"]["sim"]]) and by_sweep[site["ids"]["sim"]] > 0
+    assert float(values["false"]) == pytest.approx(by_sweep[display_site["ids"]["real"]]) == 13 * 2.0 * 4  # 13 trials of 4 ranks, 2 s each
+    assert float(values["true"]) == pytest.approx(by_sweep[display_site["ids"]["sim"]]) and by_sweep[display_site["ids"]["sim"]] > 0
 
-    sim = site["ids"]["sim"]
+    sim = display_site["ids"]["sim"]
     page = c.get(f"/sweeps/{sim}").text
     label = re.search(r'data-fact="summary.device_time_label">([^<]*)<', page)[1]
     assert label == "simulated device time (no real device used)"
-    real_page = c.get(f"/sweeps/{site['ids']['real']}").text
+    real_page = c.get(f"/sweeps/{display_site['ids']['real']}").text
     assert re.search(r'data-fact="summary.device_time_label">device time<', real_page)
     listed = c.get("/").text
     row = next(m[0] for m in re.finditer(r"<tr>.*?</tr>", listed, re.S) if f'href="/sweeps/{sim}"' in m[0])
@@ -130,9 +130,9 @@ def test_simulated_device_seconds_are_labelled_apart_from_real_ones(site):
 
 # --- item 19: empty charts say what is true; late panels show that they are loading ---------------
 
-def test_simulated_sweeps_say_the_backend_records_no_stage_times_or_losses(site):
-    c, sim = site["client"], site["ids"]["sim"]
-    with site["sessions"]() as s:
+def test_simulated_sweeps_say_the_backend_records_no_stage_times_or_losses(display_site):
+    c, sim = display_site["client"], display_site["ids"]["sim"]
+    with display_site["sessions"]() as s:
         done = [t for t in store.all_trials(s, sweep_id=sim) if t.status == "completed"]
     piped = [t for t in done if t.layout["pp"] > 1]
     assert piped, "the seeded sweep has completed pipeline trials"
@@ -149,8 +149,8 @@ def test_simulated_sweeps_say_the_backend_records_no_stage_times_or_losses(site)
 
 # --- item 20: no migration check of a simulated sweep ------------------------------------------------
 
-def test_a_simulated_sweep_offers_no_migration_check_and_the_api_refuses_one(site):
-    c, runner, sim, real = site["client"], site["runner"], site["ids"]["sim"], site["ids"]["real"]
+def test_a_simulated_sweep_offers_no_migration_check_and_the_api_refuses_one(display_site):
+    c, runner, sim, real = display_site["client"], display_site["runner"], display_site["ids"]["sim"], display_site["ids"]["real"]
     tables = c.get(f"/sweeps/{sim}/tables").text
     assert "mig-open" not in tables and 'id="migration-targets"' not in tables
     refused = re.search(r'id="migration-refused"><b>[^<]*</b> ([^<]*)</p>', tables)[1]
@@ -170,16 +170,16 @@ def test_a_simulated_sweep_offers_no_migration_check_and_the_api_refuses_one(sit
     assert r.status_code == 200 and len(runner.jobs) == jobs + 1, r.text
 
 
-def test_a_world_size_beyond_the_ray_cluster_is_refused_before_anything_runs(site, monkeypatch):
+def test_a_world_size_beyond_the_ray_cluster_is_refused_before_anything_runs(display_site, monkeypatch):
     fake = types.SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 2.0})
     monkeypatch.setitem(sys.modules, "ray", fake)  # a Ray already up in this process, with 2 CPUs
-    with site["sessions"]() as s:
-        sweep = store.get_sweep(s, sweep_id=site["ids"]["real"])
+    with display_site["sessions"]() as s:
+        sweep = store.get_sweep(s, sweep_id=display_site["ids"]["real"])
         reason = reshard_service.refusal(sweep)
     assert reason == "a migration check runs tiny on 4 ranks of cpu-local, but the Ray cluster has 2 CPU"
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
-    with site["sessions"]() as s:  # Ray not up: not started to answer; Ray's own check refuses at run time
-        assert reshard_service.refusal(store.get_sweep(s, sweep_id=site["ids"]["real"])) is None
+    with display_site["sessions"]() as s:  # Ray not up: not started to answer; Ray's own check refuses at run time
+        assert reshard_service.refusal(store.get_sweep(s, sweep_id=display_site["ids"]["real"])) is None
 
 
 # --- item 21: text formatting -----------------------------------------------------------------------
@@ -212,28 +212,28 @@ def test_the_short_layout_form_leaves_out_defaults_and_tells_every_layout_apart(
     assert all(fmt.key_text(lay.key) == lay.short for lay in layouts)
 
 
-def test_pages_show_short_layouts_yes_no_flags_and_no_schedule_without_a_pipeline(site):
-    c, real = site["client"], site["ids"]["real"]
-    with site["sessions"]() as s:
+def test_pages_show_short_layouts_yes_no_flags_and_no_schedule_without_a_pipeline(display_site):
+    c, real = display_site["client"], display_site["ids"]["real"]
+    with display_site["sessions"]() as s:
         trial = next(t for t in store.all_trials(s, sweep_id=real) if t.layout_key == BEST.key)
     page = c.get(f"/sweeps/{real}/trials/{trial.id}").text
     assert "Trial 3: dp4 z1 mbs2" in page and f"<code>{BEST.key}</code>" in page  # the full key is kept too
     assert "<dt>sp</dt><dd>no</dd>" in page and "<dt>schedule</dt>" not in page and "<dt>vpp</dt>" not in page
     assert "<dt>hosts</dt><dd>node-a, node-b</dd>" in page and "[&#39;node-a" not in page  # no Python list repr
     assert "e+0" not in page
-    with site["sessions"]() as s:
-        pruned = next(t for t in store.all_trials(s, sweep_id=site["ids"]["sim"]) if t.status == "pruned")
-    shown = c.get(f"/sweeps/{site['ids']['sim']}/trials/{pruned.id}").text
+    with display_site["sessions"]() as s:
+        pruned = next(t for t in store.all_trials(s, sweep_id=display_site["ids"]["sim"]) if t.status == "pruned")
+    shown = c.get(f"/sweeps/{display_site['ids']['sim']}/trials/{pruned.id}").text
     cause = re.search(r'<div class="card" id="trial-error">.*?<p title="[^"]*">([^<]*)</p>', shown, re.S)[1]
     assert re.search(r"\d{5,}", cause) is None and "GiB" in cause, cause
-    header = c.get(f"/sweeps/{site['ids']['sim']}").text
+    header = c.get(f"/sweeps/{display_site['ids']['sim']}").text
     assert "llama3-8b on h100-sxm (4×8 cuda)" in header and "{&#39;" not in header and "{'" not in header
 
 
 # --- item 23 (CSV half): one column per layout field ---------------------------------------------
 
-def test_the_ranking_csv_has_one_column_per_layout_field_and_keeps_the_key(site):
-    c, real = site["client"], site["ids"]["real"]
+def test_the_ranking_csv_has_one_column_per_layout_field_and_keeps_the_key(display_site):
+    c, real = display_site["client"], display_site["ids"]["real"]
     text = c.get(f"/api/sweeps/{real}/ranking?format=csv").text
     rows = list(csv.DictReader(io.StringIO(text)))
     header = text.splitlines()[0].split(",")

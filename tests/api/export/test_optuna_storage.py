@@ -24,7 +24,7 @@ from tests.helpers.dashboard_seed import add_running_trial, seed_sweep
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory):
+def exported_sweep(tmp_path_factory):
     """One finished seeded sweep (failures, pruned layouts, re-measurements) exported once to the
     default storage beside its store; the mirror and export tests each add a trial after it."""
     home = tmp_path_factory.mktemp("optuna")
@@ -43,10 +43,10 @@ def _expected(sessions, sid: int) -> list:
         return [t for t in store.all_trials(s, sweep_id=sid) if t.status in EXPORTED_STATUSES]
 
 
-def test_cli_exports_and_bad_input(seeded, tmp_path, capsys, monkeypatch):
+def test_cli_exports_and_bad_input(exported_sweep, tmp_path, capsys, monkeypatch):
     from api.cli import main
 
-    url, _, sid, _, _ = seeded
+    url, _, sid, _, _ = exported_sweep
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
     target = f"sqlite:///{tmp_path / 'o.db'}"
     assert main(["optuna-export", str(sid), "--storage", target]) == 0
@@ -69,9 +69,9 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_optuna_dashboard_opens_the_finished_sweep(seeded):
+def test_optuna_dashboard_opens_the_finished_sweep(exported_sweep):
     exe = shutil.which("optuna-dashboard") or str(Path(sys.executable).with_name("optuna-dashboard"))
-    url, sessions, sid, storage, _ = seeded
+    url, sessions, sid, storage, _ = exported_sweep
     port = _free_port()
     proc = subprocess.Popen([exe, storage, "--host", "127.0.0.1", "--port", str(port), "--server", "wsgiref", "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "NO_PROXY": "*"})
@@ -103,12 +103,12 @@ def test_optuna_dashboard_opens_the_finished_sweep(seeded):
         proc.wait(30)
 
 
-def test_mirror_follows_results_as_they_land(seeded, tmp_path):
+def test_mirror_follows_results_as_they_land(exported_sweep, tmp_path):
     """``meshtune serve --optuna-storage``'s mirror: its first pass exports every ranked sweep, a pass
     with no new result adds nothing, and a result landing is in the study after the next pass."""
     from api.export.optuna import OptunaMirror
 
-    url, sessions, sid, _, first = seeded
+    url, sessions, sid, _, first = exported_sweep
     mirror = OptunaMirror(sessions, storage=f"sqlite:///{tmp_path / 'live.db'}", interval_s=0.05)
     assert mirror.sync_once() == first.total and mirror.sync_once() == 0  # unchanged version: no export
     mirror.start()
@@ -125,8 +125,8 @@ def test_mirror_follows_results_as_they_land(seeded, tmp_path):
         OptunaMirror(sessions, storage=mirror.storage, interval_s=0)
 
 
-def test_export_is_a_standard_study_and_incremental(seeded):
-    url, sessions, sid, storage, first = seeded
+def test_export_is_a_standard_study_and_incremental(exported_sweep):
+    url, sessions, sid, storage, first = exported_sweep
     assert storage == url.replace("meshtune.db", "meshtune-optuna.db")  # its own file beside the store
     expected = _expected(sessions, sid)
     assert {t.status for t in expected} >= {"completed", "pruned", "timeout", "crash", "nan"}

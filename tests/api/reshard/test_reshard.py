@@ -78,7 +78,7 @@ def reports(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference_losses_of():
     """The single-process reference losses of a model (workers.train.reference_losses), cached."""
     from workers.train import reference_losses
 
@@ -102,7 +102,7 @@ def test_tolerance_is_the_workers_numerics_tolerance():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] is None])
-def test_reshard_is_bit_exact_and_continues(name, reports, reference):
+def test_reshard_is_bit_exact_and_continues(name, reports, reference_losses_of):
     report = reports[name]
     assert not isinstance(report, str), f"{name} failed:\n{report}"
     model = CASES[name][0]
@@ -116,7 +116,7 @@ def test_reshard_is_bit_exact_and_continues(name, reports, reference):
     # The loss comparison can tell steps apart: losses move by far more than the tolerance per step.
     assert abs(report.losses_b[0] - report.losses_before[0]) > 100 * LOSS_RTOL * report.losses_before[0]
     # A (and so B) trains like the single-process reference of the workers' numerics tests.
-    assert report.losses_before + report.losses_a == pytest.approx(reference(model), rel=LOSS_RTOL)
+    assert report.losses_before + report.losses_a == pytest.approx(reference_losses_of(model), rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
@@ -245,7 +245,7 @@ SWEEP = {"name": "reshard", "model": "tiny", "cluster": "cpu-local", "backend": 
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory):
+def reshard_api(tmp_path_factory):
     from fastapi.testclient import TestClient
 
     from api import store
@@ -270,16 +270,16 @@ def api(tmp_path_factory):
     ({"from_layout": {"dp": 4}, "to_layout": {"tp": 4, "zero": 7}}, "to_layout.zero"),
     ({"from_layout": {"dp": 4}, "to_layout": {"dp": 4}, "steps_after": 0}, "steps_after"),
 ])
-def test_api_rejects_bad_input_naming_the_field(api, body, field):
-    client, sweep_id, _ = api
+def test_api_rejects_bad_input_naming_the_field(reshard_api, body, field):
+    client, sweep_id, _ = reshard_api
     r = client.post(f"/api/sweeps/{sweep_id}/reshard-check", json=body, headers=TOKEN)
     assert r.status_code == 422, r.text
     assert r.json()["errors"][0]["field"] == field, r.json()
     assert client.get(f"/api/sweeps/{sweep_id}/reshard-checks").json() == []  # nothing ran, nothing stored
 
 
-def test_api_unknown_sweep_is_404(api):
-    client, _, _ = api
+def test_api_unknown_sweep_is_404(reshard_api):
+    client, _, _ = reshard_api
     r = client.post("/api/sweeps/999999/reshard-check", json={"from_layout": {"dp": 4}, "to_layout": {"dp": 4}},
                     headers=TOKEN)
     assert r.status_code == 404 and "999999" in r.json()["detail"]
@@ -290,9 +290,9 @@ def test_api_unknown_sweep_is_404(api):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_api_runs_on_ray_and_stores_the_verdict(api, ray_local):
+def test_api_runs_on_ray_and_stores_the_verdict(reshard_api, ray_local):
     """POST -> service -> Ray launcher (TP x DP -> ZeRO-3) -> verdict stored with the sweep."""
-    client, sweep_id, _ = api
+    client, sweep_id, _ = reshard_api
     body = {"from_layout": {"tp": 2, "dp": 2}, "to_layout": {"dp": 4, "zero": 3}, "steps_before": 1, "steps_after": 1}
     r = client.post(f"/api/sweeps/{sweep_id}/reshard-check", json=body, headers=TOKEN)
     assert r.status_code == 200, r.text
@@ -320,13 +320,13 @@ def test_cli_bad_input_exits_2(capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cli_reports_injected_corruption_and_exits_1(api, ray_local, capsys, monkeypatch):
+def test_cli_reports_injected_corruption_and_exits_1(reshard_api, ray_local, capsys, monkeypatch):
     """``--sweep``: the sweep's problem, the verdict stored with it; the wrong reshard exits 1."""
     import json
 
     from api.cli import main
 
-    client, sweep_id, url = api
+    client, sweep_id, url = reshard_api
     monkeypatch.setenv("MESHTUNE_DATABASE_URL", url)
     code = main(["reshard-check", "--sweep", str(sweep_id), "--from", "dp=4", "--to", "pp=2,dp=2",
                  "--steps-before", "1", "--steps-after", "1", "--inject-corruption", "swap-layers", "--json"])

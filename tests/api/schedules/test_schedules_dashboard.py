@@ -40,7 +40,7 @@ def _app(url: str):
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory) -> Iterator[dict]:
+def nightly_schedule(tmp_path_factory) -> Iterator[dict]:
     """A schedule with three simulated runs; the third on half the FLOP/s: a regression."""
     url = f"sqlite:///{tmp_path_factory.mktemp('trends') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
@@ -65,15 +65,15 @@ def seeded(tmp_path_factory) -> Iterator[dict]:
         engine.dispose()
 
 
-def test_pages_render_with_the_regression(seeded) -> None:
-    with TestClient(_app(seeded["url"])) as c:
+def test_pages_render_with_the_regression(nightly_schedule) -> None:
+    with TestClient(_app(nightly_schedule["url"])) as c:
         listing = c.get("/schedules")
         assert listing.status_code == 200
-        assert "nightly-sim" in listing.text and f"/schedules/{seeded['sid']}/trends" in listing.text
-        page = c.get(f"/schedules/{seeded['sid']}/trends")
+        assert "nightly-sim" in listing.text and f"/schedules/{nightly_schedule['sid']}/trends" in listing.text
+        page = c.get(f"/schedules/{nightly_schedule['sid']}/trends")
         assert page.status_code == 200
         assert 'id="trend-plot"' in page.text and "alert-regression" in page.text and 'class="banner sim"' in page.text
-        data = c.get(f"/schedules/{seeded['sid']}/trends.json").json()
+        data = c.get(f"/schedules/{nightly_schedule['sid']}/trends.json").json()
         marks = [t for t in data["traces"] if t["name"] == "regression"]
         assert len(marks) == 1 and len(marks[0]["x"]) == 1 and data["simulated"] is True
         # the page embeds the same traces for static/figure.js to draw
@@ -84,11 +84,11 @@ def test_pages_render_with_the_regression(seeded) -> None:
 
 
 @pytest.mark.browser
-def test_trends_page_in_chromium_marks_the_regression(seeded, browser, artifacts_dir: Path) -> None:
-    with serve(_app(seeded["url"])) as base, watched_page(browser, base) as w:
+def test_trends_page_in_chromium_marks_the_regression(nightly_schedule, browser, artifacts_dir: Path) -> None:
+    with serve(_app(nightly_schedule["url"])) as base, watched_page(browser, base) as w:
         page = w.page
         w.goto("/schedules")
-        page.click(f"a[href='/schedules/{seeded['sid']}/trends']")
+        page.click(f"a[href='/schedules/{nightly_schedule['sid']}/trends']")
         page.wait_for_selector("#trend-plot .main-svg", timeout=30_000)
         names = page.evaluate("() => document.getElementById('trend-plot').data.map(t => t.name)")
         points = page.locator("#trend-plot .scatterlayer .trace").count()

@@ -23,7 +23,7 @@ PRICE, TOKENS = 2.5, 1e12
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory):
+def priced_store(tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('budget') / 'meshtune.db'}"
     engine, sessions = store.open_store(url)
     with pytest.MonkeyPatch.context() as mp:  # the seeded sweep's spec, with a price and a token budget
@@ -38,9 +38,9 @@ def stored(tmp_path_factory):
     engine.dispose()
 
 
-def test_api_ranking_rows_carry_time_and_cost_to_train(stored):
-    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
-    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+def test_api_ranking_rows_carry_time_and_cost_to_train(priced_store):
+    body = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/ranking").json()
+    sweep = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}").json()
     devices = 32
     assert body["rows"]
     for row in body["rows"]:
@@ -54,46 +54,46 @@ def test_api_ranking_rows_carry_time_and_cost_to_train(stored):
     assert spent["search_device_seconds"] == pytest.approx(sweep["device_seconds"]) and spent["simulated"] is True
     assert spent["search_cost"] == pytest.approx(sweep["device_seconds"] / 3600 * PRICE)
     # A sweep with neither a budget nor a price: the parts are null, the search spend still counted.
-    plain = stored["client"].get(f"/api/sweeps/{stored['plain']}/ranking").json()
+    plain = priced_store["client"].get(f"/api/sweeps/{priced_store['plain']}/ranking").json()
     assert plain["rows"][0]["budget"]["time_to_train_s"] is None and plain["budget"]["search_cost"] is None
     assert plain["budget"]["search_device_hours"] > 0
 
 
-def test_meshtune_show_prints_the_cost_columns_and_the_search_spend(stored, monkeypatch, capsys):
-    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
-    assert main(["show", str(stored["sid"])]) == 0
+def test_meshtune_show_prints_the_cost_columns_and_the_search_spend(priced_store, monkeypatch, capsys):
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", priced_store["url"])
+    assert main(["show", str(priced_store["sid"])]) == 0
     out = capsys.readouterr().out
-    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
-    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+    body = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/ranking").json()
+    sweep = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}").json()
     assert "time to train" in out and "cost" in out
     best = fmt.budget_cells(body["rows"][0]["budget"], simulated=True)
     assert best["time"].endswith("(simulated)") and best["time"] in out and best["cost"] in out
     spent = fmt.search_spent(sweep["device_seconds"], price_per_device_hour=PRICE, simulated=True)
     assert f"search spent: {spent}" in out and "token budget to train: 1T" in out
-    assert main(["show", str(stored["plain"])]) == 0
+    assert main(["show", str(priced_store["plain"])]) == 0
     out = capsys.readouterr().out
     assert "time to train" not in out and "search spent: simulated" in out
 
 
-def test_dashboard_sweep_page_shows_cost_columns_and_spend(stored):
-    r = stored["client"].get(f"/sweeps/{stored['sid']}")
+def test_dashboard_sweep_page_shows_cost_columns_and_spend(priced_store):
+    r = priced_store["client"].get(f"/sweeps/{priced_store['sid']}")
     assert r.status_code == 200
-    body = stored["client"].get(f"/api/sweeps/{stored['sid']}/ranking").json()
+    body = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/ranking").json()
     cells = fmt.budget_cells(body["rows"][0]["budget"], simulated=True)
     assert "time to<br>train" in r.text and f'<td class="budget-time">{cells["time"]}</td>' in r.text
     assert f'<td class="budget-cost">{cells["cost"]}</td>' in r.text
     assert r.text.count('class="budget-cost"') == len(body["rows"])
     assert 'id="fact-search-spent"' in r.text and "simulated" in r.text and "budget 1T tokens" in r.text
-    sweep = stored["client"].get(f"/api/sweeps/{stored['sid']}").json()
+    sweep = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}").json()
     spent = fmt.search_spent(sweep["device_seconds"], price_per_device_hour=PRICE, simulated=True)
     assert f'data-fact="summary.search_spent">{spent}<' in r.text  # a live page refreshes it from data.json
-    assert stored["client"].get(f"/sweeps/{stored['sid']}/data.json").json()["summary"]["search_spent"] == spent
-    plain = stored["client"].get(f"/sweeps/{stored['plain']}").text
+    assert priced_store["client"].get(f"/sweeps/{priced_store['sid']}/data.json").json()["summary"]["search_spent"] == spent
+    plain = priced_store["client"].get(f"/sweeps/{priced_store['plain']}").text
     assert 'class="budget-cost"' not in plain and 'id="fact-search-spent"' in plain
 
 
-def test_api_plan_sizes_table_and_figure(stored):
-    c = stored["client"]
+def test_api_plan_sizes_table_and_figure(priced_store):
+    c = priced_store["client"]
     r = c.get("/api/plan/sizes", params={"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4", "global_batch": 16,
                                          "train_tokens": 1e9, "price_per_device_hour": 0.5})
     assert r.status_code == 200, r.text
@@ -114,8 +114,8 @@ def test_api_plan_sizes_table_and_figure(stored):
     assert entry["budget"]["cost"] == pytest.approx(4 * 1e9 / entry["time"]["tokens_per_s"] / 3600 * 2)
 
 
-def test_dashboard_plan_page_compares_sizes_and_names_bad_input(stored):
-    c = stored["client"]
+def test_dashboard_plan_page_compares_sizes_and_names_bad_input(priced_store):
+    c = priced_store["client"]
     home = c.get("/plan")
     assert home.status_code == 200 and 'id="plan-form"' in home.text and 'id="plan-table"' not in home.text
     r = c.get("/plan", params={"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4", "global_batch_tokens": "1024",
@@ -136,8 +136,8 @@ def test_dashboard_plan_page_compares_sizes_and_names_bad_input(stored):
         assert bad.status_code == 422 and f"<li>{line}</li>" in bad.text, bad.text[:2000]
 
 
-def test_sweep_spec_takes_price_and_budget_and_refuses_bad_ones(stored):
-    c, auth = stored["client"], {"Authorization": "Bearer tok-alice"}
+def test_sweep_spec_takes_price_and_budget_and_refuses_bad_ones(priced_store):
+    c, auth = priced_store["client"], {"Authorization": "Bearer tok-alice"}
     base = {"model": "tiny", "cluster": {"preset": "cpu-local", "price_per_device_hour": 1.5},
             "training": {"global_batch": 16, "train_tokens": 5e9}, "backend": "simulate", "search": {"max_trials": 2}}
     for cluster, training, line in (
@@ -155,11 +155,11 @@ def test_sweep_spec_takes_price_and_budget_and_refuses_bad_ones(stored):
     assert spec["cluster"]["price_per_device_hour"] == 1.5 and spec["training"]["train_tokens"] == 5e9
 
 
-def test_ranking_csv_ends_with_time_and_cost_to_train(stored):
+def test_ranking_csv_ends_with_time_and_cost_to_train(priced_store):
     import csv
     import io
 
-    c, sid = stored["client"], stored["sid"]
+    c, sid = priced_store["client"], priced_store["sid"]
     rows = list(csv.DictReader(io.StringIO(c.get(f"/api/sweeps/{sid}/ranking?format=csv").text)))
     body = c.get(f"/api/sweeps/{sid}/ranking").json()
     assert list(rows[0])[-2:] == ["time_to_train_s", "cost_to_train"]
@@ -168,12 +168,12 @@ def test_ranking_csv_ends_with_time_and_cost_to_train(stored):
         assert float(row["cost_to_train"]) == pytest.approx(js["budget"]["cost"])
 
 
-def test_ranking_transfer_reranks_for_a_stack_api_and_cli(stored, monkeypatch, capsys):
+def test_ranking_transfer_reranks_for_a_stack_api_and_cli(priced_store, monkeypatch, capsys):
     """The measured layouts re-ranked by the target stack's prediction under the sweep's calibration
     (api/ranking/transfer.py): every measured layout once, its measured rank beside, the move marked."""
-    c = stored["client"]
-    ranking = c.get(f"/api/sweeps/{stored['sid']}/ranking").json()["rows"]
-    body = c.get(f"/api/sweeps/{stored['sid']}/transfer", params={"stack": "megatron"}).json()
+    c = priced_store["client"]
+    ranking = c.get(f"/api/sweeps/{priced_store['sid']}/ranking").json()["rows"]
+    body = c.get(f"/api/sweeps/{priced_store['sid']}/transfer", params={"stack": "megatron"}).json()
     assert body["stack"]["name"] == "megatron" and body["simulated"] is True
     rows = body["rows"]
     assert sorted(r["measured_rank"] for r in rows) == [r["rank"] for r in ranking]
@@ -187,32 +187,32 @@ def test_ranking_transfer_reranks_for_a_stack_api_and_cli(stored, monkeypatch, c
     # Megatron's fused kernels keep less than the workers' eager torch on the same layouts.
     by_key = {r["layout_key"]: r for r in ranking}
     assert all(r["target_memory_bytes"] < by_key[r["layout_key"]]["predicted_memory_bytes"] for r in rows)
-    bad = c.get(f"/api/sweeps/{stored['sid']}/transfer", params={"stack": "jax"})
+    bad = c.get(f"/api/sweeps/{priced_store['sid']}/transfer", params={"stack": "jax"})
     assert bad.status_code == 422 and bad.json()["detail"].startswith("stack='jax' is not a known stack")
-    monkeypatch.setenv("MESHTUNE_DATABASE_URL", stored["url"])
-    assert main(["show", str(stored["sid"]), "--stack", "megatron"]) == 0
+    monkeypatch.setenv("MESHTUNE_DATABASE_URL", priced_store["url"])
+    assert main(["show", str(priced_store["sid"]), "--stack", "megatron"]) == 0
     out = capsys.readouterr().out
-    assert f"sweep {stored['sid']} re-ranked for stack megatron" in out and "measured #" in out
+    assert f"sweep {priced_store['sid']} re-ranked for stack megatron" in out and "measured #" in out
     assert ("also the predicted winner on megatron" in out) == body["same_winner"]
 
 
-def test_export_prints_the_target_stacks_prediction_beside_the_measurement(stored):
-    r = stored["client"].get(f"/api/sweeps/{stored['sid']}/export", params={"format": "megatron"})
+def test_export_prints_the_target_stacks_prediction_beside_the_measurement(priced_store):
+    r = priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/export", params={"format": "megatron"})
     notes = json.loads(r.headers["X-Meshtune-Notes"])
     predicted = [n for n in notes if n.startswith("predicted for stack megatron")]
     measured = [n for n in notes if n.startswith("measured on meshtune's own workers (stack meshtune, SIMULATED)")]
     assert len(predicted) == 2 and len(measured) == 1, notes
     assert "tokens/s per device, MFU" in predicted[0] and "peak memory" in predicted[0]
-    titan = json.loads(stored["client"].get(f"/api/sweeps/{stored['sid']}/export",
+    titan = json.loads(priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/export",
                                             params={"format": "torchtitan"}).headers["X-Meshtune-Notes"])
     assert any(n.startswith("predicted for stack torchtitan") for n in titan)
-    ds = json.loads(stored["client"].get(f"/api/sweeps/{stored['sid']}/export",
+    ds = json.loads(priced_store["client"].get(f"/api/sweeps/{priced_store['sid']}/export",
                                          params={"format": "deepspeed"}).headers["X-Meshtune-Notes"])
     assert any(n.startswith("no prediction for deepspeed") for n in ds)
 
 
-def test_api_plan_takes_a_stack_and_compares_device_types(stored):
-    c = stored["client"]
+def test_api_plan_takes_a_stack_and_compares_device_types(priced_store):
+    c = priced_store["client"]
     q = {"model": "llama3-8b", "cluster": "h100-sxm", "global_batch": 128, "top": 1}
     ours, theirs = (c.get("/api/plan", params={**q, "stack": s}).json() for s in ("meshtune", "megatron"))
     assert theirs["training"]["stack"] == "megatron" and theirs["entries"][0]["key"] != ours["entries"][0]["key"]
