@@ -1,6 +1,5 @@
 """p50/p99 latency of the ranking endpoint on a 10,000-trial sweep, 50 concurrent clients, over
-loopback, on SQLite and on PostgreSQL, printed side by side with /healthz on the same server
-(issues 5 and 15).
+loopback, on SQLite and on PostgreSQL, printed side by side with /healthz on the same server.
 
 Per store: a fresh database (a temporary SQLite file; a PostgreSQL database created for the run and
 dropped after it), migrated with Alembic, holding one sweep written through the store functions the

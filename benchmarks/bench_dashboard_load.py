@@ -1,6 +1,6 @@
 """Load time of the dashboard's sweep page for a small and a 2,000-trial sweep, side by side.
 
-Issue 6: "the page stays responsive with a sweep of 2,000 trials". Stores two sweeps (simulate
+Goal: "the page stays responsive with a sweep of 2,000 trials". Stores two sweeps (simulate
 backend, written through the store functions) in a temporary SQLite file, serves them with the
 coordinator app (uvicorn, engine off) and opens each sweep page in headless Chromium. Per size, the
 median of ``--repeats`` cold page loads (new browser context each time) of:

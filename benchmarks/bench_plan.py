@@ -1,7 +1,7 @@
 """Plan every layout of llama3-405b on 16,384 and 131,072 H100s (2,048 and 16,384 nodes of 8, 16M-token
 batches, the Llama 3 setting) and time it on one core.
 
-Goal (issue 21): at most 0.25 s for 16,384 GPUs and 1 s for 131,072 GPUs of CPU time on one core,
+Goal: at most 0.25 s for 16,384 GPUs and 1 s for 131,072 GPUs of CPU time on one core,
 the best of ``--repeats`` runs, every valid layout enumerated and costed on cold caches (enumerate +
 place + memory + time + sort, ``tuner.plan``). The process pins itself to one core and reads its
 own CPU time (other processes on a shared machine add wall time, not this process's CPU time, but

@@ -24,7 +24,7 @@ BUILTIN_QK_NORM_EPS = 1e-6  # the per-head q/k RMSNorms (Qwen3's value)
 BUILTIN_INIT_STD = 0.02  # normal(0, 0.02), residual-out projections scaled by 1/sqrt(2 * layers)
 
 # transformers' config-class defaults (configuration_<model_type>.py, transformers 4.4x-5.x) for the
-# keys a config.json may omit; tests/api/export/test_export.py reads them back from transformers itself.
+# keys a config.json may omit; tests/tuner/test_export_models.py reads them back from transformers itself.
 _COMMON = {"attention_dropout": 0.0, "initializer_range": 0.02}
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6},

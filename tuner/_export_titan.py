@@ -152,7 +152,7 @@ def titan_cli(sections: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
 
 # The flavours torchtitan 0.2 ships for the two model codes meshtune's architectures map to
 # (torchtitan/models/llama3/__init__.py llama3_args, models/qwen3/__init__.py qwen3_args; the debug
-# and flex/varlen-attention variants left out), in torchtitan's field names. tests/api/export/test_export.py
+# and flex/varlen-attention variants left out), in torchtitan's field names. tests/tuner/test_export_models.py
 # reads every one back from the installed torchtitan.
 _LLAMA31 = {"norm_eps": 1e-5, "rope_theta": 500_000.0, "rope_scaling": (8.0, 1.0, 4.0, 8192), "vocab_size": 128256}
 _QWEN3 = {"vocab_size": 151936, "head_dim": 128, "norm_eps": 1e-6, "rope_theta": 1_000_000.0, "qk_norm": True,

@@ -130,7 +130,7 @@ def test_unknown_ids_are_404(client: TestClient, finished_sweep: dict) -> None:
 
 def test_cancel_queued_then_conflicts(client: TestClient, finished_sweep: dict) -> None:
     sid = client.post("/api/sweeps", json=TINY, headers=ALICE).json()["id"]
-    r = client.post(f"/api/sweeps/{sid}/cancel", headers=CI)  # a member acts only on its own (issue 15)
+    r = client.post(f"/api/sweeps/{sid}/cancel", headers=CI)  # a member acts only on its own
     assert r.status_code == 403 and "belongs to 'alice'" in r.json()["detail"]
     r = client.post(f"/api/sweeps/{sid}/cancel", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["finished_at"]

@@ -134,7 +134,7 @@ def test_real_sweep_over_http_ends_with_a_ranking(tmp_path: Path, ray_local: Non
             assert t["status"] == "completed" and t["backend"] == "ray" and not t["simulated"], t
             assert t["world_size"] == 2 and t["tokens_per_s_per_device"] > 0 and len(t["step_times_s"]) == 2
             assert t["peak_memory_bytes"] > 0 and t["memory_measure"] and len(t["losses"]) == 3
-            # where its ranks ran, as their processes said: nodes of this Ray (issue 15's rank -> node map)
+            # where its ranks ran, as their processes said: nodes of this Ray (the rank -> node map)
             assert len(t["rank_nodes"]) == 2 and set(t["rank_nodes"]) <= {n["NodeID"] for n in ray.nodes()}, t
         ranking = c.http.get(f"/api/sweeps/{sid}/ranking").json()
         assert not ranking["simulated"] and len(ranking["rows"]) == 2

@@ -1,4 +1,4 @@
-"""The HTTP API under input a careless or hostile client sends (issue 11): text and numbers the
+"""The HTTP API under input a careless or hostile client sends: text and numbers the
 stores cannot hold, ids beyond 32 bits, oversized and undecodable bodies, callers refused before
 their body is read, planning work bounded before it starts and charged to anonymous clients, the
 Allow header, strict request types, and docs pages that need no CDN. Both stores where they differ."""

@@ -2,7 +2,7 @@
 OpenAPI document (valid ones and invalid ones, with and without a bearer token), sends them in
 process (ASGI transport, no server) and checks every answer: never a 5xx, a documented status code
 and content type, and a body that matches the documented schema. Once on SQLite and once on
-PostgreSQL (whose text types refuse NUL and whose ids are 32-bit: issue 11 items 5 and 6). Every
+PostgreSQL (whose text types refuse NUL and whose ids are 32-bit). Every
 paged operation is also called with its ``limit`` and ``offset`` at each bound the document states and
 one past it (``_paging_at_bounds``): in bounds 200, beyond 422 naming the parameter, on both stores
 (an offset of 2^31 - 1 beside a limit was a 500 on PostgreSQL).

@@ -1,4 +1,4 @@
-"""Per-owner access (issue 15): every write route of the app x every role (admin, member owning the
+"""Per-owner access: every write route of the app x every role (admin, member owning the
 thing, member not owning it, read-only). The write routes are enumerated from the app's own route
 table, so a new mutating route without an entry here (i.e. without a decided role check) fails
 ``test_every_write_route_is_covered``. No Ray: the one route that would run real work (reshard-check)

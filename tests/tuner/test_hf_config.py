@@ -1,4 +1,4 @@
-"""A model from a Hugging Face config.json (issue 14): ModelSpec.params equals the transformers
+"""A model from a Hugging Face config.json: ModelSpec.params equals the transformers
 implementation's own count (built on the meta device) for every supported architecture, at the
 published shapes and at shrunken ones; the built-in model builds the same count; configs are read
 from files, directories and the local hub cache only; the spec file, the CLI and the API take them;

@@ -1,4 +1,4 @@
-"""Budget and cluster size (issue 14): the pure budget formulas, ``plan_sizes`` over node counts,
+"""Budget and cluster size: the pure budget formulas, ``plan_sizes`` over node counts,
 ``meshtune plan --nodes 1,2,4`` (table, JSON, plotly HTML) and its one-line errors. Analytical only."""
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _check_cp_attention(group, kv_heads: int = 6) -> None:
     saved: list[tuple[int, ...]] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         out = holder.attention.attn_fn(*loc)
-    # GQA-aware (issue 12): what the backward keeps of the whole sequence is kv_heads-sized; no
+    # GQA-aware: what the backward keeps of the whole sequence is kv_heads-sized; no
     # K/V repeated to the query heads over more than the local queries' own positions.
     assert (b, kv_heads, (2 * cp - rank) * c, d) in saved  # the later chunk sees keys up to its end
     if kv_heads < h:
@@ -297,7 +297,7 @@ E2E_LAYOUTS = {
     "ep2-dp2": ("tiny-moe", Layout(ep=2, dp=2)),
     "ep2-dp2-zero3": ("tiny-moe", Layout(ep=2, dp=2, zero=3)),  # FSDP2 of experts over dp only
     "cp2-ep2": ("tiny-moe", Layout(cp=2, ep=2)),  # experts reduce over cp, dense over cp*ep
-    # Issue 12: TP inside the experts (w1/w3 columns, w2 rows over tp) together with EP; ZeRO with
+    # TP inside the experts (w1/w3 columns, w2 rows over tp) together with EP; ZeRO with
     # EP and no expert replicas (dp*cp = 1: dense sharded over ep, experts unsharded).
     "tp2-ep2": ("tiny-moe", Layout(tp=2, ep=2)),
     "ep4-zero3": ("tiny-moe", Layout(ep=4, zero=3)),

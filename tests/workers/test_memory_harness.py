@@ -1,4 +1,4 @@
-"""The memory model against what the workers' tensors hold (issue 12), on 4 CPU ranks, fp32 (each
+"""The memory model against what the workers' tensors hold, on 4 CPU ranks, fp32 (each
 part's dtype unambiguous), for a grid over tp, sp, cp, ep, pp, zero, ac and mbs on tiny, tiny-moe and
 a model whose states dominate the process (HARNESS_LARGE, 51M parameters, 822 MB of fp32 states
 unsharded): parameters, gradients and optimizer state exact on every rank; the saved activations of

@@ -1,4 +1,4 @@
-"""One truth for every layout (issue 12): what the tuner calls valid the workers run, once per program.
+"""One truth for every layout: what the tuner calls valid the workers run, once per program.
 
 - No two entries of ``meshtune plan --json`` run the same program: entries are canonical layouts
   with distinct keys, and every pair of space combinations that realise the same program (the

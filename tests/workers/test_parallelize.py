@@ -60,7 +60,7 @@ def test_tp_rules_reject_clearly():
     with pytest.raises(LayoutError, match="kv_heads=2"):
         check_supported(Layout(tp=3), TINY)
     check_supported(Layout(tp=4), TINY)  # tp > kv_heads: replicated kv heads (ReplicatedKV)
-    check_supported(Layout(tp=2), model_spec("tiny-moe"))  # experts split over tp (issue 12)
+    check_supported(Layout(tp=2), model_spec("tiny-moe"))  # experts split over tp
     check_supported(Layout(ep=4, zero=3), model_spec("tiny-moe"))  # experts without replicas, unsharded
     with pytest.raises(LayoutError, match="expert_ffn=95"):
         check_supported(Layout(tp=2), dataclasses.replace(model_spec("tiny-moe"), expert_ffn=95))

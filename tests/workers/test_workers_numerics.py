@@ -42,7 +42,7 @@ LAYOUTS = {
     "dp4-ac-selective-zero3": Layout(dp=4, ac="selective", zero=3),
     "tp2-dp2-sp-ac-full-zero2": Layout(tp=2, dp=2, sp=True, ac="full", zero=2),
     "tp4-sp-ac-selective": Layout(tp=4, sp=True, ac="selective"),  # tp > kv_heads=2: ReplicatedKV
-    # Issue 12: under pp > 1 ZeRO-2 reduce-scatters every micro-batch (workers.rank_model._SyncingStage);
+    # Under pp > 1 ZeRO-2 reduce-scatters every micro-batch (workers.rank_model._SyncingStage);
     # every tp layout above runs the vocab-parallel loss, every zero=0 one torch's replicate.
     "pp2-dp2-1f1b-zero2": Layout(pp=2, dp=2, schedule="1f1b", zero=2),
 }

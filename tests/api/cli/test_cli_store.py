@@ -1,4 +1,4 @@
-"""Where the CLI's store is and what happens when it cannot be used (issue 11, items 14, 22, 23):
+"""Where the CLI's store is and what happens when it cannot be used:
 one per-user default location whatever the current directory, a line saying where a store was
 created, one clear line (exit 2) for a database URL that cannot work, and no Ray token warning."""
 

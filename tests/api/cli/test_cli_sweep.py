@@ -223,7 +223,7 @@ def test_show_flags_diagnostic_sweeps_and_one_run_intervals(home, capsys):
     assert "badopt.yaml" in err and "trial.options.fail" in err and "Traceback" not in err
 
 
-# --- what `sweeps` and `show` say (issue 11, items 15, 16, 18, 21) ---------------------------------
+# --- what `sweeps` and `show` say --------------------------------------------------------------
 
 @pytest.fixture
 def measured_store(home, monkeypatch):

@@ -1,9 +1,9 @@
-"""Issue 14's "done when", end to end through the CLI as a new user runs it: ``meshtune plan`` on the
+"""A Hugging Face model end to end through the CLI as a new user runs it: ``meshtune plan`` on the
 published Qwen3-30B-A3B config.json, a real CPU sweep (Ray, 2 gloo ranks) of the transformers
 implementation (``workload: hf``) of the shrunken Qwen3-MoE config, ``meshtune show``, and
 ``meshtune export`` of every ranked layout to the four formats, each read back by the framework's
 own classes (the read-backs of tests/helpers/frameworks.py, shared with test_export.py). Then the bad inputs of
-issue 14 that tests/tuner/test_hf_config.py, test_workload_contract.py and test_export.py do not cover:
+the Hugging Face path that tests/tuner/test_hf_config.py, test_workload_contract.py and test_export.py do not cover:
 an unreadable config, a wrong-typed or empty config object, a spec file's missing relative path,
 a workload that does not meet the contract over HTTP — each one line, exit 2 or 422, nothing stored."""
 

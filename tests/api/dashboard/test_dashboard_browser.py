@@ -308,7 +308,7 @@ def test_pages_fit_1400_px_without_horizontal_scrolling(coordinator_page, coordi
 
 def test_layouts_measured_once_are_shown_neutral_and_never_as_tied(coordinator_page, coordinator, artifacts_dir):
     """A layout measured once is never shown tied unless its interval overlaps the best's: with the
-    sweep's pooled noise (issue 13) a single run has an interval and reads "slower" when it is clear
+    sweep's pooled noise a single run has an interval and reads "slower" when it is clear
     of the best; without any interval it reads "measured once — not comparable", in a neutral badge."""
     p, sid = coordinator_page.page, coordinator["ids"]["small"]
     coordinator_page.goto(f"/sweeps/{sid}")

@@ -348,7 +348,7 @@ def test_sweeps_list_refreshes_only_while_a_sweep_is_queued_or_running(tmp_path)
     engine.dispose()
 
 
-# --- "check migration" controls (issue 8) ----------------------------------------------------------
+# --- "check migration" controls -------------------------------------------------------------------
 
 class _RankedRows(HTMLParser):
     """The ranked rows' data attributes and the migration targets, read as static/migrate.js reads them."""
@@ -429,7 +429,7 @@ def test_migration_payload_of_the_page_is_what_the_reshard_endpoint_accepts(page
         assert "tp2 dp2" in html.unescape(tables.split('id="migrations-table"')[1])  # Layout.short
 
 
-# --- issue 11: ids, and the form's free-text spec ---------------------------------------------------
+# --- ids, and the form's free-text spec ------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", ["99999999999999999999", "2147483648", "0"])
 def test_ids_out_of_range_are_422_not_500(pages_client, pages_store, bad):
@@ -471,7 +471,7 @@ def test_form_text_the_store_cannot_hold_names_the_field(pages_client):
 
 
 def test_sweep_page_shows_the_calibrations_held_out_figure_and_what_it_learned_from(pages_client, pages_store):
-    """The dashboard prints the lines `meshtune show` prints (issue 13): the held-out (leave-one-out)
+    """The dashboard prints the lines `meshtune show` prints: the held-out (leave-one-out)
     Spearman against the prior's, and the earlier sweeps on this cluster it learned from."""
     from api.cli.show import calibration_lines
     from api.spec import SweepSpec

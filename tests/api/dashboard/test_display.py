@@ -1,4 +1,4 @@
-"""What the dashboard, the API's CSV and /metrics show (issue 11, items 15-21 and the CSV of 23): a
+"""What the dashboard, the API's CSV and /metrics show: a
 sweep's best is the ranking's first row, a layout measured once is "not comparable" (never "tied"),
 prediction errors are coloured by size, simulated device time is never counted as real, empty charts
 say why, a simulated sweep offers no migration check (and the API refuses one), and the text
@@ -76,7 +76,7 @@ def test_a_layout_measured_once_is_not_comparable_and_never_tied(display_site):
     tables = display_site["client"].get(f"/sweeps/{display_site['ids']['real']}/tables").text
     rows = _rows(tables)
     versus = {key: re.search(r'data-versus="([^"]+)"', html)[1] for key, html in rows.items()}
-    # ONCE (68.5, one run) gets an interval from the sweep's pooled noise (issue 13), clear of the
+    # ONCE (68.5, one run) gets an interval from the sweep's pooled noise, clear of the
     # best's: slower, never tied. A run with no interval at all reads "not comparable" (test_stats).
     assert versus == {BEST.key: "best", CLOSE.key: "tied", LUCKY.key: "tied", SLOW.key: "slower",
                       ONCE.key: "slower"}

@@ -1,4 +1,4 @@
-"""Sharing one cluster (issue 15): several sweeps of several owners at once on one coordinator.
+"""Sharing one cluster: several sweeps of several owners at once on one coordinator.
 
 * Real runs on the session's local Ray (4 CPUs): two owners' sweeps of 2-rank trials run side by
   side (their stored intervals overlap), the devices held never exceed the cluster's (nor an owner's

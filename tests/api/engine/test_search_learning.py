@@ -1,4 +1,4 @@
-"""Issue 13: the search learns from every measurement (tiny problems; the benchmark is bench_search.py)."""
+"""The search learns from every measurement (tiny problems; the benchmark is bench_search.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_single_run_clear_of_the_best_is_not_tied():
     once = next(r for r in pooled if r.key == "once")
     assert once.interval.known and not once.tied_with_best  # the pooled noise gives it an interval
     assert versus_best(once.interval, best, is_best=False) == SLOWER
-    # Without pooling (before issue 13) the single run had no interval and counted as tied.
+    # Without pooling (as the ranking once did) the single run had no interval and counted as tied.
     alone = next(r for r in rank(groups, pool=False) if r.key == "once")
     assert alone.tied_with_best and versus_best(alone.interval, best, is_best=False) == NOT_COMPARABLE
     # Ties only where the intervals overlap: a single run within the noise of the best stays tied.
@@ -228,7 +228,7 @@ REAL_LAYOUTS = [{"tp": 1, "mbs": 4}, {"tp": 1, "mbs": 1}, {"tp": 2}, {"tp": 4}, 
 
 @pytest.mark.slow
 def test_real_cpu_runs_calibration_never_ranks_worse_held_out_and_show_reports_it(db, ray_backend):
-    """Done-when (issue 13): on real CPU runs of 8 layouts the calibrated model's leave-one-out
+    """On real CPU runs of 8 layouts the calibrated model's leave-one-out
     Spearman is at least the uncalibrated one's. The measurements of a loaded host are noisy, so
     what makes this hold is the calibration's own rule, asserted here on the real data: a fit is
     kept only if its held-out Spearman is >= the prior's, else the prior (the uncalibrated model)

@@ -239,7 +239,7 @@ def test_bad_job_fields(tmp_path):
 # --- API and CLI (through the default backend, Ray: the trials' gang of reused actors) ------------
 
 TOKEN = {"Authorization": "Bearer tok-reshard-8c1f"}
-# backend "ray": a migration check runs real ranks and is refused on simulate-backend sweeps (issue 11)
+# backend "ray": a migration check runs real ranks and is refused on simulate-backend sweeps
 SWEEP = {"name": "reshard", "model": "tiny", "cluster": "cpu-local", "backend": "ray",
          "training": {"global_batch": 8, "precision": "fp32", "lr": 1e-3, "seed": 7}}
 

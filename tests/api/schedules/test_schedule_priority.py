@@ -1,4 +1,4 @@
-"""A schedule's queue priority (issue 15: a nightly sweep and an interactive one side by side): the
+"""A schedule's queue priority (a nightly sweep and an interactive one side by side): the
 sweeps it fires carry it, by cron and by run-now; the API, the CLI and the schedules page show it;
 an unknown priority is one line naming the field and the value (HTTP 422, CLI exit 2)."""
 

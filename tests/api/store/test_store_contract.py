@@ -178,7 +178,7 @@ class TestStoreContract:
             assert a.n == 3 and a.median == 100 and a.low < 100 < a.high
             assert b.tied_with_best and b.tie_group == a.tie_group  # overlapping intervals
             assert not c.tied_with_best and c.tie_group != a.tie_group
-            # One run: its interval is the noise pooled over the repeated layouts (issue 13), clear of a's.
+            # One run: its interval is the noise pooled over the repeated layouts, clear of a's.
             assert d.n == 1 and d.low < 40 < d.high < a.low and not d.tied_with_best
             assert a.prediction_error == pytest.approx(0.1)
             csv_text = rankings.ranking_csv(rk)
@@ -189,7 +189,7 @@ class TestStoreContract:
                 rankings.ranking(s, sweep_id=sw.id, metric="nope")
 
     def test_the_sweeps_best_is_the_rankings_first_row_not_the_fastest_run(self, sessions):
-        """Issue 11 item 15: one lucky run of a noisy layout (130 among 20s) is the fastest trial, but
+        """One lucky run of a noisy layout (130 among 20s) is the fastest trial, but
         the steady layout has the best median and is the ranking's #1: the sweep says the same."""
         from api.sweeps.schemas import SweepOut
 
@@ -210,7 +210,7 @@ class TestStoreContract:
             assert out.simulated and out.device_seconds == 12.0  # simulate backend: labelled simulated
 
     def test_stored_ranking_follows_each_result(self, sessions):
-        """Issue 15: the ranking is stored and kept in order as results land (api/store/_ranking.py):
+        """The ranking is stored and kept in order as results land (api/store/_ranking.py):
         every result moves the sweep's results version (the ETag), a re-measurement's pooled noise
         moves every interval, and the stored rows are exactly the ranking recomputed from the trials."""
         with sessions() as s:
@@ -265,7 +265,7 @@ class TestStoreContract:
             assert svc.counts(s).trials_by_status == {("interrupted", False): 1}
 
 
-# --- timestamps: every DateTime column reads back as an aware UTC datetime (issue 11, item 10) ------------
+# --- timestamps: every DateTime column reads back as an aware UTC datetime ------------------------------
 # SQLite has no time-zone type: it stored the wall time and handed back a naive datetime, which the API then
 # serialised without an offset (a JavaScript client reads that as local time). PostgreSQL returns the
 # session's zone. Every DateTime column must give aware UTC on both, and an offset given on write must be

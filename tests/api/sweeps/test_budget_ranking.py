@@ -1,4 +1,4 @@
-"""Cost columns of a stored sweep (issue 14): each ranked layout's time and cost to train the token
+"""Cost columns of a stored sweep: each ranked layout's time and cost to train the token
 budget from its measured (here: simulated, and labelled so) tokens/s, and what the search spent,
 in the API ranking, ``meshtune show`` and the dashboard sweep page; and ``GET /api/plan/sizes``.
 The sweep is seeded through the store functions the engine uses (tests/helpers/dashboard_seed.py)."""
