@@ -2,7 +2,7 @@
 
 It lives in workers (not api) so that the plain-``torchrun`` entry point (workers/torchrun_main.py)
 builds exactly the request ``run-trial`` builds without importing the coordinator: workers never
-imports api (the layering rules, README "Layout of the code"). api.cli.run_trial re-exports it.
+imports api (the layering rules, README "Layout of the code"). ``meshtune run-trial`` (api/cli/run_trial.py) calls it.
 """
 
 from __future__ import annotations

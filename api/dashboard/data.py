@@ -32,7 +32,6 @@ from api.sweeps import service
 from tuner import ProbedFigures, TrainingSpec, relative_error
 
 GiB = views.GiB
-layout_from_key = fmt.layout_from_key  # kept here too: the dashboard's tests and pages read keys back
 
 
 def budget_of(spec: dict[str, Any] | None) -> int | None:

@@ -12,8 +12,11 @@ nodes, outages, failures): docs/engine.md.
 """
 
 from api.engine._model import Prediction, SweepModel
+from api.engine._prediction import predict_under
 from api.engine._runner import SweepRunner
 from api.engine._space import LayoutSpace
 from api.engine._submission import check_backend, check_runnable
 
-__all__ = ["LayoutSpace", "Prediction", "SweepModel", "SweepRunner", "check_backend", "check_runnable"]
+__all__ = [
+    "LayoutSpace", "Prediction", "SweepModel", "SweepRunner", "check_backend", "check_runnable", "predict_under",
+]

@@ -23,8 +23,6 @@ import tuner
 from api.engine import _calibrate as cal
 from api.engine._memory import MEMORY_SIGMA, LocalMemory
 from api.engine._prediction import PRIOR_MEM_W, PRIOR_TIME_W, Prediction, cluster_under
-from api.engine._prediction import predict_under as predict_under  # re-exported: callers import it from here
-from api.engine._prediction import weights_in_force as weights_in_force  # re-exported
 from api.engine._space import LayoutSpace, _features, knob_values
 from api.engine._submission import enumerate_space
 from api.spec import SearchSettings, SweepSpec

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from api.engine._model import predict_under
+from api.engine import predict_under
 from api.spec import SweepSpec
 from tuner import Layout
 

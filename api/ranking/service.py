@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import store
-from api.engine._model import predict_under
+from api.engine import predict_under
 from api.paging import MAX_RANKING_PAGE, check_page
 from api.ranking import budget
 from api.spec import SweepSpec

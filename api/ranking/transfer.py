@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.engine._model import predict_under
+from api.engine import predict_under
 from api.ranking.service import RankingRow, ranking
 from api.spec import SweepSpec
 from api.sweeps import service

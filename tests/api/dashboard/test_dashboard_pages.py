@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from api import format as fmt
 from api import store
-from api.dashboard import data, views
+from api.dashboard import views
 from api.dashboard.importance import param_importance
 from api.dashboard.router import RANK_PAGE
 from api.main import create_app
@@ -44,8 +45,8 @@ GiB = 2**30
     Layout(tp=2, pp=4, dp=1, ep=2, zero=1, ac="full", schedule="gpipe"),
 ])
 def test_layout_key_is_read_back(layout):
-    assert data.layout_from_key(layout.key) == layout.__dict__
-    assert data.layout_from_key("not a key") is None
+    assert fmt.layout_from_key(layout.key) == layout.__dict__
+    assert fmt.layout_from_key("not a key") is None
 
 
 def _point(key, tp, pp, tokens, mem, front=False):

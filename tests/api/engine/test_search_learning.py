@@ -169,7 +169,7 @@ def test_ranking_pred_err_is_computed_under_one_calibration(db):
     """Rows predicted under different calibration versions are never compared as they were stored:
     a layout whose stored prediction is of an older version is re-predicted under the sweep's
     calibration now; one predicted under the current version keeps its own."""
-    from api.engine._model import predict_under
+    from api.engine import predict_under
     from tuner import Layout
     from workers import TrialResult
 
