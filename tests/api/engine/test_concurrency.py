@@ -11,10 +11,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -29,10 +26,10 @@ from api.engine._share import Claimant, DeviceLedger, OwnerLimits
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
+from tests.helpers.coordinator import start_coordinator
 from tests.helpers.devices_held import T0, peak_devices, wait_for
 from tuner import ConflictError
 
-TESTS = Path(__file__).resolve().parents[2]
 # --- the ledger alone ----------------------------------------------------------------------------
 
 
@@ -222,21 +219,6 @@ def test_two_owners_share_one_ray_and_cancel_frees_devices(tmp_path: Path, ray_b
 
 # --- a restart with two sweeps in flight ---------------------------------------------------------
 
-COORDINATOR = """
-import threading
-from api.engine import SweepRunner
-from api.settings import Settings
-SweepRunner(Settings(owner_max_devices={"*": 4}), stale_after_s=600, poll_s=0.2).run_pending(threading.Event())
-"""
-
-
-def _start(url: str, home: Path) -> subprocess.Popen:
-    env = {**os.environ, "MESHTUNE_DATABASE_URL": url, "MESHTUNE_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", COORDINATOR], env=env, cwd=TESTS.parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("db", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: Path, db: str, request) -> None:  # noqa: ANN001
@@ -257,7 +239,7 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
         return all(sum(t.status == "completed" for t in rows(i)) >= 2 and any(t.status == "running" for t in rows(i))
                    for i in ids)
 
-    first = _start(url, tmp_path)
+    first = start_coordinator(url, tmp_path, settings='owner_max_devices={"*": 4}')
     try:
         wait_for(mid_sweep, 120, "both sweeps to be mid-way")
         first.send_signal(signal.SIGKILL)
@@ -267,7 +249,7 @@ def test_restart_with_two_sweeps_in_flight_loses_and_doubles_nothing(tmp_path: P
             first.kill()
     at_kill = {i: {t.number for t in rows(i) if t.status == "running"} for i in ids}
     assert all(at_kill.values())
-    second = _start(url, tmp_path)
+    second = start_coordinator(url, tmp_path, settings='owner_max_devices={"*": 4}')
     try:
         def done() -> bool:
             with sessions() as s:

@@ -3,33 +3,15 @@ resumes it; every trial number ends up with exactly one (non-interrupted) result
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from api import store
 from api.spec import SweepSpec
 from api.sweeps import service as svc
+from tests.helpers.coordinator import start_coordinator
 from tests.helpers.devices_held import wait_for
-
-TESTS = Path(__file__).resolve().parents[2]
-COORDINATOR = """
-import threading
-from api.engine import SweepRunner
-from api.settings import Settings
-SweepRunner(Settings(), stale_after_s=600, poll_s=0.2).run_pending(threading.Event())
-"""
-
-
-def _start(url: str, home: Path) -> subprocess.Popen:
-    env = {**os.environ, "MESHTUNE_DATABASE_URL": url, "MESHTUNE_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", COORDINATOR], env=env, cwd=TESTS.parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
@@ -50,7 +32,7 @@ def test_killed_coordinator_resumes_with_every_trial_exactly_once(backend_db, tm
         with sessions() as s:
             return store.all_trials(s, sweep_id=sweep_id)
 
-    first = _start(url, tmp_path)
+    first = start_coordinator(url, tmp_path)
     try:
         wait_for(lambda: sum(t.status == "completed" for t in rows()) >= 4 and any(t.status == "running" for t in rows()),
               60, "the first coordinator to be mid-sweep")
@@ -62,7 +44,7 @@ def test_killed_coordinator_resumes_with_every_trial_exactly_once(backend_db, tm
     running_at_kill = {t.number for t in rows() if t.status == "running"}
     assert running_at_kill
 
-    second = _start(url, tmp_path)
+    second = start_coordinator(url, tmp_path)
     try:
         def done():
             with sessions() as s:
