@@ -118,14 +118,15 @@ def ranked_best(session: Session, sweep: Any) -> Any | None:
     return rows[0] if rows else None
 
 
-def sweep_list_row(s: Any, best: Any | None = None) -> dict[str, Any]:
-    """A row of the sweeps list; ``best``: the sweep's ``ranked_best`` row."""
+def sweep_list_row(s: Any, best: Any | None = None, confirm_runs: int = 0) -> dict[str, Any]:
+    """A row of the sweeps list; ``best``: the sweep's ``ranked_best`` row; ``confirm_runs``: its finished
+    confirm runs, counted apart from the budgeted short runs as on the sweep's page."""
     simulated = s.backend == "simulate"
     return {
         "id": s.id, "name": s.name, "status": s.status, "owner": s.owner, "backend": s.backend,
         "best": best.median if best else None, "best_label": views.layout_label(best.layout) if best else None,
         "best_key": best.layout_key if best else None,
-        "done": s.n_completed + s.n_pruned + s.n_failed, "budget": budget_of(s.spec),
+        "done": s.n_completed + s.n_pruned + s.n_failed - confirm_runs, "confirm_runs": confirm_runs, "budget": budget_of(s.spec),
         "device_seconds": s.device_seconds, "simulated": simulated, "started": s.started_at or s.created_at,
         "priority": s.priority, "queue_position": s.queue_position, "running_trials": s.running_trials,
     }
@@ -133,8 +134,9 @@ def sweep_list_row(s: Any, best: Any | None = None) -> dict[str, Any]:
 
 def sweeps_page(session: Session, *, status: str | None, page: int, per_page: int = 50) -> dict[str, Any]:
     result = service.list_sweeps(session, status=status, limit=per_page, offset=(page - 1) * per_page)
+    confirm = service.confirm_runs(session, sweep_ids=[s.id for s in result.items])
     return {
-        "sweeps": [sweep_list_row(s, ranked_best(session, s)) for s in result.items],
+        "sweeps": [sweep_list_row(s, ranked_best(session, s), confirm.get(s.id, 0)) for s in result.items],
         "total": result.total,
         "pages": max(1, -(-result.total // per_page)),
     }

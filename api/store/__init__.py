@@ -49,6 +49,7 @@ from api.store._ranking import (
 )
 from api.store._sweeps import (
     claim_sweep,
+    count_confirm_runs,
     count_sweeps_by_status,
     count_trials_by_status,
     device_seconds_by_simulated,
@@ -113,6 +114,7 @@ __all__ = [
     "check_connection",
     "claim_sweep",
     "confirm_trials",
+    "count_confirm_runs",
     "count_sweeps_by_status",
     "count_trials_by_status",
     "device_seconds_by_simulated",

@@ -280,6 +280,20 @@ def _ranked_best(session: Session, *, sweep_id: int) -> dict[str, Any]:
             "best_peak_memory_bytes": None if first.peak_memory_median is None else int(first.peak_memory_median)}
 
 
+def count_confirm_runs(session: Session, *, sweep_ids: list[int]) -> dict[int, int]:
+    """Finished confirm runs per sweep, counted as ``refresh_sweep_cache`` counts the sweep's trials
+    (interrupted attempts and a node-lost row beside its re-run left out): what of its counts is not
+    a budgeted short run."""
+    if not sweep_ids:
+        return {}
+    finished = ("completed", "pruned", "oom", "timeout", "crash", "nan")
+    q = (sa.select(Trial.sweep_id, sa.func.count())
+         .where(Trial.sweep_id.in_(sweep_ids), Trial.phase == "confirm", Trial.status.in_(finished),
+                sa.not_(_lost_and_rerun()))
+         .group_by(Trial.sweep_id))
+    return {int(sid): int(n) for sid, n in session.execute(q)}
+
+
 def count_sweeps_by_status(session: Session) -> dict[str, int]:
     return {s: int(n) for s, n in session.execute(sa.select(Sweep.status, sa.func.count()).group_by(Sweep.status))}
 

@@ -168,6 +168,11 @@ def _with_queue(session: Session, sweeps: list[Sweep]) -> list[Sweep]:
     return sweeps
 
 
+def confirm_runs(session: Session, *, sweep_ids: list[int]) -> dict[int, int]:
+    """Finished confirm runs per sweep (those of its trial counts that ``max_trials`` does not budget)."""
+    return store.count_confirm_runs(session, sweep_ids=sweep_ids)
+
+
 def list_sweeps(
     session: Session, *, status: str | None = None, owner: str | None = None, limit: int = 50, offset: int = 0
 ) -> Page:

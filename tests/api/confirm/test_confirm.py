@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from api import store
 from api.cli import main
 from api.confirm import service as confirm
+from api.dashboard import data
 from api.engine import SweepRunner
 from api.main import create_app
 from api.ranking import service as rankings
@@ -142,6 +143,9 @@ def test_a_completed_sweep_confirms_on_request_and_bad_requests_change_nothing(e
     status, asked, n_trials, trials = _snapshot(sessions, sid)
     assert [t for t in trials if t[3] == "confirm"] == [(n, 0, "completed", "confirm") for n in (7, 8)]
     assert n_trials == 9 and [t for t in trials if t[3] != "confirm"] == [t for t in before[3]]  # no search ran
+    with sessions() as s:  # the sweeps list counts the two long runs apart from the 7 budgeted short runs
+        (row,) = [r for r in data.sweeps_page(s, status=None, page=1)["sweeps"] if r["id"] == sid]
+    assert (row["done"], row["confirm_runs"]) == (7, 2)
 
 
 def test_nothing_completed_or_not_completed_is_refused(env):
