@@ -472,7 +472,9 @@ class PlanDevicesRequest(RequestModel):
                                     "preset's own).")
     scale_batch: bool = Field(False, description="Grow the global batch with the devices from the first size's.")
 
-    def to_problem(self) -> tuple[ModelSpec, list[ClusterSpec], TrainingSpec]:
+    def to_comparison(self) -> tuple[ModelSpec, list[ClusterSpec], TrainingSpec]:
+        """The model, the device types to compare (one cluster each) and the training: several problems
+        that share a model and a training, not one ``tuner.Problem``."""
         from tuner import cluster_types
 
         model = model_spec(self.model, allow_path=False)

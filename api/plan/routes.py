@@ -195,7 +195,7 @@ def get_plan_devices(
 def post_plan_devices(request: Request, caller: ReaderDep, body: PlanDevicesRequest) -> PlanDevicesOut:
     """As ``GET /api/plan/devices``, for ``cluster: {"preset": [...], "price_per_device_hour": {type: price}}``
     (the section's other fields apply to every type) and a model and training given as mappings."""
-    m, clusters, t = body.to_problem()
+    m, clusters, t = body.to_comparison()
     counts = check_node_counts(body.nodes, field="nodes") if body.nodes is not None else None
     return PlanDevicesOut(**service.devices_answer(model=m, clusters=clusters, training=t, counts=counts,
                                                    scale_batch=body.scale_batch, charge=_charger(request, caller)))
