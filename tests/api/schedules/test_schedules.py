@@ -201,7 +201,12 @@ def test_disabled_time_is_not_owed_and_manual_runs_do_not_move_the_anchor(db) ->
         _store.update_schedule(s, schedule_id=sid, values={"enabled": True})  # active_since = now
     fires = fires_by_status(sessions, sid)
     assert list(fires) == ["running"] and len(fires["running"]) == 1  # only the manual one
-    report = scheduler.tick(datetime.now(UTC) + timedelta(hours=1, minutes=1))
+    # a minute past the next full hour: exactly one cron time since enabling, whatever the clock says now
+    # (now + 61 min would hold two hours when the test runs in an hour's last minute)
+    with sessions() as s:
+        since = _store.get_schedule(s, schedule_id=sid).active_since
+    next_hour = since.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    report = scheduler.tick(next_hour + timedelta(minutes=1))
     assert len(report.launched) == 1 and report.recorded == []  # the next hour runs, nothing "missed"
 
 
