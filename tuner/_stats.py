@@ -16,6 +16,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 CONFIDENCE = 0.95
 # Above this pooled run-to-run spread (log sigma ~ relative), two layouts closer than ~2.8 sigma
@@ -184,3 +185,12 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     if predicted is None or measured is None or not measured:
         return None
     return (predicted - measured) / measured
+
+
+def median_of(values: list[Any]) -> float | None:
+    """The median of the values that are not None (None when there are none)."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2

@@ -27,7 +27,7 @@ from api.paging import MAX_RANKING_PAGE, check_page
 from api.ranking import budget
 from api.spec import SweepSpec
 from api.store import RANKING_METRICS, Sweep
-from tuner import Layout, NotFoundError, SpecError, rank, relative_error
+from tuner import Layout, NotFoundError, SpecError, median_of, rank, relative_error
 
 Predictions = dict[str, tuple[float | None, int | None]]  # layout key -> (tokens/s per device, peak bytes)
 
@@ -69,15 +69,6 @@ class Ranking:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def median(values: list[Any]) -> float | None:
-    """The median of the values that are not None (None when there are none)."""
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
 
 
 def _check_metric(metric: str) -> None:
@@ -170,14 +161,14 @@ def _ranking(session: Session, sweep: Sweep, metric: str) -> Ranking:
     rows = []
     for r in ranked:
         ts = by_key[r.key]
-        tps = median([t.tokens_per_s_per_device for t in ts])
-        peak = median([t.peak_memory_bytes for t in ts])
+        tps = median_of([t.tokens_per_s_per_device for t in ts])
+        peak = median_of([t.peak_memory_bytes for t in ts])
         pred_tps, pred_mem = predicted.get(r.key, (None, None))
         rows.append(RankingRow(
             rank=r.rank, layout_key=r.key, layout=layouts.get(r.key, {}), n=r.interval.n, median=r.interval.median,
             low=r.interval.low, high=r.interval.high, tie_group=r.tie_group, tied_with_best=r.tied_with_best,
-            tokens_per_s_per_device=tps, useful_tokens_per_s=median([t.useful_tokens_per_s for t in ts]),
-            useful_tokens_per_s_per_device=median([
+            tokens_per_s_per_device=tps, useful_tokens_per_s=median_of([t.useful_tokens_per_s for t in ts]),
+            useful_tokens_per_s_per_device=median_of([
                 t.useful_tokens_per_s / t.world_size for t in ts if t.useful_tokens_per_s is not None and t.world_size
             ]),
             peak_memory_bytes=None if peak is None else int(peak),

@@ -20,7 +20,7 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from api.store._models import Base, Sweep, Trial
-from tuner import CONFIDENCE, PooledNoise, interval, t_quantile
+from tuner import CONFIDENCE, PooledNoise, interval, median_of, t_quantile
 
 RANKING_METRICS = ("tokens_per_s_per_device", "useful_tokens_per_s")  # what a ranking ranks by (the first: the default)
 
@@ -71,14 +71,6 @@ class RankingState(Base):
     summary: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-def _median(values: list[Any]) -> float | None:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
 _TRIAL_COLUMNS = (
     Trial.number, Trial.tokens_per_s_per_device, Trial.useful_tokens_per_s, Trial.peak_memory_bytes,
     Trial.predicted_tokens_per_s_per_device, Trial.predicted_memory_bytes, Trial.simulated, Trial.world_size,
@@ -106,12 +98,12 @@ def _aggregate(metric: str, ts: list[Any], layout: dict[str, Any]) -> dict[str, 
         noise_ss=statistics.variance(logs) * (len(logs) - 1) if len(logs) >= 2 else None,
         noise_dof=len(logs) - 1 if len(logs) >= 2 else 0,
         rank=None, low=None, high=None, tie_group=None, tied_with_best=None,
-        tokens_per_s_per_device=_median([t.tokens_per_s_per_device for t in ts]),
-        useful_tokens_per_s=_median([t.useful_tokens_per_s for t in ts]),
-        useful_tokens_per_s_per_device=_median([
+        tokens_per_s_per_device=median_of([t.tokens_per_s_per_device for t in ts]),
+        useful_tokens_per_s=median_of([t.useful_tokens_per_s for t in ts]),
+        useful_tokens_per_s_per_device=median_of([
             t.useful_tokens_per_s / t.world_size for t in ts if t.useful_tokens_per_s is not None and t.world_size
         ]),
-        peak_memory_median=_median([t.peak_memory_bytes for t in ts]), predictions=predictions,
+        peak_memory_median=median_of([t.peak_memory_bytes for t in ts]), predictions=predictions,
         simulated=any(t.simulated for t in ts), trial_numbers=[t.number for t in ts],
     )
 

@@ -20,12 +20,11 @@ from api._lru import LRU
 from api.auth import Principal, require_owner
 from api.engine._submission import check_runnable
 from api.paging import check_page
-from api.ranking.service import median
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.store import Sweep, Trial
 from api.store._models import utcnow
-from tuner import ConflictError, NotFoundError, SpecError, pareto_front
+from tuner import ConflictError, NotFoundError, SpecError, median_of, pareto_front
 
 
 @dataclass
@@ -241,7 +240,7 @@ def _pareto(session: Session, sweep: Sweep) -> list[ParetoPoint]:
         if t.peak_memory_bytes is not None:
             by_key[t.layout_key].append(t)
     points = [
-        (k, median([t.tokens_per_s_per_device for t in ts]), median([t.peak_memory_bytes for t in ts]))
+        (k, median_of([t.tokens_per_s_per_device for t in ts]), median_of([t.peak_memory_bytes for t in ts]))
         for k, ts in by_key.items()
     ]
     front = set(pareto_front(points))
