@@ -69,11 +69,13 @@ from tuner._presets import (
 )
 from tuner._probe import (
     PROBE_VERSION,
+    TIER_NAMES,
     FigureRow,
     derive,
     figure_rows,
     probe_targets,
     summary,
+    unprobed_tiers,
     with_probe,
 )
 from tuner._problem import Problem
@@ -134,6 +136,7 @@ __all__ = [
     "SCHEDULES",
     "SLOWER",
     "STACKS",
+    "TIER_NAMES",
     "SUPPORTED_MODEL_TYPES",
     "TIED",
     "AxisPlacement",
@@ -240,6 +243,7 @@ __all__ = [
     "training_budget",
     "training_spec",
     "twin_note",
+    "unprobed_tiers",
     "usable_memory",
     "useful_fraction",
     "versus_best",

@@ -249,13 +249,22 @@ def figure_rows(cluster: Any, probed: ProbedFigures | None = None) -> list[Figur
     return rows
 
 
+def unprobed_tiers(cluster: Any, probed: ProbedFigures | None = None) -> list[str]:
+    """The tiers of links ``cluster`` has on which ``probed`` (default: the cluster's) timed no
+    collective: the time model keeps the datasheet's figures there (tuner/_timing.py ``_link``). A
+    probe of fewer nodes than the cluster's reaches fewer tiers (one node: no network)."""
+    p = probed if probed is not None else getattr(cluster, "probed", None)
+    have = {x.tier for x in (p.links if p else ())}
+    return [t for t in TIERS if _tier_present(cluster, t) and t not in have]
+
+
 def summary(cluster: Any, probed: ProbedFigures | None = None) -> str:
     """One line: how many figures are probed and which tiers fell back to the datasheet."""
     rows = figure_rows(cluster, probed)
     n = sum(r.source == "probed" for r in rows)
     p = probed if probed is not None else getattr(cluster, "probed", None)
     tiers = sorted({x.tier for x in (p.links if p else ())}, key=TIERS.index)
-    absent = [TIER_NAMES[t] for t in TIERS if _tier_present(cluster, t) and t not in tiers]
+    absent = [TIER_NAMES[t] for t in unprobed_tiers(cluster, p)]
     text = f"{n} of {len(rows)} figures probed"
     if p is not None:
         text += f"; links probed {', '.join(TIER_NAMES[t] for t in tiers) or 'nowhere'}"

@@ -230,25 +230,65 @@ def run(args: argparse.Namespace) -> int:
         _print(result, args.top)
         if published:
             _print_published(published)
-        Console(width=None if sys.stdout.isatty() else 200).print(figures["text"], highlight=False)
+        _console().print(figures["text"], highlight=False)
     return 0
+
+
+DATASHEET = {"source": "datasheet", "probe_id": None, "text": "cluster figures: datasheet (--datasheet)"}
+SHOW = "; `meshtune probe --show` lists them, --datasheet ignores them"
 
 
 def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, enum: Any) -> tuple[Any, dict]:
     """The cluster with the stored probe's figures (api/probes), and what the plan says of them."""
     from api.plan import service as plan_service
+
+    if args.datasheet:
+        return cluster, dict(DATASHEET)
+    row, note = _stored(args, model, cluster, training, any_nodes=False)
+    cluster, figures = plan_service.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
+    if row is not None:
+        figures["text"] += SHOW
+    return cluster, figures
+
+
+def _stored(args: argparse.Namespace, model: Any, cluster: Any, training: Any, *, any_nodes: bool) -> tuple[Any, str]:
+    """The stored probe a plan (``any_nodes``: a comparison, api/plan/service.py ``comparison_probe``)
+    of this cluster and model uses on the configured backend, and a note when none."""
     from api.probes import service as probes
     from api.settings import get_settings
 
-    if args.datasheet:
-        return cluster, {"source": "datasheet", "probe_id": None, "text": "cluster figures: datasheet (--datasheet)"}
+    if training.stack != DEFAULT_STACK:
+        return None, ""
     workload = read_spec_file(args.spec_file).get("workload", "builtin") if args.spec_file else "builtin"
-    row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored(
-        model=model, cluster=cluster, training=training, backend=get_settings().backend, workload=workload)
-    cluster, figures = plan_service.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
+    return probes.stored(model=model, cluster=cluster, training=training, backend=get_settings().backend,
+                         workload=workload, any_nodes=any_nodes)
+
+
+def _compared(args: argparse.Namespace, model: Any, clusters: list[Any], training: Any) -> list[tuple[Any, Any]]:
+    """Each compared cluster with the newest stored probe of its hardware at any node count applied
+    (none under --datasheet), and that probe's row (None without one) with its note."""
+    from api.plan import service as plan_service
+
+    out = []
+    for c in clusters:
+        row, note = (None, "") if args.datasheet else _stored(args, model, c, training, any_nodes=True)
+        out.append((plan_service.probed_cluster(row=row, cluster=c, training=training), (row, note)))
+    return out
+
+
+def _comparison_figures(args: argparse.Namespace, found: tuple[Any, str], cluster: Any, training: Any,
+                        counts: Any, points: list[SizePoint]) -> dict[str, Any]:
+    """What a comparison of ``cluster`` at ``counts`` says of its figures (api/plan/service.py)."""
+    from api.plan import service as plan_service
+
+    if args.datasheet:
+        return {**DATASHEET, "probe_nodes": None, "datasheet_links": []}
+    row, note = found
+    figures = plan_service.comparison_figures(row=row, note=note, cluster=cluster, training=training, counts=counts,
+                                              points=points)
     if row is not None:
-        figures["text"] += "; `meshtune probe --show` lists them, --datasheet ignores them"
-    return cluster, figures
+        figures["text"] += SHOW
+    return figures
 
 
 def _published(result: Plan, ref: Any) -> dict[str, Any]:
@@ -365,19 +405,26 @@ def _print(result: Plan, top: int) -> None:
 def _run_sizes(args: argparse.Namespace, problem: Problem) -> int:
     model, cluster, training = problem.model, problem.cluster, problem.training
     counts = check_node_counts(args.nodes if args.nodes is not None else [cluster.nodes], field="--nodes")
-    points = plan_sizes(problem=problem, nodes=counts, allow_tp_across_nodes=args.allow_tp_across_nodes,
-                        scale_batch=args.scale_batch)
+    [(probed, found)] = _compared(args, model, [cluster], training)
+    points = plan_sizes(problem=dataclasses.replace(problem, cluster=probed), nodes=counts,
+                        allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch)
+    figures = _comparison_figures(args, found, cluster, training, counts, points)
     figure = sizes_figure(points, title=_sizes_title(model, cluster, training))
     if args.plot:
         _write_plot(args.plot, figure)
     if args.json:
-        json.dump({"model": to_dict(model), "cluster": to_dict(cluster), "training": to_dict(training),
+        json.dump({"model": to_dict(model), "cluster": to_dict(probed), "training": to_dict(training),
                    "scale_batch": args.scale_batch, "simulated": False, "predicted": True,
-                   "sizes": [p.to_dict() for p in points], "figure": figure}, sys.stdout, indent=2)
+                   "sizes": [p.to_dict() for p in points], "figure": figure, "figures": figures}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print_sizes(points, model, cluster, training, plot=args.plot)
+        _console().print(figures["text"], highlight=False)
     return 0
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _sizes_title(model: Any, cluster: Any, training: Any) -> str:
@@ -437,21 +484,28 @@ def _run_devices(args: argparse.Namespace, problem: Problem, clusters: list[Any]
     """``--cluster a,b,...``: every device type at every size (``--nodes``, else each type's own)."""
     model, training = problem.model, problem.training
     counts = check_node_counts(args.nodes, field="--nodes") if args.nodes is not None else None
-    points = compare_devices(model=model, clusters=clusters, training=training, nodes=counts, space=problem.space,
-                             allow_tp_across_nodes=args.allow_tp_across_nodes, scale_batch=args.scale_batch,
-                             capabilities=problem.capabilities)
+    compared = _compared(args, model, clusters, training)  # a probe applies to its own device type only
+    points = compare_devices(model=model, clusters=[c for c, _ in compared], training=training, nodes=counts,
+                             space=problem.space, allow_tp_across_nodes=args.allow_tp_across_nodes,
+                             scale_batch=args.scale_batch, capabilities=problem.capabilities)
+    figures = [{"device": c.name, **_comparison_figures(args, found, c, training, counts or (c.nodes,),
+                                                         [p.size for p in points if p.device == c.name])}
+               for c, (_, found) in zip(clusters, compared, strict=True)]
     title = devices_title(model, clusters, training)
     figure = devices_figure(points, title=title)
     if args.plot:
         _write_plot(args.plot, figure)
     if args.json:
-        json.dump({"model": to_dict(model), "clusters": [to_dict(c) for c in clusters], "training": to_dict(training),
-                   "stack": stack_of(training).to_dict(), "scale_batch": args.scale_batch, "simulated": False,
-                   "predicted": True, "devices": [p.to_dict() for p in points], "figure": figure},
+        json.dump({"model": to_dict(model), "clusters": [to_dict(c) for c, _ in compared],
+                   "training": to_dict(training), "stack": stack_of(training).to_dict(),
+                   "scale_batch": args.scale_batch, "simulated": False, "predicted": True,
+                   "devices": [p.to_dict() for p in points], "figure": figure, "figures": figures},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print_devices(points, model, training, plot=args.plot)
+        for f in figures:
+            _console().print(f"{f['device']}: {f['text']}", highlight=False)
     return 0
 
 

@@ -7,8 +7,9 @@ and of several device types side by side (``meshtune plan --cluster h100-sxm,b20
                    (tuner._scaling.sizes_figure / tuner._devices.devices_figure, the ones ``--plot``,
                    /api/plan/sizes and /api/plan/devices give)
 
-Analytical only, no device time. Reads follow the dashboard's rule; the planning work is bounded as
-``GET /api/plan/sizes`` bounds it (devices, candidate layouts, the anonymous client's budget).
+Analytical only, no device time. Reads follow the dashboard's rule; the answers are the plan
+service's (api/plan/service.py), bounded as ``GET /api/plan/sizes`` bounds them (devices, candidate
+layouts, the client's budget) and modelled on the same stored probe, which a line per answer names.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
+from sqlalchemy.orm import Session
 
 from api import format as fmt
 from api._http import client_address
 from api.dashboard.router import _can_read, _login, templates
-from api.deps import SettingsDep
-from api.plan.service import MAX_CANDIDATES, MAX_DEVICES
+from api.deps import SessionDep, SettingsDep
+from api.plan import service as plan_service
+from api.plan.service import Charge
 from tuner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -31,15 +34,8 @@ from tuner import (
     Problem,
     SpecError,
     check_node_counts,
-    check_planning_work,
-    cluster_spec,
     cluster_types,
-    compare_devices,
-    devices_figure,
     model_spec,
-    plan_sizes,
-    sizes_figure,
-    to_dict,
     training_spec,
 )
 
@@ -69,8 +65,10 @@ def _number(values: dict[str, str], name: str, kind: type) -> Any:
     return v
 
 
-def compare(values: dict[str, str], *, charge: Any = None) -> dict[str, Any]:
-    """The comparison the form asks for (SpecError naming field and value when it cannot be made)."""
+def compare(values: dict[str, str], *, session: Session, backend: str, charge: Charge) -> dict[str, Any]:
+    """The comparison the form asks for, as ``GET /api/plan/sizes`` and ``/api/plan/devices`` answer
+    it (api.plan.service: bounded, charged, cached, each device type on the newest stored probe of its
+    hardware); SpecError naming field and value when it cannot be made."""
     counts = check_node_counts(values["nodes"], field="nodes")
     model = model_spec(values["model"])
     types = values["cluster"]
@@ -81,7 +79,6 @@ def compare(values: dict[str, str], *, charge: Any = None) -> dict[str, Any]:
         price = _number(values, "price_per_device_hour", float)
     clusters = cluster_types({"preset": types if len(types) > 1 else types[0], "nodes": counts[0],
                               **({"price_per_device_hour": price} if price is not None else {})})
-    c = clusters[0]
     training: dict[str, Any] = {"global_batch_tokens": _number(values, "global_batch_tokens", int),
                                 "stack": values["stack"]}
     if training["global_batch_tokens"] is None:
@@ -91,52 +88,43 @@ def compare(values: dict[str, str], *, charge: Any = None) -> dict[str, Any]:
         if v is not None:
             training[name] = v
     t = training_spec(training, seq_len=model.seq_len)
-    cost = 0
-    for one in clusters:
-        for n in counts:
-            size = cluster_spec({**to_dict(one), "nodes": n})
-            if size.devices > MAX_DEVICES:
-                raise SpecError(f"nodes={n}: {size.devices} devices exceeds this page's limit of {MAX_DEVICES}; "
-                                "use `meshtune plan`")
-            cost += check_planning_work(model=model, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                        remedy="plan it with `meshtune plan`, which has no such limit")
-    if charge is not None:
-        charge(cost)
+    scale_batch = bool(values["scale_batch"])
     if len(clusters) > 1:
-        return _devices(model, clusters, t, counts, bool(values["scale_batch"]))
-    points = plan_sizes(problem=Problem(model=model, cluster=c, training=t), nodes=counts,
-                        scale_batch=bool(values["scale_batch"]))
-    title = f"{model.name} on {c.name}: best predicted layout per cluster size"
+        return _devices(plan_service.devices_answer(session, model=model, clusters=clusters, training=t, counts=counts,
+                                                    scale_batch=scale_batch, backend=backend, charge=charge),
+                        model, clusters, t)
+    c = clusters[0]
+    answer = plan_service.sizes_answer(session, problem=Problem(model=model, cluster=c, training=t), counts=counts,
+                                       scale_batch=scale_batch, backend=backend, charge=charge)
     rows = []
-    for p in points:
-        cells = fmt.budget_cells(p.budget)
-        rows.append({"nodes": p.nodes, "devices": p.devices, "batch": p.global_batch, "why": p.why,
-                     "layout": fmt.layout_text(p.layout) if p.layout else None, "placement": p.placement,
-                     "tokens_per_s": fmt.num(p.tokens_per_s), "per_device": fmt.num(p.tokens_per_s_per_device),
-                     "mfu": fmt.pct(p.mfu), "useful": fmt.num(p.useful_tokens_per_s), **cells})
-    return {"rows": rows, "figure": sizes_figure(points, title=title), "model": model, "cluster": c, "training": t,
-            "devices": None}
+    for p in answer["sizes"]:
+        cells = fmt.budget_cells(p["budget"])
+        rows.append({"nodes": p["nodes"], "devices": p["devices"], "batch": p["global_batch"], "why": p["why"],
+                     "layout": fmt.layout_text(p["layout"]) if p["layout"] else None, "placement": p["placement"],
+                     "tokens_per_s": fmt.num(p["tokens_per_s"]), "per_device": fmt.num(p["tokens_per_s_per_device"]),
+                     "mfu": fmt.pct(p["mfu"]), "useful": fmt.num(p["useful_tokens_per_s"]), **cells})
+    return {"rows": rows, "figure": answer["figure"], "model": model, "cluster": c, "training": t,
+            "devices": None, "figures": [answer["figures"]]}
 
 
-def _devices(model: Any, clusters: list[Any], t: Any, counts: tuple[int, ...], scale_batch: bool) -> dict[str, Any]:
+def _devices(answer: dict[str, Any], model: Any, clusters: list[Any], t: Any) -> dict[str, Any]:
     """Several device types: one row per (type, size), the fastest and the cheapest marked."""
-    points = compare_devices(model=model, clusters=clusters, training=t, nodes=counts, scale_batch=scale_batch)
     rows = []
-    for p in points:
-        s = p.size
-        cells = fmt.budget_cells(s.budget)
-        rows.append({"device": p.device, "nodes": s.nodes, "devices": s.devices, "why": s.why,
-                     "layout": fmt.layout_text(s.layout) if s.layout else None, "tokens_per_s": fmt.num(s.tokens_per_s),
-                     "per_device": fmt.num(s.tokens_per_s_per_device), "mfu": fmt.pct(s.mfu),
-                     "price": fmt.money(s.budget.price_per_device_hour if s.budget else None), **cells,
-                     "fastest": p.fastest, "cheapest": p.cheapest})
-    title = f"{model.name}: best predicted layout per device type and size (stack {t.stack})"
-    return {"rows": rows, "figure": devices_figure(points, title=title), "model": model, "cluster": clusters[0],
-            "training": t, "devices": [c.name for c in clusters], "priced": any(p.cheapest for p in points)}
+    for p in answer["devices"]:
+        cells = fmt.budget_cells(p["budget"])
+        rows.append({"device": p["device"], "nodes": p["nodes"], "devices": p["devices"], "why": p["why"],
+                     "layout": fmt.layout_text(p["layout"]) if p["layout"] else None,
+                     "tokens_per_s": fmt.num(p["tokens_per_s"]), "per_device": fmt.num(p["tokens_per_s_per_device"]),
+                     "mfu": fmt.pct(p["mfu"]),
+                     "price": fmt.money(p["budget"]["price_per_device_hour"] if p["budget"] else None), **cells,
+                     "fastest": p["fastest"], "cheapest": p["cheapest"]})
+    return {"rows": rows, "figure": answer["figure"], "model": model, "cluster": clusters[0], "training": t,
+            "devices": [c.name for c in clusters], "priced": any(p["cheapest"] for p in answer["devices"]),
+            "figures": answer["figures"]}
 
 
 @router.get("/plan", name="dashboard_plan")
-def plan_page(request: Request, settings: SettingsDep) -> HTMLResponse:
+def plan_page(request: Request, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
     if not _can_read(request, settings):
         return _login(request)
     given: dict[str, Any] = {k: request.query_params.get(k) for k in FIELDS}
@@ -154,7 +142,7 @@ def plan_page(request: Request, settings: SettingsDep) -> HTMLResponse:
                 raise SpecError(f"planning budget of client {client} is spent; retry in {math.ceil(wait)} s")
 
         try:
-            result = compare(values, charge=charge)
+            result = compare(values, session=session, backend=settings.backend, charge=charge)
         except ValueError as exc:  # SpecError and friends: one line naming field and value
             error, status = str(exc), 422
     ctx = {"values": values, "result": result, "error": error, "stacks": STACKS,

@@ -130,6 +130,8 @@ def _charger(request: Request, caller: Any) -> service.Charge:
 def get_plan_sizes(
     request: Request,
     caller: ReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
     model: ModelName,
     cluster: ClusterName,
     nodes: Annotated[str, Query(max_length=400, description="Node counts to compare, comma-separated: 4,8,16,32,64.")],
@@ -144,14 +146,16 @@ def get_plan_sizes(
     stack: Stack = "meshtune",
 ) -> PlanSizesOut:
     """The best predicted layout at each node count, with tokens/s, MFU, useful tokens/s (critical
-    batch), time to train the token budget and its cost, and the comparison as a plotly figure."""
+    batch), time to train the token budget and its cost, and the comparison as a plotly figure;
+    modelled on the newest stored probe of the cluster's hardware at any node count (``figures``
+    says which, and which links keep the datasheet's figures at which size)."""
     counts = check_node_counts(nodes, field="nodes")
     problem = service.preset_problem(
         model=model, cluster=cluster, nodes=counts[0], devices_per_node=devices_per_node, global_batch=global_batch,
         global_batch_tokens=global_batch_tokens, critical_batch_tokens=critical_batch_tokens, precision=precision,
         train_tokens=train_tokens, price_per_device_hour=price_per_device_hour, stack=stack)
-    return PlanSizesOut(**service.sizes_answer(problem=problem, counts=counts, scale_batch=scale_batch,
-                                               charge=_charger(request, caller)))
+    return PlanSizesOut(**service.sizes_answer(session, problem=problem, counts=counts, scale_batch=scale_batch,
+                                               backend=settings.backend, charge=_charger(request, caller)))
 
 
 DevicesResponses = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
@@ -163,6 +167,8 @@ DevicesResponses = {**{k: ERROR_RESPONSES[k] for k in (401, 403, 422)}, 429: {
 def get_plan_devices(
     request: Request,
     caller: ReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
     model: ModelName,
     cluster: Annotated[str, Query(max_length=400, description="Cluster presets to compare, comma-separated: "
                                   "h100-sxm,h200,b200,mi300x.")],
@@ -179,23 +185,27 @@ def get_plan_devices(
 ) -> PlanDevicesOut:
     """Every device type at every node count: the best predicted layout, tokens/s, MFU, time to train
     the token budget and its total cost, the fastest and the cheapest marked, as a table and a plotly
-    figure (analytical, no device time)."""
+    figure (analytical, no device time); each type modelled on the newest stored probe of its own
+    hardware (``figures``: one line per type)."""
     counts = check_node_counts(nodes, field="nodes")
     clusters = cluster_types({"preset": cluster, "price_per_device_hour": price_per_device_hour}
                              if price_per_device_hour is not None else {"preset": cluster})
     m, t = service.preset_model_training(
         model=model, global_batch=global_batch, global_batch_tokens=global_batch_tokens,
         critical_batch_tokens=critical_batch_tokens, precision=precision, train_tokens=train_tokens, stack=stack)
-    return PlanDevicesOut(**service.devices_answer(model=m, clusters=clusters, training=t, counts=counts,
-                                                   scale_batch=scale_batch, charge=_charger(request, caller)))
+    return PlanDevicesOut(**service.devices_answer(session, model=m, clusters=clusters, training=t, counts=counts,
+                                                   scale_batch=scale_batch, backend=settings.backend,
+                                                   charge=_charger(request, caller)))
 
 
 @router.post("/api/plan/devices", response_model=PlanDevicesOut, responses={**DevicesResponses, **BODY_RESPONSES},
              summary="Which device type, for a problem given as mappings (cluster.preset as a list)")
-def post_plan_devices(request: Request, caller: ReaderDep, body: PlanDevicesRequest) -> PlanDevicesOut:
+def post_plan_devices(request: Request, caller: ReaderDep, session: SessionDep, settings: SettingsDep,
+                      body: PlanDevicesRequest) -> PlanDevicesOut:
     """As ``GET /api/plan/devices``, for ``cluster: {"preset": [...], "price_per_device_hour": {type: price}}``
     (the section's other fields apply to every type) and a model and training given as mappings."""
     m, clusters, t = body.to_comparison()
     counts = check_node_counts(body.nodes, field="nodes") if body.nodes is not None else None
-    return PlanDevicesOut(**service.devices_answer(model=m, clusters=clusters, training=t, counts=counts,
-                                                   scale_batch=body.scale_batch, charge=_charger(request, caller)))
+    return PlanDevicesOut(**service.devices_answer(session, model=m, clusters=clusters, training=t, counts=counts,
+                                                   scale_batch=body.scale_batch, backend=settings.backend,
+                                                   charge=_charger(request, caller)))

@@ -30,9 +30,17 @@ class PlannedLayoutOut(ResponseModel):
         "device_hours, cost, cost_per_token (null parts where no budget or price is given).")
 
 
+COMPARISON_FIGURES = (
+    "Where the cluster's figures come from: source 'probed' (probe_id: the newest stored probe of this hardware "
+    "and model at any node count, `meshtune probe`; probe_nodes: the nodes it ran on; datasheet_links: per tier "
+    "of links the probe's nodes did not have, the node counts that keep the datasheet's figures there) or "
+    "'datasheet', and a line saying so (text).")
+
+
 class PlanSizesOut(ResponseModel):
     model: dict[str, Any] = Field(description="The resolved model spec.")
-    cluster: dict[str, Any] = Field(description="The resolved cluster spec (nodes: the first size).")
+    cluster: dict[str, Any] = Field(description="The resolved cluster spec (nodes: the first size; probed: the "
+                                    "figures it is modelled with, see figures).")
     training: dict[str, Any] = Field(description="The resolved training spec (the first size's batch).")
     scale_batch: bool = Field(description="Whether the global batch grows with the device count.")
     sizes: list[dict[str, Any]] = Field(
@@ -41,11 +49,13 @@ class PlanSizesOut(ResponseModel):
         "(time_to_train_s, device_hours, cost, cost_per_token).")
     figure: dict[str, Any] = Field(description="The comparison as a plotly figure (data and layout) for plotly.js.")
     seconds: float = Field(description="Time the analytical planner took, seconds.")
+    figures: dict[str, Any] = Field(default_factory=dict, description=COMPARISON_FIGURES)
 
 
 class PlanDevicesOut(ResponseModel):
     model: dict[str, Any] = Field(description="The resolved model spec.")
-    clusters: list[dict[str, Any]] = Field(description="The resolved cluster spec of each device type (with its price).")
+    clusters: list[dict[str, Any]] = Field(description="The resolved cluster spec of each device type (with its price, "
+                                           "and the probed figures it is modelled with).")
     training: dict[str, Any] = Field(description="The resolved training spec (the first size's batch).")
     stack: dict[str, Any] = Field(description="The training stack predicted for (training.stack) and its properties.")
     scale_batch: bool = Field(description="Whether the global batch grows with the device count.")
@@ -54,6 +64,9 @@ class PlanDevicesOut(ResponseModel):
         "fits, with why), tokens_per_s, mfu, budget (time_to_train_s, cost, cost_per_token), fastest, cheapest.")
     figure: dict[str, Any] = Field(description="The comparison as a plotly figure (data and layout) for plotly.js.")
     seconds: float = Field(description="Time the analytical planner took, seconds.")
+    figures: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "Per device type (device: its preset), in the order compared: a probe applies only to its own "
+        "device type. " + COMPARISON_FIGURES))
 
 
 class PlanOut(ResponseModel):

@@ -7,7 +7,9 @@ What one new answer may cost is bounded before any planning starts: the candidat
 counted from the divisors of the device count (tuner._plan.candidate_layouts), a count above
 ``MAX_CANDIDATES`` is refused, and the count is passed to the caller's ``charge`` (the routes charge
 an anonymous client's ``ClientBudget``); a cached answer is never charged. ``plan_figures`` says
-which figures (a stored probe's or the datasheet's) a plan is made with.
+which figures (a stored probe's or the datasheet's) a plan is made with, ``comparison_figures`` what
+a size or device-type comparison takes from the newest probe of each type's hardware at any node
+count (``comparison_probe``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from api.probes import service as probes
 from api.probes.models import ClusterProbe
 from tuner import (
     DEFAULT_STACK,
+    TIER_NAMES,
     ClusterSpec,
     Layout,
     ModelSpec,
     Problem,
+    SizePoint,
     SpecError,
     TrainingSpec,
     check_planning_work,
@@ -45,6 +49,7 @@ from tuner import (
     summary,
     to_dict,
     training_spec,
+    unprobed_tiers,
 )
 
 MAX_DEVICES = 65_536  # bounds the divisor enumeration (16,384 devices plan in ~0.5 s; see benchmarks/bench_plan.py)
@@ -153,32 +158,55 @@ def plan_answer(session: Session, *, problem: Problem, backend: str, top: int, c
     return {**result.to_dict(top=top), "seconds": round(seconds, 4), "figures": figures}
 
 
-def sizes_answer(*, problem: Problem, counts: tuple[int, ...], scale_batch: bool, charge: Charge) -> dict[str, Any]:
-    """The best predicted layout at each node count and the comparison's figure: the fields of a
-    PlanSizesOut (cached, or bounded and charged as a new plan is)."""
+def comparison_probe(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                     backend: str) -> tuple[ClusterProbe | None, str]:
+    """The stored probe a size comparison of ``cluster``'s hardware uses (the newest at any node
+    count, ``backend``'s; api/probes/service.py ``stored_in``), and a note when none; none for
+    another stack than meshtune's own (``comparison_figures`` says why)."""
+    if training.stack != DEFAULT_STACK:
+        return None, ""
+    return probes.stored_in(session, model=model, cluster=cluster, training=training, backend=backend,
+                            any_nodes=True)
+
+
+def sizes_answer(session: Session, *, problem: Problem, counts: tuple[int, ...], scale_batch: bool, backend: str,
+                 charge: Charge) -> dict[str, Any]:
+    """The best predicted layout at each node count on the newest stored probe of the cluster's
+    hardware (``comparison_probe``), and the comparison's figure: the fields of a PlanSizesOut
+    (cached, or bounded and charged as a new plan is)."""
     m, c, t = problem.model, problem.cluster, problem.training
+    row, note = comparison_probe(session, model=m, cluster=c, training=t, backend=backend)
+    probed = probed_cluster(row=row, cluster=c, training=t)
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
-    points, seconds = _bounded(_SIZES, (m, c, t, counts, scale_batch), m, sizes, charge,
-                               lambda: plan_sizes(problem=problem, nodes=counts, scale_batch=scale_batch))
+    points, seconds = _bounded(_SIZES, (m, probed, t, counts, scale_batch), m, sizes, charge,
+                               lambda: plan_sizes(problem=dataclasses.replace(problem, cluster=probed),
+                                                  nodes=counts, scale_batch=scale_batch))
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
-    return dict(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
+    return dict(model=to_dict(m), cluster=to_dict(probed), training=to_dict(t), scale_batch=scale_batch,
                 sizes=[p.to_dict() for p in points], figure=sizes_figure(points, title=title),
-                seconds=round(seconds, 4))
+                seconds=round(seconds, 4),
+                figures=comparison_figures(row=row, note=note, cluster=c, training=t, counts=counts, points=points))
 
 
-def devices_answer(*, model: ModelSpec, clusters: list[ClusterSpec], training: TrainingSpec,
-                   counts: tuple[int, ...] | None, scale_batch: bool, charge: Charge) -> dict[str, Any]:
-    """Every device type at every node count (each type's own nodes when ``counts`` is None): the
-    fields of a PlanDevicesOut (cached, or bounded and charged as ``sizes_answer`` is)."""
+def devices_answer(session: Session, *, model: ModelSpec, clusters: list[ClusterSpec], training: TrainingSpec,
+                   counts: tuple[int, ...] | None, scale_batch: bool, backend: str, charge: Charge) -> dict[str, Any]:
+    """Every device type at every node count (each type's own nodes when ``counts`` is None), each
+    type on the newest stored probe of its own hardware (``comparison_probe``): the fields of a
+    PlanDevicesOut (cached, or bounded and charged as ``sizes_answer`` is)."""
     m, t = model, training
+    found = [comparison_probe(session, model=m, cluster=c, training=t, backend=backend) for c in clusters]
+    probed = [probed_cluster(row=row, cluster=c, training=t) for c, (row, _) in zip(clusters, found, strict=True)]
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
-    points, seconds = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), m, sizes, charge,
-                               lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
+    points, seconds = _bounded(_DEVICES, (m, tuple(probed), t, counts, scale_batch), m, sizes, charge,
+                               lambda: compare_devices(model=m, clusters=probed, training=t, nodes=counts,
                                                        scale_batch=scale_batch))
     title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
-    return dict(model=to_dict(m), clusters=[to_dict(c) for c in clusters], training=to_dict(t),
+    figures = [{"device": c.name, **comparison_figures(
+        row=row, note=note, cluster=c, training=t, counts=counts or (c.nodes,),
+        points=[p.size for p in points if p.device == c.name])} for c, (row, note) in zip(clusters, found, strict=True)]
+    return dict(model=to_dict(m), clusters=[to_dict(c) for c in probed], training=to_dict(t),
                 stack=stack_of(t).to_dict(), scale_batch=scale_batch, devices=[p.to_dict() for p in points],
-                figure=devices_figure(points, title=title), seconds=round(seconds, 4))
+                figure=devices_figure(points, title=title), seconds=round(seconds, 4), figures=figures)
 
 
 def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, sizes: list[ClusterSpec],
@@ -197,22 +225,82 @@ def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, 
     return cache.put(key, _timed(compute))
 
 
+def probed_cluster(*, row: ClusterProbe | None, cluster: ClusterSpec, training: TrainingSpec) -> ClusterSpec:
+    """The cluster a plan is made on: with the stored probe's (``row``) figures for meshtune's own
+    stack, else as it is (a probe times meshtune's workers, not another runtime)."""
+    if row is None or training.stack != tuner.DEFAULT_STACK:
+        return cluster
+    return tuner.with_probe(cluster, probes.figures_of(row))
+
+
 def plan_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
                  layouts: Iterable[Layout] = ()) -> tuple[ClusterSpec, dict[str, Any]]:
     """The cluster a plan is made on, and what the plan says of its figures: the stored probe's
     (``row``) for meshtune's own stack, else the datasheet's with the reason (``note`` when no probe).
     ``layouts``: the plan's valid layouts, to say when some tensor-parallel degrees were not probed."""
+    return probed_cluster(row=row, cluster=cluster, training=training), _figures(
+        row=row, note=note, cluster=cluster, training=training, layouts=layouts)
+
+
+def comparison_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
+                       counts: Iterable[int], points: Iterable[SizePoint] = ()) -> dict[str, Any]:
+    """What a comparison of ``cluster`` at the node counts ``counts`` says of its figures, as
+    ``plan_figures`` says a plan's, with the node count the probe ran on (``probe_nodes``) and the
+    links each size keeps the datasheet's figures for (``datasheet_links``). ``points``: the best
+    layout of each size, to say when some of their tensor-parallel degrees were not probed.
+
+    A probe of N nodes speaks for M nodes of the same hardware wherever its figures are per device or
+    per node: compute, the node's links, the overheads per layer, unit and step, the memory a process
+    holds. A tier of links that M nodes reach and N did not (one node: no network; one fast domain:
+    nothing beyond it) was not measured and keeps the datasheet's figures (``tuner.unprobed_tiers``);
+    a tier it measured is used at every size (its fit is per link, the group size is the formula's)."""
+    counts = tuple(counts)
+    layouts = [Layout(**p.layout) for p in points if p.layout is not None]
+    if row is None or training.stack != tuner.DEFAULT_STACK:
+        return {**_figures(row=row, note=note, cluster=cluster, training=training), "probe_nodes": None,
+                "datasheet_links": []}
+    nodes = int(row.cluster["nodes"])
+    own = dataclasses.replace(cluster, nodes=nodes)  # the hardware as probed (the row's key is its)
+    figures = probes.figures_of(row)
+    lacking = set(unprobed_tiers(own, figures))  # tiers the probe's cluster has but did not time: its summary says
+    datasheet: dict[str, list[int]] = {}
+    for n in counts:
+        for tier in unprobed_tiers(dataclasses.replace(cluster, nodes=n), figures):
+            if tier not in lacking:
+                datasheet.setdefault(tier, []).append(n)
+    after = ""
+    if datasheet:
+        where = " and ".join(f"the {TIER_NAMES[tier]} at {_nodes_text(ns)}" for tier, ns in datasheet.items())
+        after = f"; datasheet for {where} (none on the probe's {_nodes_text([nodes])})"
+    out = _figures(row=row, note=note, cluster=own, training=training, layouts=layouts,
+                   measured=f", measured on {_nodes_text([nodes])}", after=after)
+    return {**out, "probe_nodes": nodes,
+            "datasheet_links": [{"tier": tier, "nodes": ns} for tier, ns in datasheet.items()]}
+
+
+def _nodes_text(counts: list[int]) -> str:
+    """``1 node``, ``2 and 4 nodes``, ``2, 4 and 8 nodes``."""
+    names = [str(n) for n in counts]
+    text = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{text} node{'s' * (len(counts) > 1 or counts[0] != 1)}"
+
+
+def _figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
+             layouts: Iterable[Layout] = (), measured: str = "", after: str = "") -> dict[str, Any]:
+    """The line (and its source) saying which figures model ``cluster``: the probe's (``row``, its
+    summary on ``cluster``), or the datasheet's and why; ``measured``, ``after``: what a comparison
+    adds before and after the summary."""
     from api.format import when
 
     if training.stack != tuner.DEFAULT_STACK:  # a probe times meshtune's own workers, not another runtime
-        return cluster, {"source": "datasheet", "probe_id": None, "text": (
+        return {"source": "datasheet", "probe_id": None, "text": (
             f"cluster figures: datasheet (a probe measures meshtune's workers, not the {training.stack} stack)")}
     if row is None:
-        return cluster, {"source": "datasheet", "probe_id": None,
-                         "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
+        return {"source": "datasheet", "probe_id": None,
+                "text": f"cluster figures: datasheet ({note}; `meshtune probe` measures them)"}
     figures = probes.figures_of(row)
     tp_sp, _ = probes.targets_of(layouts)
     gaps = "" if probes.covers(row, tp_sp) else "; some tensor-parallel degrees here were not probed (nearest used)"
-    text = (f"cluster figures: probe #{row.id} of {when(row.created_at)} "
-            f"({summary(probes.hardware(cluster), figures)}{gaps})")
-    return tuner.with_probe(cluster, figures), {"source": "probed", "probe_id": row.id, "text": text}
+    text = (f"cluster figures: probe #{row.id} of {when(row.created_at)}{measured} "
+            f"({summary(probes.hardware(cluster), figures)}{gaps}){after}")
+    return {"source": "probed", "probe_id": row.id, "text": text}

@@ -111,3 +111,20 @@ class ProbingBackend:
 
     def close(self) -> None:
         pass
+
+
+def store_probe(sessions: Any, figures: ProbedFigures, *, model: Any, cluster: Any, training: Any,
+                backend: str = "ray") -> int:
+    """A finished probe of ``cluster`` and ``model`` whose figures are ``figures``, stored as a row
+    directly (api/probes/service.py ``save``), as a probe of that cluster would store it: no rank runs."""
+    from api import store
+    from api.probes import service as probes
+    from tuner import PROBE_VERSION, to_dict
+
+    hw = probes.hardware(cluster)
+    fields = {"key": probes.probe_key(cluster=cluster, model=model, training=training, backend=backend),
+              "env_fingerprint": "test", "version": PROBE_VERSION, "backend": backend, "cluster": to_dict(hw),
+              "model": to_dict(model), "dtype": figures.dtype or probes.compute_dtype(cluster, training),
+              "figures": figures.to_dict(), "raw": {}, "env": dict(ENV), "wall_s": 1.5}
+    with store.session_scope(sessions) as s:
+        return probes.save(s, fields).id

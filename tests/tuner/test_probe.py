@@ -196,6 +196,14 @@ def test_on_several_nodes_an_unprobed_tier_stays_the_datasheet_s_and_says_so():
     est = estimate_time(Layout(dp=8), model=MODEL, cluster=with_probe(two, truth()), training=TRAINING)
     assert est.breakdown["dp_comm_exposed"] > 0  # over the network: the datasheet's link
     assert probe_targets(two, [(2, True)]).tiers == {"intra": [0, 1, 2, 3], "inter": [0, 4]}
+    assert tuner.unprobed_tiers(two, truth()) == ["inter"] and tuner.unprobed_tiers(CLUSTER, truth()) == []
+    # A probe of one NVL72 tray (its node) reaches neither the fast domain of 18 trays nor the network past it.
+    nvl = tuner.cluster_spec("gb200-nvl72")
+    tray = tuner.ProbedFigures(links=(tuner.LinkFigure("intra", "all_reduce", 7e11, 5e-6, 4),))
+    assert tuner.unprobed_tiers(dataclasses.replace(nvl, nodes=1), tray) == []
+    assert tuner.unprobed_tiers(nvl, tray) == ["domain"]
+    assert tuner.unprobed_tiers(dataclasses.replace(nvl, nodes=36), tray) == ["domain", "inter"]
+    assert tuner.unprobed_tiers(nvl) == ["intra", "domain"]  # no probe at all: every tier it has
 
 
 def test_a_cluster_spec_takes_probed_figures_as_a_mapping_and_refuses_bad_ones():

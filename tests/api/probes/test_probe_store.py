@@ -1,11 +1,14 @@
 """Cluster probes stored and used (api/probes): found per cluster, model and environment, run when
 missing or stale, never half-written; a sweep probes before its first trial and the next one reuses
-it; ``meshtune probe``, ``plan``, ``show``, the API and the dashboard say which figures are probed.
+it; ``meshtune probe``, ``plan``, ``show``, the API and the dashboard say which figures are probed;
+the size and device-type comparisons use the newest probe of each type's hardware at any node count.
 The probe's ranks are a test double answering with timings made from known figures
 (tests/helpers/probe_raw.py); its real run on Ray is in tests/workers/test_ray_backend.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import types
 
 import pytest
@@ -24,7 +27,7 @@ from api.ranking import accuracy
 from api.settings import Settings
 from api.spec import SweepSpec
 from api.sweeps import service as svc
-from tests.helpers.probe_raw import ENV, ProbingBackend, truth
+from tests.helpers.probe_raw import ENV, ProbingBackend, store_probe, truth
 from workers import BackendUnavailable, TrialResult
 from workers.simulate import SimulateBackend
 
@@ -190,6 +193,25 @@ def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(probe_db, cap
     assert "cluster figures: datasheet (--datasheet)" in capsys.readouterr().out
     assert main(["probe", *args, "--backend", "simulate"]) == 2
     assert "backend='simulate' runs no probe" in capsys.readouterr().err
+    # The size and device comparisons: the 1-node probe models every size, the network beyond it the datasheet's.
+    assert main(["plan", *args, "--nodes", "1,2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps the line
+    assert f"cluster figures: probe #{pid} of " in out and ", measured on 1 node (" in out
+    assert "datasheet for the network at 2 nodes (none on the probe's 1 node)" in out and "--datasheet ignores" in out
+    assert main(["plan", *args, "--nodes", "1,2", "--json"]) == 0
+    sizes = json.loads(capsys.readouterr().out)
+    assert sizes["figures"]["probe_id"] == pid and sizes["figures"]["datasheet_links"] == [{"tier": "inter",
+                                                                                            "nodes": [2]}]
+    assert sizes["cluster"]["probed"]["matmul_flops"] == pytest.approx(truth().matmul_flops)
+    assert main(["plan", *args, "--nodes", "1,2", "--datasheet", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["figures"]["text"] == "cluster figures: datasheet (--datasheet)" and plain["cluster"]["probed"] is None
+    assert plain["sizes"][0]["tokens_per_s"] != pytest.approx(sizes["sizes"][0]["tokens_per_s"], rel=0.01)
+    assert main(["plan", "--model", "tiny", "--cluster", "cpu-local,h100-sxm", "--nodes", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"cpu-local: cluster figures: probe #{pid} of " in out
+    assert ("h100-sxm: cluster figures: datasheet (no probe of this cluster's hardware and model is stored, at any "
+            "node count;") in out
 
 
 def test_the_api_and_the_dashboard_show_probed_beside_datasheet(probe_db):
@@ -216,6 +238,82 @@ def test_the_api_and_the_dashboard_show_probed_beside_datasheet(probe_db):
         assert posted["figures"] == probed["figures"] and posted["entries"] == probed["entries"]
     assert 'id="probe-panel"' in page and "probed / datasheet" in page and "matmul FLOP/s per device" in page
     assert "4x" in page
+
+
+def test_the_size_and_device_comparisons_model_each_type_on_the_newest_probe_of_its_hardware(probe_db):
+    settings, sessions = probe_db
+    one = store_probe(sessions, truth(), model=MODEL, cluster=CLUSTER, training=TRAINING)
+    query = {"model": "tiny", "cluster": "cpu-local", "nodes": "1,2,4", "global_batch": 16, "precision": "fp32"}
+    plan_q = {k: v for k, v in query.items() if k != "nodes"} | {"top": 1}
+    with TestClient(create_app(settings, run_engine=False)) as c:
+        first = c.get("/api/plan/sizes", params=query).json()
+        f = first["figures"]
+        assert f["source"] == "probed" and f["probe_id"] == one and f["probe_nodes"] == 1, f
+        assert f["text"].startswith(f"cluster figures: probe #{one} of ") and ", measured on 1 node (" in f["text"]
+        # One node has no network to measure: 2 and 4 nodes keep the datasheet's network, and say so.
+        assert f["datasheet_links"] == [{"tier": "inter", "nodes": [2, 4]}]
+        assert f["text"].endswith("; datasheet for the network at 2 and 4 nodes (none on the probe's 1 node)")
+        assert first["cluster"]["probed"]["matmul_flops"] == pytest.approx(truth().matmul_flops)
+        # At the probe's own size the comparison is the plan, which uses the same probe.
+        plan = c.get("/api/plan", params=plan_q).json()
+        assert plan["figures"]["probe_id"] == one and first["sizes"][0]["layout_key"] == plan["entries"][0]["key"]
+        assert first["sizes"][0]["tokens_per_s"] == pytest.approx(plan["entries"][0]["time"]["tokens_per_s"])
+        sheet = c.get("/api/plan/sizes", params={**query, "stack": "torchtitan"}).json()
+        assert sheet["figures"]["source"] == "datasheet" and "not the torchtitan stack" in sheet["figures"]["text"]
+        assert sheet["cluster"]["probed"] is None and sheet["figures"]["probe_nodes"] is None
+        other = c.get("/api/plan/sizes", params={**query, "devices_per_node": 2}).json()["figures"]
+        assert other["source"] == "datasheet" and "no probe of this cluster's hardware and model is stored" in other["text"]
+
+        # A newer probe of 2 nodes measured a network 500x slower than the datasheet's: it models every size, the
+        # 4-node one included (the tier it measured); one node never reaches the network, so it predicts as before.
+        slow = tuple(tuner.LinkFigure("inter", x.op, 1e7, 2e-4, 2) for x in truth().links)
+        two = store_probe(sessions, dataclasses.replace(truth(), links=truth().links + slow), model=MODEL,
+                          cluster=dataclasses.replace(CLUSTER, nodes=2), training=TRAINING)
+        again = c.get("/api/plan/sizes", params=query).json()
+        f = again["figures"]
+        assert f["probe_id"] == two and f["probe_nodes"] == 2 and f["datasheet_links"] == [], f
+        assert ", measured on 2 nodes (" in f["text"] and "datasheet for" not in f["text"]
+        (a1, a2, a4), (b1, b2, b4) = first["sizes"], again["sizes"]
+        assert b1["tokens_per_s"] == pytest.approx(a1["tokens_per_s"]) and b1["layout_key"] == a1["layout_key"]
+        assert b2["tokens_per_s"] < a2["tokens_per_s"] and b4["tokens_per_s"] < a4["tokens_per_s"]
+        at2 = c.get("/api/plan", params={**plan_q, "nodes": 2}).json()  # the plan of 2 nodes: its own probe
+        assert at2["figures"]["probe_id"] == two and at2["entries"][0]["key"] == b2["layout_key"]
+
+        # Device types: each on its own hardware's probe; h100-sxm has none.
+        body = {"model": "tiny", "cluster": {"preset": ["cpu-local", "h100-sxm"]}, "nodes": [1, 2, 4],
+                "training": {"global_batch": 16, "precision": "fp32"}}
+        devices = c.post("/api/plan/devices", json=body).json()
+        cpu, gpu = devices["figures"]
+        assert cpu["device"] == "cpu-local" and cpu["probe_id"] == two and cpu["text"] == f["text"]
+        assert gpu["device"] == "h100-sxm" and gpu["source"] == "datasheet" and "at any node count" in gpu["text"]
+        assert devices["clusters"][0]["probed"] is not None and devices["clusters"][1]["probed"] is None
+        assert [d["tokens_per_s"] for d in devices["devices"] if d["device"] == "cpu-local"] == pytest.approx(
+            [s["tokens_per_s"] for s in again["sizes"]])
+        h100 = c.get("/api/plan/sizes", params={**query, "cluster": "h100-sxm"}).json()
+        assert [d["tokens_per_s"] for d in devices["devices"] if d["device"] == "h100-sxm"] == pytest.approx(
+            [s["tokens_per_s"] for s in h100["sizes"]])
+        theirs = c.get("/api/plan/devices", params={**query, "cluster": "cpu-local,h100-sxm", "stack": "megatron"})
+        assert [x["text"] for x in theirs.json()["figures"]] == [
+            "cluster figures: datasheet (a probe measures meshtune's workers, not the megatron stack)"] * 2
+
+
+def test_a_comparison_names_each_tier_a_probe_s_nodes_did_not_reach_at_each_size(probe_db):
+    """One NVL72 tray probed: its fast domain (18 trays) and the network beyond it keep the datasheet's figures."""
+    from api.plan import service as plan_service
+
+    _, sessions = probe_db
+    nvl = tuner.cluster_spec("gb200-nvl72")
+    tray = tuner.ProbedFigures(matmul_flops=1.5e15, links=tuple(
+        tuner.LinkFigure("intra", op, 6e11, 6e-6, 4) for op in ("all_reduce", "all_gather", "reduce_scatter",
+                                                                 "all_to_all", "send_recv")))
+    pid = store_probe(sessions, tray, model=MODEL, cluster=dataclasses.replace(nvl, nodes=1), training=TRAINING)
+    with sessions() as s:
+        row, note = plan_service.comparison_probe(s, model=MODEL, cluster=nvl, training=TRAINING, backend="ray")
+        assert row.id == pid and note == ""
+        f = plan_service.comparison_figures(row=row, note=note, cluster=nvl, training=TRAINING, counts=(1, 9, 18, 36))
+    assert f["datasheet_links"] == [{"tier": "domain", "nodes": [9, 18, 36]}, {"tier": "inter", "nodes": [36]}]
+    assert f["text"].endswith("; datasheet for the fast domain at 9, 18 and 36 nodes and the network at 36 nodes "
+                              "(none on the probe's 1 node)")
 
 
 def test_a_degree_the_probe_s_budget_skipped_does_not_make_every_later_sweep_probe_again():
