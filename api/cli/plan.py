@@ -7,6 +7,8 @@ tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget 
 ``--cluster h100-sxm,b200`` compares device types at each size, priced per type
 (``--price-per-device-hour h100-sxm=2.5,b200=5.0``), the fastest and the cheapest marked
 (tuner._devices). ``--stack megatron`` predicts for the stack the model is trained with (tuner/_stack.py).
+Each answer ends with a line naming its figures: a stored probe's (a comparison: the newest of each
+type's hardware at any node count, api/plan/service.py ``comparison_figures``) or the datasheet's.
 """
 
 from __future__ import annotations

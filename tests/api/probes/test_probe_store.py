@@ -297,11 +297,12 @@ def test_the_size_and_device_comparisons_model_each_type_on_the_newest_probe_of_
             "cluster figures: datasheet (a probe measures meshtune's workers, not the megatron stack)"] * 2
 
 
-def test_a_comparison_names_each_tier_a_probe_s_nodes_did_not_reach_at_each_size(probe_db):
-    """One NVL72 tray probed: its fast domain (18 trays) and the network beyond it keep the datasheet's figures."""
+def test_a_comparison_names_each_tier_a_probe_s_nodes_did_not_reach_at_each_size(url):
+    """One NVL72 tray probed: its fast domain (18 trays) and the network beyond it keep the datasheet's
+    figures. The probe is found by its hardware at another node count on both stores."""
     from api.plan import service as plan_service
 
-    _, sessions = probe_db
+    engine, sessions = store.open_store(url)
     nvl = tuner.cluster_spec("gb200-nvl72")
     tray = tuner.ProbedFigures(matmul_flops=1.5e15, links=tuple(
         tuner.LinkFigure("intra", op, 6e11, 6e-6, 4) for op in ("all_reduce", "all_gather", "reduce_scatter",
@@ -314,6 +315,10 @@ def test_a_comparison_names_each_tier_a_probe_s_nodes_did_not_reach_at_each_size
     assert f["datasheet_links"] == [{"tier": "domain", "nodes": [9, 18, 36]}, {"tier": "inter", "nodes": [36]}]
     assert f["text"].endswith("; datasheet for the fast domain at 9, 18 and 36 nodes and the network at 36 nodes "
                               "(none on the probe's 1 node)")
+    with sessions() as s:  # another model's shapes: not this probe
+        other = tuner.model_spec("llama3-8b")
+        assert plan_service.comparison_probe(s, model=other, cluster=nvl, training=TRAINING, backend="ray")[0] is None
+    engine.dispose()
 
 
 def test_a_degree_the_probe_s_budget_skipped_does_not_make_every_later_sweep_probe_again():
