@@ -60,6 +60,13 @@ class LayoutSpace:
             k: sorted({v[k] for v in values}, key=lambda x: (str(type(x)), x)) for k in KNOBS
         }
         self._features = np.array([_features(v, lay.dp) for v, lay in zip(values, self.layouts, strict=True)])
+        # Each knob's value as an index into its choices: layouts a knob apart differ in one column.
+        self.codes = np.array([[self.choices[k].index(v[k]) for k in KNOBS] for v in values], dtype=np.int16)
+
+    def neighbours(self, i: int) -> np.ndarray:
+        """Indices of the layouts that differ from layout ``i`` in exactly one knob (a Hamming distance
+        of 1 over KNOBS; the data-parallel degree follows from the others)."""
+        return np.flatnonzero((self.codes != self.codes[i]).sum(axis=1) == 1)
 
     def __len__(self) -> int:
         return len(self.layouts)

@@ -37,6 +37,13 @@ LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the medi
 # unpinned program weight (prior sd WEIGHT_SIGMA) gives layouts the prior ranks last an sd near 1,
 # and expected improvement spent a third of a 60-trial sweep on them (benchmarks/bench_search.py).
 EXPLORE_W_SD = 0.15
+# Every LOCAL_EVERY-th proposal is the best-scoring one a knob away from the LOCAL_TOP measured layouts
+# the posterior ranks first (a Hamming trust region around the incumbent, Wan et al. 2021, CASMOPOLITAN,
+# Sec. 4): the model's ranking is global and its errors are shared by a layout and its neighbours, so
+# a one-knob change of the leader (another ZeRO level, micro-batch size or schedule) is where the
+# measurements say least and the gain most often lies (benchmarks/bench_search.py).
+LOCAL_EVERY = 2
+LOCAL_TOP = 2
 
 
 def _phi(z: np.ndarray) -> np.ndarray:
@@ -159,6 +166,7 @@ class SurrogateProposer:
         self.tie = np.random.default_rng(seed).random(len(space))  # seeded tie-break
         self.obs: dict[int, list[float]] = {}  # layout index -> measured log tokens/s per device
         self.failed: set[int] = set()
+        self.told = 0  # outcomes told (a resume replays them: the same proposals again)
         self.fit: WeightFit | None = None
 
     def scaled(self, layout: Layout) -> np.ndarray:
@@ -172,6 +180,7 @@ class SurrogateProposer:
         i = self.space.index.get(layout.key)
         if i is None:
             return
+        self.told += 1
         if status in ("crash", "nan", "timeout") or values is None:
             self.failed.add(i)  # infeasible with its cost: lowers the proposals around it
         elif violation <= 0 and values and values[0] and values[0] > 0:
@@ -267,17 +276,25 @@ class SurrogateProposer:
         mu = prior[cand] + mu_r
         sd = np.sqrt(sd_r ** 2 + np.minimum(fit.sd(cand), EXPLORE_W_SD) ** 2)
         measured = [float(np.mean(v)) for v in self.obs.values()]
+        leaders = np.zeros(0, dtype=int)
         if measured:
             # The incumbent is the posterior mean's best at a measured layout, not the best noisy
             # measurement (one lucky run would end exploitation: plug-in EI, Picheny et al. 2013).
             seen = np.array(sorted(i for i in self.obs if np.isfinite(prior[i])))
-            incumbent = float(np.max(prior[seen] + self.posterior(seen, prior)[0])) if len(seen) else max(measured)
+            at_seen = prior[seen] + self.posterior(seen, prior)[0] if len(seen) else np.zeros(0)
+            incumbent = float(np.max(at_seen)) if len(seen) else max(measured)
+            leaders = seen[np.argsort(-at_seen, kind="stable")[:LOCAL_TOP]]
             z = (mu - incumbent) / sd
             ei = sd * (z * _cdf(z) + _phi(z))
         else:  # nothing measured yet: the prior's favourite first
             ei = np.exp(mu - mu.max())
         p_fit = _cdf(local / np.maximum(mem_sd, 1e-6))
-        return cand, ei * p_fit * (1.0 - self._fail_probability(cand))
+        score = ei * p_fit * (1.0 - self._fail_probability(cand))
+        if len(leaders) and self.told % LOCAL_EVERY == LOCAL_EVERY - 1:
+            near = np.isin(cand, np.concatenate([self.space.neighbours(int(i)) for i in leaders]))
+            if near.any():  # this proposal stays within a knob of the leaders
+                cand, score = cand[near], score[near]
+        return cand, score
 
     def propose(self, exclude: set[str]) -> tuple[Layout, Any] | None:
         """The best candidate; when the memory model predicts that nothing left fits, the layout

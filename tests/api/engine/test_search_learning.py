@@ -265,3 +265,43 @@ def test_real_cpu_runs_calibration_never_ranks_worse_held_out_and_show_reports_i
     assert f"Spearman {loo} vs prior (analytical) {t['prior_spearman']:+.2f}" in held_out
     assert ("kept" if t["accepted"] else "refused, prior kept") in held_out
     print(held_out)  # the figures of this run, for the report (pytest -s)
+
+
+def _propose_and_measure(proposer, problem, n: int, exclude: set[str]) -> list[tuple[int, str]]:
+    """n proposals, each told as measured at 0.9x the prior's prediction: (outcomes told before, key)."""
+    out = []
+    for _ in range(n):
+        told = proposer.told
+        layout, handle = proposer.propose(exclude)
+        exclude.add(layout.key)
+        tps = problem.predict(layout).tokens_per_s_per_device
+        proposer.tell(layout, handle, values=[0.9 * tps], violation=-1.0, status="completed")
+        out.append((told, layout.key))
+    return out
+
+
+@pytest.mark.parametrize("local_every", [2, 10**9])
+def test_every_other_proposal_changes_one_knob_of_a_leader(local_every, monkeypatch):
+    """Every LOCAL_EVERY-th proposal of the surrogate is a layout one knob away from the measured
+    layouts the posterior ranks first (a Hamming trust region); the others range over the space. With
+    the local step off (10**9) the proposals leave the leaders' neighbourhood, which is what the test
+    tells apart."""
+    from api.engine import _surrogate as sur
+
+    monkeypatch.setattr(sur, "LOCAL_EVERY", local_every)
+    problem = SweepModel.from_spec(SweepSpec.model_validate(TINY))
+    proposer = sur.SurrogateProposer(problem.space, problem=problem, seed=0)
+    first = sorted(problem.space.layouts, key=lambda lay: -(problem.predict(lay).tokens_per_s_per_device or 0))[:2]
+    for lay in first:
+        proposer.tell(lay, None, values=[problem.predict(lay).tokens_per_s_per_device], violation=-1.0,
+                      status="completed")
+    steps = _propose_and_measure(proposer, problem, 12, {lay.key for lay in first})
+    index = problem.space.index
+    leaders: set[int] = {index[lay.key] for lay in first}  # measured at the prior: they stay ahead
+    local = [key for told, key in steps if told % 2 == 1]
+    near = [index[k] in set(np.concatenate([problem.space.neighbours(i) for i in leaders])) for k in local]
+    if local_every == 2:
+        assert all(near), [k for k, n in zip(local, near, strict=True) if not n]
+    else:
+        assert not all(near)
+    assert len({k for _, k in steps}) == len(steps)  # never one twice
