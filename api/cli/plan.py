@@ -7,8 +7,9 @@ tokens/s, MFU, useful tokens/s, and the time and cost to train the token budget 
 ``--cluster h100-sxm,b200`` compares device types at each size, priced per type
 (``--price-per-device-hour h100-sxm=2.5,b200=5.0``), the fastest and the cheapest marked
 (tuner._devices). ``--stack megatron`` predicts for the stack the model is trained with (tuner/_stack.py).
-Each answer ends with a line naming its figures: a stored probe's (a comparison: the newest of each
-type's hardware at any node count, api/plan/service.py ``comparison_figures``) or the datasheet's.
+Each answer ends with a line naming its figures: a stored probe's (a plan's of its node count, else,
+as a comparison's, the newest of its hardware at another; api/plan/service.py ``plan_probe``,
+``comparison_probe``, ``comparison_figures``) or the datasheet's.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-DATASHEET = {"source": "datasheet", "probe_id": None, "text": "cluster figures: datasheet (--datasheet)"}
+DATASHEET = {"source": "datasheet", "probe_id": None, "text": "cluster figures: datasheet (--datasheet)",
+             "probe_nodes": None, "datasheet_links": []}
 SHOW = "; `meshtune probe --show` lists them, --datasheet ignores them"
 
 
@@ -246,16 +248,16 @@ def _figures(args: argparse.Namespace, model: Any, cluster: Any, training: Any, 
 
     if args.datasheet:
         return cluster, dict(DATASHEET)
-    row, note = _stored(args, model, cluster, training, any_nodes=False)
+    row, note = _stored(args, model, cluster, training, exact_first=True)
     cluster, figures = plan_service.plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=enum.valid)
     if row is not None:
         figures["text"] += SHOW
     return cluster, figures
 
 
-def _stored(args: argparse.Namespace, model: Any, cluster: Any, training: Any, *, any_nodes: bool) -> tuple[Any, str]:
-    """The stored probe a plan (``any_nodes``: a comparison, api/plan/service.py ``comparison_probe``)
-    of this cluster and model uses on the configured backend, and a note when none."""
+def _stored(args: argparse.Namespace, model: Any, cluster: Any, training: Any, *, exact_first: bool) -> tuple[Any, str]:
+    """The stored probe a plan (``exact_first``, api/plan/service.py ``plan_probe``) or a comparison
+    (``comparison_probe``) of this cluster and model uses on the configured backend, and a note when none."""
     from api.probes import service as probes
     from api.settings import get_settings
 
@@ -263,7 +265,7 @@ def _stored(args: argparse.Namespace, model: Any, cluster: Any, training: Any, *
         return None, ""
     workload = read_spec_file(args.spec_file).get("workload", "builtin") if args.spec_file else "builtin"
     return probes.stored(model=model, cluster=cluster, training=training, backend=get_settings().backend,
-                         workload=workload, any_nodes=any_nodes)
+                         workload=workload, any_nodes=True, exact_first=exact_first)
 
 
 def _compared(args: argparse.Namespace, model: Any, clusters: list[Any], training: Any) -> list[tuple[Any, Any]]:
@@ -273,7 +275,7 @@ def _compared(args: argparse.Namespace, model: Any, clusters: list[Any], trainin
 
     out = []
     for c in clusters:
-        row, note = (None, "") if args.datasheet else _stored(args, model, c, training, any_nodes=True)
+        row, note = (None, "") if args.datasheet else _stored(args, model, c, training, exact_first=False)
         out.append((plan_service.probed_cluster(row=row, cluster=c, training=training), (row, note)))
     return out
 
@@ -284,7 +286,7 @@ def _comparison_figures(args: argparse.Namespace, found: tuple[Any, str], cluste
     from api.plan import service as plan_service
 
     if args.datasheet:
-        return {**DATASHEET, "probe_nodes": None, "datasheet_links": []}
+        return dict(DATASHEET)
     row, note = found
     figures = plan_service.comparison_figures(row=row, note=note, cluster=cluster, training=training, counts=counts,
                                               points=points)

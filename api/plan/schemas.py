@@ -82,5 +82,8 @@ class PlanOut(ResponseModel):
     entries: list[PlannedLayoutOut] = Field(description="The fastest predicted feasible layouts, best first (top N).")
     seconds: float = Field(description="Time the analytical planner took, seconds.")
     figures: dict[str, Any] = Field(default_factory=dict, description=(
-        "Where the cluster's figures come from: source 'probed' (probe_id: the stored probe of this cluster "
-        "and model, `meshtune probe`) or 'datasheet', and a line saying so (text)."))
+        "Where the cluster's figures come from: source 'probed' (probe_id: the newest stored probe of this cluster "
+        "and model, `meshtune probe`, else the newest of this hardware and model at another node count; "
+        "probe_nodes: the nodes it ran on; datasheet_links: per tier of links the probe's nodes did not have and "
+        "this cluster has, [this node count], where the datasheet's figures stay) or 'datasheet' (probe_nodes "
+        "null), and a line saying so (text: also when some tensor-parallel degrees of the plan were not probed)."))

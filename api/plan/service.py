@@ -6,10 +6,10 @@ training): the first call for a 64-GPU 70B problem enumerates ~10^4 layouts, rep
 What one new answer may cost is bounded before any planning starts: the candidate layouts are
 counted from the divisors of the device count (tuner._plan.candidate_layouts), a count above
 ``MAX_CANDIDATES`` is refused, and the count is passed to the caller's ``charge`` (the routes charge
-an anonymous client's ``ClientBudget``); a cached answer is never charged. ``plan_figures`` says
-which figures (a stored probe's or the datasheet's) a plan is made with, ``comparison_figures`` what
-a size or device-type comparison takes from the newest probe of each type's hardware at any node
-count (``comparison_probe``).
+an anonymous client's ``ClientBudget``); a cached answer is never charged. A plan is made on the
+stored probe of its node count, else on the newest of its hardware at another (``plan_probe``), a
+comparison on the newest of each type's hardware at any (``comparison_probe``); ``plan_figures`` and
+``comparison_figures`` say what each takes from it (a tier of links the probe lacked stays datasheet).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tuner import (
     DEFAULT_STACK,
     TIER_NAMES,
     ClusterSpec,
+    Enumeration,
     Layout,
     ModelSpec,
     Problem,
@@ -41,6 +42,7 @@ from tuner import (
     cluster_spec,
     compare_devices,
     devices_figure,
+    enumerate_layouts,
     model_spec,
     plan,
     plan_sizes,
@@ -142,20 +144,48 @@ def check_devices(c: ClusterSpec) -> None:
 
 
 def plan_answer(session: Session, *, problem: Problem, backend: str, top: int, charge: Charge) -> dict[str, Any]:
-    """The plan of the problem on the cluster's stored probe where there is one (``backend``'s, as
-    ``meshtune plan`` does), cached, or a new one charged first: the fields of a PlanOut."""
+    """The plan of the problem on the stored probe ``plan_probe`` finds (``backend``'s, as ``meshtune
+    plan`` does), cached, or a new one charged first: the fields of a PlanOut."""
     model, cluster, training = problem.model, problem.cluster, problem.training
-    row, note = (None, "") if training.stack != DEFAULT_STACK else probes.stored_in(
-        session, model=model, cluster=cluster, training=training, backend=backend)
-    c, figures = plan_figures(row=row, note=note, cluster=cluster, training=training)
+    row, note = plan_probe(session, model=model, cluster=cluster, training=training, backend=backend)
+    c = probed_cluster(row=row, cluster=cluster, training=training)
     answer = _PLANS.get((model, c, training))
     if answer is None:
         charge(check_planning_work(model=model, cluster=c, limit=MAX_CANDIDATES, where="plan request",
                                    remedy="plan it with `meshtune plan`, which has no such limit"))
         probed = dataclasses.replace(problem, cluster=c)
-        answer = _PLANS.put((model, c, training), _timed(lambda: plan(problem=probed)))
-    result, seconds = answer
+
+        def compute() -> tuple[Any, list[Layout]]:
+            enum = enumerate_layouts(problem=probed)
+            return plan(problem=probed, enumeration=enum), _one_per_degree(enum)
+
+        answer = _PLANS.put((model, c, training), _timed(compute))
+    (result, layouts), seconds = answer
+    _, figures = plan_figures(row=row, note=note, cluster=cluster, training=training, layouts=layouts)
     return {**result.to_dict(top=top), "seconds": round(seconds, 4), "figures": figures}
+
+
+def _one_per_degree(enum: Enumeration) -> list[Layout]:
+    """One valid layout of ``enum`` per (tp, sp) among them: all that ``plan_figures`` reads of a
+    plan's valid layouts (which tensor-parallel degrees the probe covers), kept with the cached plan.
+    A group's first ``len(knobs)`` layouts are its first ZeRO level under each (ac, sp)."""
+    one: dict[tuple[int, bool], Layout] = {}
+    for g in enum.groups:
+        for i, (_, sp) in enumerate(g.knobs[:g.count]):
+            if (g.tp, sp) not in one:
+                one[g.tp, sp] = g.layout(i)
+    return list(one.values())
+
+
+def plan_probe(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+               backend: str) -> tuple[ClusterProbe | None, str]:
+    """The stored probe a plan of ``cluster`` uses (``backend``'s): the newest of exactly its node
+    count, else the newest of its hardware at another (as a comparison's, ``comparison_probe``), and
+    a note when none; none for another stack than meshtune's own (``plan_figures`` says why)."""
+    if training.stack != DEFAULT_STACK:
+        return None, ""
+    return probes.stored_in(session, model=model, cluster=cluster, training=training, backend=backend,
+                            any_nodes=True, exact_first=True)
 
 
 def comparison_probe(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -237,9 +267,16 @@ def plan_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, t
                  layouts: Iterable[Layout] = ()) -> tuple[ClusterSpec, dict[str, Any]]:
     """The cluster a plan is made on, and what the plan says of its figures: the stored probe's
     (``row``) for meshtune's own stack, else the datasheet's with the reason (``note`` when no probe).
-    ``layouts``: the plan's valid layouts, to say when some tensor-parallel degrees were not probed."""
-    return probed_cluster(row=row, cluster=cluster, training=training), _figures(
-        row=row, note=note, cluster=cluster, training=training, layouts=layouts)
+    A probe of another node count (``plan_probe``) speaks for this one as in a comparison of this one
+    size: its line is ``comparison_figures``'. ``layouts``: the plan's valid layouts, to say when some
+    tensor-parallel degrees were not probed."""
+    probed = probed_cluster(row=row, cluster=cluster, training=training)
+    if row is not None and training.stack == tuner.DEFAULT_STACK and int(row.cluster["nodes"]) != cluster.nodes:
+        return probed, _across_sizes(row=row, note=note, cluster=cluster, training=training, counts=(cluster.nodes,),
+                                     layouts=layouts)
+    nodes = None if row is None or training.stack != tuner.DEFAULT_STACK else cluster.nodes
+    return probed, {**_figures(row=row, note=note, cluster=cluster, training=training, layouts=layouts),
+                    "probe_nodes": nodes, "datasheet_links": []}
 
 
 def comparison_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
@@ -254,8 +291,13 @@ def comparison_figures(*, row: ClusterProbe | None, note: str, cluster: ClusterS
     holds. A tier of links that M nodes reach and N did not (one node: no network; one fast domain:
     nothing beyond it) was not measured and keeps the datasheet's figures (``tuner.unprobed_tiers``);
     a tier it measured is used at every size (its fit is per link, the group size is the formula's)."""
-    counts = tuple(counts)
-    layouts = [Layout(**p.layout) for p in points if p.layout is not None]
+    return _across_sizes(row=row, note=note, cluster=cluster, training=training, counts=tuple(counts),
+                         layouts=[Layout(**p.layout) for p in points if p.layout is not None])
+
+
+def _across_sizes(*, row: ClusterProbe | None, note: str, cluster: ClusterSpec, training: TrainingSpec,
+                  counts: tuple[int, ...], layouts: Iterable[Layout]) -> dict[str, Any]:
+    """``comparison_figures``, of the layouts ``layouts``."""
     if row is None or training.stack != tuner.DEFAULT_STACK:
         return {**_figures(row=row, note=note, cluster=cluster, training=training), "probe_nodes": None,
                 "datasheet_links": []}

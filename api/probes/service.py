@@ -244,11 +244,12 @@ def probe_line(calibration: dict[str, Any] | None, backend: str | None = None) -
 
 
 def stored(*, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, backend: str,
-           workload: str = "builtin", any_nodes: bool = False) -> tuple[ClusterProbe | None, str]:
+           workload: str = "builtin", any_nodes: bool = False,
+           exact_first: bool = False) -> tuple[ClusterProbe | None, str]:
     """The newest stored probe of this cluster and model on ``backend`` (whatever environment it
     ran in: a command that starts no rank cannot tell), and a note when there is none. Creates no
-    store: with none yet, or one that cannot be opened, there is no probe. ``any_nodes``: as
-    ``stored_in``."""
+    store: with none yet, or one that cannot be opened, there is no probe. ``any_nodes``,
+    ``exact_first``: as ``stored_in``."""
     from api import store
     from api.settings import Settings
 
@@ -259,7 +260,7 @@ def stored(*, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, ba
         _, sessions = store.open_store(settings.resolved_database_url)
         with sessions() as s:
             row, note = stored_in(s, model=model, cluster=cluster, training=training, backend=backend,
-                                  workload=workload, any_nodes=any_nodes)
+                                  workload=workload, any_nodes=any_nodes, exact_first=exact_first)
             if row is not None:
                 s.expunge(row)
     except store.StoreUnavailableError as exc:
@@ -268,14 +269,18 @@ def stored(*, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, ba
 
 
 def stored_in(session: Session, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, backend: str,
-              workload: str = "builtin", any_nodes: bool = False) -> tuple[ClusterProbe | None, str]:
+              workload: str = "builtin", any_nodes: bool = False,
+              exact_first: bool = False) -> tuple[ClusterProbe | None, str]:
     """As ``stored``, in an open session (the API's). ``any_nodes``: the newest probe of the same
     hardware at whichever node count it ran (the cluster-size comparisons': what a probe of N nodes
-    says of M nodes is api/plan/service.py ``comparison_figures``'s)."""
-    if not any_nodes:
+    says of M nodes is api/plan/service.py ``comparison_figures``'s); with ``exact_first``, the
+    newest probe of exactly ``cluster.nodes`` where there is one (a single plan's,
+    api/plan/service.py ``plan_probe``)."""
+    if not any_nodes or exact_first:
         row = latest(session, key=probe_key(cluster=cluster, model=model, training=training, backend=backend,
                                             workload=workload))
-        return row, "" if row is not None else "no probe of this cluster and model is stored"
+        if row is not None or not any_nodes:
+            return row, "" if row is not None else "no probe of this cluster and model is stored"
     keys: dict[int, str] = {}  # node count -> what this hardware's probe of that many nodes is keyed by
     q = (sa.select(ClusterProbe.id, ClusterProbe.key, ClusterProbe.cluster)
          .where(ClusterProbe.version == PROBE_VERSION, ClusterProbe.backend == backend)

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 import tuner
 from api import store
 from api.cli import main
+from api.cli.plan import SHOW
 from api.engine import SweepRunner
 from api.engine._prediction import cluster_under
 from api.main import create_app
@@ -188,7 +189,8 @@ def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(probe_db, cap
     out = capsys.readouterr().out
     assert f"probe #{pid} of cpu-local" in out and "probed vs datasheet" in out and "4x" in out  # 120/30 GFLOP/s
     assert main(["plan", *args, "--top", "3"]) == 0
-    assert f"cluster figures: probe #{pid}" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"cluster figures: probe #{pid}" in out and "measured on" not in out  # its own node count: as probed
     assert main(["plan", *args, "--top", "3", "--datasheet"]) == 0
     assert "cluster figures: datasheet (--datasheet)" in capsys.readouterr().out
     assert main(["probe", *args, "--backend", "simulate"]) == 2
@@ -203,6 +205,26 @@ def test_meshtune_probe_show_and_plan_say_which_figures_are_probed(probe_db, cap
     assert sizes["figures"]["probe_id"] == pid and sizes["figures"]["datasheet_links"] == [{"tier": "inter",
                                                                                             "nodes": [2]}]
     assert sizes["cluster"]["probed"]["matmul_flops"] == pytest.approx(truth().matmul_flops)
+    # One size with no probe of its own: the plan uses the comparison's probe and rule, so it is the comparison's
+    # row for 2 nodes, and GET /api/plan says the same (the line says where the probe ran and what it lacked).
+    assert main(["plan", *args, "--nodes", "2", "--top", "1", "--json"]) == 0
+    at2 = json.loads(capsys.readouterr().out)
+    f = at2["figures"]
+    assert f["probe_id"] == pid and f["probe_nodes"] == 1 and f["datasheet_links"] == [{"tier": "inter", "nodes": [2]}]
+    assert ", measured on 1 node (" in f["text"] and "some tensor-parallel degrees here were not probed" in f["text"]
+    assert "; datasheet for the network at 2 nodes (none on the probe's 1 node)" in f["text"]
+    assert at2["entries"][0]["key"] == sizes["sizes"][1]["layout_key"]
+    assert at2["entries"][0]["time"]["tokens_per_s"] == pytest.approx(sizes["sizes"][1]["tokens_per_s"])
+    assert at2["cluster"]["probed"] == sizes["cluster"]["probed"]
+    assert main(["plan", *args, "--nodes", "2", "--top", "3"]) == 0
+    assert f["text"] in " ".join(capsys.readouterr().out.split())
+    query = {"model": "tiny", "cluster": "cpu-local", "nodes": 2, "global_batch": 16,
+             "precision": at2["training"]["precision"], "top": 1}
+    with TestClient(create_app(settings, run_engine=False)) as c:
+        api = c.get("/api/plan", params=query).json()
+    assert api["figures"] == {**f, "text": f["text"].removesuffix(SHOW)} and api["entries"] == at2["entries"]
+    assert main(["plan", *args, "--nodes", "2", "--datasheet", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["figures"]["probe_nodes"] is None
     assert main(["plan", *args, "--nodes", "1,2", "--datasheet", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["figures"]["text"] == "cluster figures: datasheet (--datasheet)" and plain["cluster"]["probed"] is None
@@ -258,6 +280,22 @@ def test_the_size_and_device_comparisons_model_each_type_on_the_newest_probe_of_
         plan = c.get("/api/plan", params=plan_q).json()
         assert plan["figures"]["probe_id"] == one and first["sizes"][0]["layout_key"] == plan["entries"][0]["key"]
         assert first["sizes"][0]["tokens_per_s"] == pytest.approx(plan["entries"][0]["time"]["tokens_per_s"])
+        assert plan["figures"]["probe_nodes"] == 1 and plan["figures"]["datasheet_links"] == []
+        assert "measured on" not in plan["figures"]["text"]  # its own node count: the line as probed
+        # The plan's tp=4 layouts: the probe measured layers of tp 1 and 2 only, and the plan says so.
+        assert "; some tensor-parallel degrees here were not probed (nearest used)" in plan["figures"]["text"]
+        # A size with no probe of its own: the plan of 2 (or 4) nodes uses the 1-node probe as the comparison
+        # does, the network on the datasheet, and its best is the comparison's row.
+        for i, n in ((1, 2), (2, 4)):
+            alone = c.get("/api/plan", params={**plan_q, "nodes": n}).json()
+            g = alone["figures"]
+            assert g["probe_id"] == one and g["probe_nodes"] == 1, g
+            assert g["datasheet_links"] == [{"tier": "inter", "nodes": [n]}]
+            assert g["text"].startswith(f"cluster figures: probe #{one} of ") and ", measured on 1 node (" in g["text"]
+            assert g["text"].endswith(f"; datasheet for the network at {n} nodes (none on the probe's 1 node)")
+            assert alone["entries"][0]["key"] == first["sizes"][i]["layout_key"]
+            assert alone["entries"][0]["time"]["tokens_per_s"] == pytest.approx(first["sizes"][i]["tokens_per_s"])
+            assert alone["cluster"]["probed"] == first["cluster"]["probed"]
         sheet = c.get("/api/plan/sizes", params={**query, "stack": "torchtitan"}).json()
         assert sheet["figures"]["source"] == "datasheet" and "not the torchtitan stack" in sheet["figures"]["text"]
         assert sheet["cluster"]["probed"] is None and sheet["figures"]["probe_nodes"] is None
@@ -278,6 +316,14 @@ def test_the_size_and_device_comparisons_model_each_type_on_the_newest_probe_of_
         assert b2["tokens_per_s"] < a2["tokens_per_s"] and b4["tokens_per_s"] < a4["tokens_per_s"]
         at2 = c.get("/api/plan", params={**plan_q, "nodes": 2}).json()  # the plan of 2 nodes: its own probe
         assert at2["figures"]["probe_id"] == two and at2["entries"][0]["key"] == b2["layout_key"]
+        assert "measured on" not in at2["figures"]["text"]
+        at4 = c.get("/api/plan", params={**plan_q, "nodes": 4}).json()  # none of 4 nodes: the newest, of 2
+        assert at4["figures"]["probe_id"] == two and at4["figures"]["probe_nodes"] == 2
+        assert at4["figures"]["datasheet_links"] == [] and ", measured on 2 nodes (" in at4["figures"]["text"]
+        assert at4["entries"][0]["key"] == b4["layout_key"]
+        assert at4["entries"][0]["time"]["tokens_per_s"] == pytest.approx(b4["tokens_per_s"])
+        at1 = c.get("/api/plan", params=plan_q).json()  # a probe of its own node count comes first, newer or not
+        assert at1["figures"]["probe_id"] == one and at1["entries"][0]["key"] == b1["layout_key"]
 
         # Device types: each on its own hardware's probe; h100-sxm has none.
         body = {"model": "tiny", "cluster": {"preset": ["cpu-local", "h100-sxm"]}, "nodes": [1, 2, 4],
