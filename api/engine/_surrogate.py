@@ -44,6 +44,7 @@ EXPLORE_W_SD = 0.15
 # measurements say least and the gain most often lies (benchmarks/bench_search.py).
 LOCAL_EVERY = 2
 LOCAL_TOP = 2
+LOCAL_MARGIN_Z = 0.5  # a local turn's candidates: predicted to fit by this many memory errors
 
 
 def _phi(z: np.ndarray) -> np.ndarray:
@@ -269,32 +270,31 @@ class SurrogateProposer:
         if not len(cand):
             return cand, np.zeros(0)
         local, mem_sd = margin[cand], mem_sd_all[cand]  # log headroom after what nearby peaks and OOMs taught
+        # The incumbent is the posterior mean's best at a measured layout, not the best noisy
+        # measurement (one lucky run would end exploitation: plug-in EI, Picheny et al. 2013).
+        seen = np.array(sorted(i for i in self.obs if np.isfinite(prior[i])), dtype=int)
+        at_seen = prior[seen] + self.posterior(seen, prior)[0] if len(seen) else np.zeros(0)
+        near = np.zeros(len(cand), bool)
+        if len(seen) and self.told % LOCAL_EVERY == LOCAL_EVERY - 1:
+            leaders = seen[np.argsort(-at_seen, kind="stable")[:LOCAL_TOP]]
+            near = np.isin(cand, np.concatenate([self.space.neighbours(int(i)) for i in leaders]))
+            near &= local >= LOCAL_MARGIN_Z * mem_sd
         keep = local >= CANDIDATE_MARGIN_Z * mem_sd
-        if keep.any():
-            cand, local, mem_sd = cand[keep], local[keep], mem_sd[keep]
+        # A local turn (when any neighbour of the leaders is left) ranges over the leaders' neighbours
+        # predicted to fit at all: next to measured peaks the memory model is surest, and the best
+        # layouts often sit within a few per cent of the limit; p_fit below still weighs the risk.
+        select = near if near.any() else keep if keep.any() else np.ones(len(cand), bool)
+        cand, local, mem_sd = cand[select], local[select], mem_sd[select]
         mu_r, sd_r = self.posterior(cand, prior)
         mu = prior[cand] + mu_r
         sd = np.sqrt(sd_r ** 2 + np.minimum(fit.sd(cand), EXPLORE_W_SD) ** 2)
-        measured = [float(np.mean(v)) for v in self.obs.values()]
-        leaders = np.zeros(0, dtype=int)
-        if measured:
-            # The incumbent is the posterior mean's best at a measured layout, not the best noisy
-            # measurement (one lucky run would end exploitation: plug-in EI, Picheny et al. 2013).
-            seen = np.array(sorted(i for i in self.obs if np.isfinite(prior[i])))
-            at_seen = prior[seen] + self.posterior(seen, prior)[0] if len(seen) else np.zeros(0)
-            incumbent = float(np.max(at_seen)) if len(seen) else max(measured)
-            leaders = seen[np.argsort(-at_seen, kind="stable")[:LOCAL_TOP]]
-            z = (mu - incumbent) / sd
+        if len(seen):
+            z = (mu - float(np.max(at_seen))) / sd
             ei = sd * (z * _cdf(z) + _phi(z))
         else:  # nothing measured yet: the prior's favourite first
             ei = np.exp(mu - mu.max())
         p_fit = _cdf(local / np.maximum(mem_sd, 1e-6))
-        score = ei * p_fit * (1.0 - self._fail_probability(cand))
-        if len(leaders) and self.told % LOCAL_EVERY == LOCAL_EVERY - 1:
-            near = np.isin(cand, np.concatenate([self.space.neighbours(int(i)) for i in leaders]))
-            if near.any():  # this proposal stays within a knob of the leaders
-                cand, score = cand[near], score[near]
-        return cand, score
+        return cand, ei * p_fit * (1.0 - self._fail_probability(cand))
 
     def propose(self, exclude: set[str]) -> tuple[Layout, Any] | None:
         """The best candidate; when the memory model predicts that nothing left fits, the layout
