@@ -25,6 +25,7 @@ from tuner._formulas import (
     recompute_flops_per_token_per_layer,
     recompute_flops_split,
     useful_fraction,
+    wgrad_flops_per_token,
 )
 from tuner._layout import CHECKPOINTING, Layout, microbatches
 from tuner._memory import Num, rank_params
@@ -141,6 +142,25 @@ def _tp_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]],
     return allreduce_time(nbytes, tp, bw, lat if latency else 0.0)
 
 
+def _dgrad_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]], sp: bool, *,
+                     latency: bool) -> float:
+    """The backward half of a column-parallel linear's ``_tp_reduction``: the reduction of its input
+    gradient, a reduce-scatter under sequence parallelism, else the all-reduce (Korthikanti et al.
+    2022 Sec. 4.2.2; Shoeybi et al. 2019 Fig. 3's f)."""
+    if sp:
+        bw, lat = links["reduce_scatter"]
+        return allgather_time(nbytes, tp, bw, lat if latency else 0.0)
+    return _tp_reduction(nbytes, tp, links, sp, latency=latency)
+
+
+def _hidden_behind(comm: tuple[float, float], gemm: float) -> tuple[float, float]:
+    """What a GEMM of ``gemm`` seconds per sequence hides of a collective of ``comm`` (per sequence,
+    constant) seconds issued before it, as a (per sequence, constant) pair: min(mbs·c1 + c0, mbs·g) at
+    every micro-batch size where that is linear in it, and below it (never more) where it is not."""
+    c1, c0 = comm
+    return min(c1, gemm), min(c0, max(0.0, gemm - c1))
+
+
 
 BREAKDOWN = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p")
 
@@ -254,7 +274,7 @@ class MeshTime:
         attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
         if flash and probed is not None and probed.attention_flops:
             attn_rate = probed.attention_flops
-        rp = rank_params(model, tp, ep, pp, vpp)
+        rp = rank_params(model, tp, ep, pp, vpp, stack.end_stages)
         matmul, core, head, recompute, self.model_flops, self.hw_flops = _flop_counts(model, flash)
         emb = EMBEDDING_COST * head
 
@@ -284,13 +304,24 @@ class MeshTime:
             # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
             ends_tp = [0.0] * pp
             ends_tp_lat = [0.0] * pp
+            # What the weight-gradient GEMMs hide of the column-parallel linears' input-gradient
+            # reductions (stack.dgrad_overlap), per micro-batch as (per sequence, constant): one layer's
+            # qkv and fc1, and the head's (zero where the stack overlaps nothing).
+            hidden_layer = hidden_head = (0.0, 0.0)
             if tp > 1:
                 # one reduction of a micro-batch's activations (bandwidth part, latency part)
                 red1 = _tp_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False)
                 red0 = _tp_reduction(0.0, tp, tp_links, sp, latency=True)
+                if stack.dgrad_overlap:
+                    dgrad = (_dgrad_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False),
+                             _dgrad_reduction(0.0, tp, tp_links, sp, latency=True))
+                    hidden_layer = _layer_dgrad_hidden(model, dgrad, seq_local / (tp * rate))
+                    hidden_head = _hidden_behind(dgrad, wgrad_flops_per_token(h * model.vocab) * seq_local / (tp * rate))
                 for r in (0, -1):  # pp == 1: one stage, both reductions
                     ends_tp[r] += red1
                     ends_tp_lat[r] += red0
+                ends_tp[-1] -= hidden_head[0]
+                ends_tp_lat[-1] -= hidden_head[1]
                 (ar_bw, ar_lat), (ag_bw, ag_lat) = tp_links["all_reduce"], tp_links["all_gather"]
                 if loss_parallel:
                     ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, ar_bw, 0.0)
@@ -306,9 +337,11 @@ class MeshTime:
                 tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
                 if tp > 1:
                     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
-                    # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
+                    # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2), less what the
+                    # weight-gradient GEMMs hide of the backward ones (never of a recomputed forward's).
                     n = (4 + tp_extra) * (1 - f.tp_overlap)
-                    tp_l = (n * red1, n * red0)
+                    tp_l = (n * red1 - hidden_layer[0] * (1 - f.tp_overlap),
+                            n * red0 - hidden_layer[1] * (1 - f.tp_overlap))
                 if cp > 1:
                     # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
                     # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
@@ -349,7 +382,10 @@ class MeshTime:
                     (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
                     stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
                 self.per_mb[ac, sp] = max(stages, key=lambda x: x[0])[1]
-            if tp == 1 or probed is None:  # no TP, or one link for every collective: sp costs the same
+            # No TP, or one link for every collective and nothing hidden: sp costs the same. (Hidden
+            # behind the weight gradient is the input gradient's reduction: a whole all-reduce without
+            # sp, the reduce-scatter half of a pair with it.)
+            if tp == 1 or (probed is None and not stack.dgrad_overlap):
                 break
         for ac in ("none", "selective", "full"):  # sp without TP is no sequence parallelism
             self.per_mb.setdefault((ac, True), self.per_mb[ac, False])
@@ -423,6 +459,21 @@ class MeshTime:
             breakdown=dict(zip(BREAKDOWN, est[1:], strict=True)),
         )
         return obj
+
+
+def _layer_dgrad_hidden(model: ModelSpec, dgrad: tuple[float, float], per_flop: float) -> tuple[float, float]:
+    """What one layer's weight-gradient GEMMs hide of its column-parallel linears' input-gradient
+    reductions (``dgrad``, one of them), each behind its own: the fused qkv projection's, and fc1's
+    (the gate and up projections, or GELU's up projection) in a dense layer, or a MoE layer's shared
+    expert's (its routed experts' tokens move by the expert all-to-all), the mean over the layers.
+    ``per_flop``: seconds per sequence per FLOP per token of one device's share of a GEMM."""
+    qkv = model.hidden * (model.q_dim + 2 * model.kv_heads * model.head_dim)
+    up = model.mlp_mats - 1
+    q1, q0 = _hidden_behind(dgrad, wgrad_flops_per_token(qkv) * per_flop)
+    d1, d0 = _hidden_behind(dgrad, wgrad_flops_per_token(up * model.hidden * model.ffn) * per_flop)
+    s1, s0 = _hidden_behind(dgrad, wgrad_flops_per_token(up * model.hidden * model.shared_expert_ffn) * per_flop)
+    moe = model.moe_layers / model.layers
+    return q1 + (1 - moe) * d1 + moe * s1, q0 + (1 - moe) * d0 + moe * s0
 
 
 def _dp_seconds(counts: tuple[int, int, int], ag: float, rs: float, ar: float) -> float:

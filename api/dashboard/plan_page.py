@@ -99,7 +99,7 @@ def compare(values: dict[str, str], *, charge: Any = None) -> dict[str, Any]:
                 raise SpecError(f"nodes={n}: {size.devices} devices exceeds this page's limit of {MAX_DEVICES}; "
                                 "use `meshtune plan`")
             cost += check_planning_work(model=model, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                        remedy="plan it with `meshtune plan`, which has no such limit")
+                                        remedy="plan it with `meshtune plan`, which has no such limit", training=t)
     if charge is not None:
         charge(cost)
     if len(clusters) > 1:

@@ -146,7 +146,7 @@ def plan_answer(session: Session, *, problem: Problem, backend: str, top: int, c
     answer = _PLANS.get((model, c, training))
     if answer is None:
         charge(check_planning_work(model=model, cluster=c, limit=MAX_CANDIDATES, where="plan request",
-                                   remedy="plan it with `meshtune plan`, which has no such limit"))
+                                   remedy="plan it with `meshtune plan`, which has no such limit", training=training))
         probed = dataclasses.replace(problem, cluster=c)
         answer = _PLANS.put((model, c, training), _timed(lambda: plan(problem=probed)))
     result, seconds = answer
@@ -158,7 +158,7 @@ def sizes_answer(*, problem: Problem, counts: tuple[int, ...], scale_batch: bool
     PlanSizesOut (cached, or bounded and charged as a new plan is)."""
     m, c, t = problem.model, problem.cluster, problem.training
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
-    points, seconds = _bounded(_SIZES, (m, c, t, counts, scale_batch), m, sizes, charge,
+    points, seconds = _bounded(_SIZES, (m, c, t, counts, scale_batch), m, t, sizes, charge,
                                lambda: plan_sizes(problem=problem, nodes=counts, scale_batch=scale_batch))
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
     return dict(model=to_dict(m), cluster=to_dict(c), training=to_dict(t), scale_batch=scale_batch,
@@ -172,7 +172,7 @@ def devices_answer(*, model: ModelSpec, clusters: list[ClusterSpec], training: T
     fields of a PlanDevicesOut (cached, or bounded and charged as ``sizes_answer`` is)."""
     m, t = model, training
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
-    points, seconds = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), m, sizes, charge,
+    points, seconds = _bounded(_DEVICES, (m, tuple(clusters), t, counts, scale_batch), m, t, sizes, charge,
                                lambda: compare_devices(model=m, clusters=clusters, training=t, nodes=counts,
                                                        scale_batch=scale_batch))
     title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
@@ -181,8 +181,8 @@ def devices_answer(*, model: ModelSpec, clusters: list[ClusterSpec], training: T
                 figure=devices_figure(points, title=title), seconds=round(seconds, 4))
 
 
-def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, sizes: list[ClusterSpec],
-             charge: Charge, compute: Callable[[], Any]) -> tuple[Any, float]:
+def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, t: TrainingSpec,
+             sizes: list[ClusterSpec], charge: Charge, compute: Callable[[], Any]) -> tuple[Any, float]:
     """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
     cluster size (devices, candidate layouts) and charged."""
     answer = cache.get(key)
@@ -192,7 +192,7 @@ def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, 
     for size in sizes:
         check_devices(size)
         cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                    remedy="plan it with `meshtune plan`, which has no such limit")
+                                    remedy="plan it with `meshtune plan`, which has no such limit", training=t)
     charge(cost)
     return cache.put(key, _timed(compute))
 

@@ -21,6 +21,7 @@ from tuner import (
     plan,
     training_spec,
 )
+from tuner._formulas import allgather_time, allreduce_time
 from tuner._plan import _costed_groups
 
 MODEL = model_spec("llama3-8b")
@@ -69,6 +70,32 @@ def test_each_kernel_property_changes_its_own_saved_tensors(monkeypatch):
                    fused_norms=False, data_parallel="workers")
     assert _activations(both, layout, monkeypatch) == estimate_memory(
         layout, model=MODEL, cluster=NODE, training=training_spec({"global_batch": 8})).activations
+
+
+def test_megatron_hides_the_column_parallel_input_gradients_behind_their_weight_gradients(monkeypatch):
+    # llama3-8b at tp8 on one H100 node, 8 micro-batches of one 8K sequence, no recompute. Each layer's qkv
+    # and fc1 reduce their input gradient while their weight-gradient GEMM runs (megatron/core/tensor_parallel/
+    # layers.py), hiding min(collective, GEMM): qkv's GEMM (6144 wide) is shorter than the collective, fc1's
+    # (2 x 14336) and the head's (128256) longer. Nothing else is hidden: with sp the row-parallel linears'
+    # backward all-gathers stay, so the hidden share differs with and without sp on one datasheet link.
+    monkeypatch.setitem(STACKS, "m0", replace(STACKS["megatron"], name="m0", dgrad_overlap=False))
+    s, h, t, layers, m = 8192, 4096, 8, 32, 8
+    rate, bw, lat = NODE.peak_flops * 0.6, NODE.intra_node_bandwidth * 0.8, NODE.intra_node_latency
+    qkv, fc1, head = (2 * w * s / t / rate for w in (h * (4096 + 2 * 1024), h * 2 * 14336, h * 128256))
+
+    def tp_comm(stack: str, sp: bool) -> float:
+        training = training_spec({"global_batch": m, "stack": stack})
+        return estimate_time(Layout(tp=t, sp=sp), model=MODEL, cluster=NODE, training=training).breakdown["tp_comm"]
+
+    rs = allgather_time(2 * s * h, t, bw, lat)  # the input gradient's reduce-scatter (sp)
+    ar = allreduce_time(2 * s * h, t, bw, lat)  # its all-reduce (no sp)
+    assert qkv < rs < ar < fc1 < head
+    hidden = {True: layers * (qkv + rs) + rs, False: layers * (qkv + ar) + ar}
+    for sp in (True, False):
+        assert tp_comm("m0", sp) - tp_comm("megatron", sp) == pytest.approx(m * hidden[sp], rel=1e-9)
+    assert tp_comm("m0", True) == pytest.approx(tp_comm("m0", False), rel=1e-12)  # the same volume, one link
+    # with sp: 2 of each layer's 8 halves hidden at most (here fc1's whole and qkv's GEMM-long share)
+    assert tp_comm("megatron", True) > 0.75 * tp_comm("m0", True) > tp_comm("megatron", False)
 
 
 def test_megatrons_distributed_optimizer_holds_6_plus_12_over_d_bytes():
