@@ -188,9 +188,9 @@ def matmul_flops_per_token(weights: float) -> float:
     return 6.0 * weights
 
 
-def wgrad_flops_per_token(weights: float) -> float:
-    """FLOPs per token of the weight-gradient GEMM of a linear of ``weights`` parameters, 2 per weight:
-    the backward's second GEMM, beside the input gradient's (Narayanan et al. 2021, appendix
+def backward_gemm_flops_per_token(weights: float) -> float:
+    """FLOPs per token of one of the two backward GEMMs of a linear of ``weights`` parameters, its
+    input gradient's or its weight gradient's: 2 per weight each (Narayanan et al. 2021, appendix
     "Floating-point operations": the backward needs twice the forward's FLOPs, one GEMM for the
     gradient of the input and one for that of the weight)."""
     return 2.0 * weights

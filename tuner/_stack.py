@@ -77,7 +77,8 @@ class Stack:
     product), 3 fused (gate and up, and the product, the down projection's input).
     ``sequence_parallel``: "dtensor": the all-gather hands the attention and the MLP the whole
     sequence and their matmuls save it; "megatron": they save their sequence shard and all-gather it
-    again in the backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022 Sec. 4.2.2).
+    again in the backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022 Sec. 4.2.2),
+    exposed only where the gather outlasts that GEMM (tuner/_timing.py).
     ``data_parallel``: the data-parallel program per ZeRO level (the tables above, and
     ``tuner._realise.holding`` for what the model states hold): "workers", "fsdp2" (torchtitan's
     FSDP2, deferred to the step's end under torch.distributed.pipelining), "megatron".

@@ -19,13 +19,13 @@ from tuner._formulas import (
     allreduce_time,
     alltoall_time,
     attention_core_flops_per_token,
+    backward_gemm_flops_per_token,
     head_flops_per_token,
     matmul_flops_per_token,
     model_flops_per_token,
     recompute_flops_per_token_per_layer,
     recompute_flops_split,
     useful_fraction,
-    wgrad_flops_per_token,
 )
 from tuner._layout import CHECKPOINTING, Layout, microbatches
 from tuner._memory import Num, rank_params
@@ -304,24 +304,30 @@ class MeshTime:
             # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
             ends_tp = [0.0] * pp
             ends_tp_lat = [0.0] * pp
-            # What the weight-gradient GEMMs hide of the column-parallel linears' input-gradient
-            # reductions (stack.dgrad_overlap), per micro-batch as (per sequence, constant): one layer's
-            # qkv and fc1, and the head's (zero where the stack overlaps nothing).
-            hidden_layer = hidden_head = (0.0, 0.0)
+            # The column-parallel linears' backward, per micro-batch as (per sequence, constant) for one
+            # layer's (qkv, fc1) and for the head: what their weight-gradient GEMMs hide of their input
+            # gradients' reductions (stack.dgrad_overlap), and what their input-gradient GEMMs leave
+            # exposed of the re-gather of their sequence-parallel input (sequence_parallel "megatron");
+            # zero where the stack does neither.
+            hidden_layer = hidden_head = regather_layer = regather_head = (0.0, 0.0)
             if tp > 1:
                 # one reduction of a micro-batch's activations (bandwidth part, latency part)
                 red1 = _tp_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False)
                 red0 = _tp_reduction(0.0, tp, tp_links, sp, latency=True)
+                gemms = _column_parallel_gemms(model, seq_local / (tp * rate))
                 if stack.dgrad_overlap:
                     dgrad = (_dgrad_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False),
                              _dgrad_reduction(0.0, tp, tp_links, sp, latency=True))
-                    hidden_layer = _layer_dgrad_hidden(model, dgrad, seq_local / (tp * rate))
-                    hidden_head = _hidden_behind(dgrad, wgrad_flops_per_token(h * model.vocab) * seq_local / (tp * rate))
+                    hidden_layer, hidden_head = _behind(dgrad, gemms, exposed=False)
+                if sp and not stack.saves_gathered:
+                    gb, gl = tp_links["all_gather"]
+                    ag = allgather_time(elt * seq_local * h, tp, gb, 0.0), allgather_time(0.0, tp, gb, gl)
+                    regather_layer, regather_head = _behind(ag, gemms, exposed=True)
                 for r in (0, -1):  # pp == 1: one stage, both reductions
                     ends_tp[r] += red1
                     ends_tp_lat[r] += red0
-                ends_tp[-1] -= hidden_head[0]
-                ends_tp_lat[-1] -= hidden_head[1]
+                ends_tp[-1] += regather_head[0] - hidden_head[0]
+                ends_tp_lat[-1] += regather_head[1] - hidden_head[1]
                 (ar_bw, ar_lat), (ag_bw, ag_lat) = tp_links["all_reduce"], tp_links["all_gather"]
                 if loss_parallel:
                     ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, ar_bw, 0.0)
@@ -338,10 +344,11 @@ class MeshTime:
                 if tp > 1:
                     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
                     # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2), less what the
-                    # weight-gradient GEMMs hide of the backward ones (never of a recomputed forward's).
+                    # weight-gradient GEMMs hide of the backward ones (never of a recomputed forward's),
+                    # plus what the input-gradient GEMMs leave exposed of the sequence-parallel re-gathers.
                     n = (4 + tp_extra) * (1 - f.tp_overlap)
-                    tp_l = (n * red1 - hidden_layer[0] * (1 - f.tp_overlap),
-                            n * red0 - hidden_layer[1] * (1 - f.tp_overlap))
+                    tp_l = (n * red1 + (regather_layer[0] - hidden_layer[0]) * (1 - f.tp_overlap),
+                            n * red0 + (regather_layer[1] - hidden_layer[1]) * (1 - f.tp_overlap))
                 if cp > 1:
                     # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
                     # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
@@ -382,10 +389,10 @@ class MeshTime:
                     (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
                     stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
                 self.per_mb[ac, sp] = max(stages, key=lambda x: x[0])[1]
-            # No TP, or one link for every collective and nothing hidden: sp costs the same. (Hidden
-            # behind the weight gradient is the input gradient's reduction: a whole all-reduce without
-            # sp, the reduce-scatter half of a pair with it.)
-            if tp == 1 or (probed is None and not stack.dgrad_overlap):
+            # No TP, or one link for every collective, nothing hidden and nothing re-gathered: sp costs
+            # the same. (Hidden behind the weight gradient is the input gradient's reduction: a whole
+            # all-reduce without sp, the reduce-scatter half of a pair with it.)
+            if tp == 1 or (probed is None and not stack.dgrad_overlap and stack.saves_gathered):
                 break
         for ac in ("none", "selective", "full"):  # sp without TP is no sequence parallelism
             self.per_mb.setdefault((ac, True), self.per_mb[ac, False])
@@ -461,19 +468,32 @@ class MeshTime:
         return obj
 
 
-def _layer_dgrad_hidden(model: ModelSpec, dgrad: tuple[float, float], per_flop: float) -> tuple[float, float]:
-    """What one layer's weight-gradient GEMMs hide of its column-parallel linears' input-gradient
-    reductions (``dgrad``, one of them), each behind its own: the fused qkv projection's, and fc1's
-    (the gate and up projections, or GELU's up projection) in a dense layer, or a MoE layer's shared
-    expert's (its routed experts' tokens move by the expert all-to-all), the mean over the layers.
-    ``per_flop``: seconds per sequence per FLOP per token of one device's share of a GEMM."""
-    qkv = model.hidden * (model.q_dim + 2 * model.kv_heads * model.head_dim)
+def _column_parallel_gemms(model: ModelSpec, per_flop: float) -> tuple[tuple[tuple[float, float], ...], float]:
+    """Seconds per sequence of each backward GEMM (the input gradient's, the weight gradient's: the
+    same FLOPs) of one layer's column-parallel linears, with the share of the layers that have each
+    (the fused qkv projection; fc1, the gate and up projections or GELU's up projection, in a dense
+    layer, or a MoE layer's shared expert's: its routed experts' tokens move by the all-to-all), and
+    of the head's. ``per_flop``: seconds per sequence per FLOP per token of one device's share."""
     up = model.mlp_mats - 1
-    q1, q0 = _hidden_behind(dgrad, wgrad_flops_per_token(qkv) * per_flop)
-    d1, d0 = _hidden_behind(dgrad, wgrad_flops_per_token(up * model.hidden * model.ffn) * per_flop)
-    s1, s0 = _hidden_behind(dgrad, wgrad_flops_per_token(up * model.hidden * model.shared_expert_ffn) * per_flop)
     moe = model.moe_layers / model.layers
-    return q1 + (1 - moe) * d1 + moe * s1, q0 + (1 - moe) * d0 + moe * s0
+    linears = ((1.0, model.hidden * (model.q_dim + 2 * model.kv_heads * model.head_dim)),
+               (1 - moe, up * model.hidden * model.ffn), (moe, up * model.hidden * model.shared_expert_ffn))
+    layer = tuple((share, backward_gemm_flops_per_token(w) * per_flop) for share, w in linears if share and w)
+    return layer, backward_gemm_flops_per_token(model.hidden * model.vocab) * per_flop
+
+
+def _behind(comm: tuple[float, float], gemms: tuple[tuple[tuple[float, float], ...], float], *,
+            exposed: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """What each of ``gemms`` (``_column_parallel_gemms``) hides of one collective of ``comm`` issued
+    before it (``exposed``: what it leaves exposed), summed over one layer's linears (the mean over
+    the layers), and the head's: two (per sequence, constant) pairs."""
+    def one(gemm: float) -> tuple[float, float]:
+        h1, h0 = _hidden_behind(comm, gemm)
+        return (comm[0] - h1, comm[1] - h0) if exposed else (h1, h0)
+
+    layer, head = gemms
+    parts = [(share, one(g)) for share, g in layer]
+    return (sum(w * x[0] for w, x in parts), sum(w * x[1] for w, x in parts)), one(head)
 
 
 def _dp_seconds(counts: tuple[int, int, int], ag: float, rs: float, ar: float) -> float:
