@@ -297,6 +297,34 @@ class MeshTime:
                         if probed is None else {op: link("tp", op) for op in ("all_reduce", "all_gather", "reduce_scatter")})
         cp_links = (link("cp", "all_gather"), link("cp", "reduce_scatter")) if cp > 1 else None
         ep_link = link("ep", "all_to_all") if ep > 1 else None
+        # Per ac, what does not depend on sp: one layer's compute, the collectives a recomputed forward
+        # repeats, CP's and EP's per layer (per sequence, latency).
+        per_ac = {}
+        for ac in ("none", "selective", "full"):
+            re_matmul, re_core = recompute[ac]
+            layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
+            tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
+            cp_l = ep_l = (0.0, 0.0)
+            if cp > 1:
+                # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
+                # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
+                # Of the n, k are the reduce-scatter, on its own link: written as n all-gathers and k
+                # times the difference, so one link for both is the all-gathers' n exactly.
+                (agb, agl), (rsb, rsl) = cp_links
+                kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
+                n = (2 + cp_extra) * (1 - f.cp_overlap)
+                k = 1 - f.cp_overlap
+                ag1, ag0 = allgather_time(kv, cp, agb, 0.0), allgather_time(0.0, cp, agb, agl)
+                cp_l = (n * ag1 + k * (allgather_time(kv, cp, rsb, 0.0) - ag1),
+                        n * ag0 + k * (allgather_time(0.0, cp, rsb, rsl) - ag0))
+            if ep > 1:
+                # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
+                bw, lat = ep_link
+                n = (4 + ep_extra) * (1 - f.ep_overlap)
+                a2a = elt * seq_local * model.top_k * h
+                ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
+            per_ac[ac] = (re_matmul, re_core, layer_s, tp_extra, cp_l, ep_l)
+        gemms = _column_parallel_gemms(model, seq_local / (tp * rate)) if tp > 1 else None
         for sp in (False, True):
             sp = sp and tp > 1
             # TP collectives at the model's ends, per micro-batch: the vocab-parallel embedding's output
@@ -314,7 +342,6 @@ class MeshTime:
                 # one reduction of a micro-batch's activations (bandwidth part, latency part)
                 red1 = _tp_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False)
                 red0 = _tp_reduction(0.0, tp, tp_links, sp, latency=True)
-                gemms = _column_parallel_gemms(model, seq_local / (tp * rate))
                 if stack.dgrad_overlap:
                     dgrad = (_dgrad_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False),
                              _dgrad_reduction(0.0, tp, tp_links, sp, latency=True))
@@ -337,10 +364,8 @@ class MeshTime:
                     ends_tp_lat[-1] += allgather_time(0.0, tp, ag_bw, ag_lat)
             over = probed.layer(tp, sp) if probed is not None else None
             for ac in ("none", "selective", "full"):
-                re_matmul, re_core = recompute[ac]
-                layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
-                tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
-                tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
+                re_matmul, re_core, layer_s, tp_extra, cp_l, ep_l = per_ac[ac]
+                tp_l = (0.0, 0.0)  # per layer: (per sequence, latency)
                 if tp > 1:
                     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
                     # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2), less what the
@@ -349,24 +374,6 @@ class MeshTime:
                     n = (4 + tp_extra) * (1 - f.tp_overlap)
                     tp_l = (n * red1 + (regather_layer[0] - hidden_layer[0]) * (1 - f.tp_overlap),
                             n * red0 + (regather_layer[1] - hidden_layer[1]) * (1 - f.tp_overlap))
-                if cp > 1:
-                    # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
-                    # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
-                    # Of the n, k are the reduce-scatter, on its own link: written as n all-gathers and k
-                    # times the difference, so one link for both is the all-gathers' n exactly.
-                    (agb, agl), (rsb, rsl) = cp_links
-                    kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
-                    n = (2 + cp_extra) * (1 - f.cp_overlap)
-                    k = 1 - f.cp_overlap
-                    ag1, ag0 = allgather_time(kv, cp, agb, 0.0), allgather_time(0.0, cp, agb, agl)
-                    cp_l = (n * ag1 + k * (allgather_time(kv, cp, rsb, 0.0) - ag1),
-                            n * ag0 + k * (allgather_time(0.0, cp, rsb, rsl) - ag0))
-                if ep > 1:
-                    # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
-                    bw, lat = ep_link
-                    n = (4 + ep_extra) * (1 - f.ep_overlap)
-                    a2a = elt * seq_local * model.top_k * h
-                    ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
                 # What a probed layer takes beyond the above (dispatch, elementwise work): recompute
                 # repeats the forward's share of it, as it repeats the forward's FLOPs, or what a
                 # probe of the checkpointed layer measured.
