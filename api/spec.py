@@ -326,7 +326,7 @@ class SweepSpec(RequestModel):
             )
         if self.listed_layouts() is None:  # the sweep enumerates its space: bound that work first
             check_planning_work(model=model, cluster=cluster, space=problem.space, limit=MAX_CANDIDATES,
-                                where="sweep")
+                                where="sweep", training=problem.training)
         extra = sorted(self.trial.options.model_extra or {})
         if extra and self.backend in ("ray", "simulate"):
             known = ", ".join(sorted(TrialOptions.model_fields))

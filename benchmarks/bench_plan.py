@@ -120,7 +120,7 @@ def main() -> None:
     os.sched_setaffinity(0, {args.core})
     model = model_spec("llama3-405b")
     training = training_spec({"global_batch_tokens": 16 * 2**20}, seq_len=model.seq_len)  # Llama 3: 16M tokens
-    space, f = SearchSpace(), CalibrationFactors()
+    space, f = SearchSpace().for_stack(training), CalibrationFactors()
     golden = None
     if not args.no_check:
         from tests.helpers import plan_golden as golden  # the recorded plans and how they are compared

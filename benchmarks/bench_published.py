@@ -21,7 +21,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tuner import REFERENCE_LAYOUTS, Problem, estimate_memory, estimate_time, place, plan  # noqa: E402
+from tuner import (  # noqa: E402
+    REFERENCE_LAYOUTS,
+    Problem,
+    estimate_memory,
+    estimate_time,
+    layout_violation,
+    place,
+    plan,
+)
 
 
 def mesh_of(layout) -> tuple[int, ...]:
@@ -36,8 +44,10 @@ def row(name: str, stack: str) -> dict:
     ref = REFERENCE_LAYOUTS[name]
     training = dataclasses.replace(ref.training, stack=stack)
     kw = dict(model=ref.model, cluster=ref.cluster, training=training)
-    exact_t = estimate_time(ref.layout, placement=place(ref.layout, ref.cluster), **kw)
-    exact_m = estimate_memory(ref.layout, **kw)
+    # The published layout may not run on this stack (an embedding-only stage on meshtune's workers).
+    refused = layout_violation(ref.layout, **kw)
+    exact_t = None if refused else estimate_time(ref.layout, placement=place(ref.layout, ref.cluster), **kw)
+    exact_m = None if refused else estimate_memory(ref.layout, **kw)
     started = time.process_time()
     p = plan(problem=Problem(**kw))
     seconds = time.process_time() - started
@@ -45,14 +55,19 @@ def row(name: str, stack: str) -> dict:
     at = next((i for i, e in enumerate(p.entries) if mesh_of(e.layout) == mesh), None)
     best_on_mesh = p.entries[at] if at is not None else None
     return {
-        "name": name, "reported": ref.reported_mfu, "kind": ref.mfu_kind, "exact": utilisation(ref, exact_t),
-        "exact_fits": exact_m.fits, "exact_gib": exact_m.total / 2**30,
+        "name": name, "reported": ref.reported_mfu, "kind": ref.mfu_kind,
+        "exact": None if refused else utilisation(ref, exact_t), "refused": refused and refused[0],
+        "exact_fits": None if refused else exact_m.fits, "exact_gib": None if refused else exact_m.total / 2**30,
         "mesh": None if best_on_mesh is None else utilisation(ref, best_on_mesh.time),
         "mesh_layout": None if best_on_mesh is None else best_on_mesh.layout.key,
         "rank": None if at is None else at + 1, "entries": len(p.entries), "seconds": seconds,
         "best": p.entries[0].layout.key if p.entries else None,
         "best_u": utilisation(ref, p.entries[0].time) if p.entries else None,
     }
+
+
+def _u(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def main() -> int:
@@ -65,7 +80,8 @@ def main() -> int:
     rows = [row(n, args.stack) for n in sorted(REFERENCE_LAYOUTS)]
     print(f"{'row':28s} {'reported':>9s} {'layout':>14s} {'best on mesh':>14s} {'mesh rank':>22s}  best of the plan")
     for r in rows:
-        exact = f"{r['exact']:.3f} {r['exact'] / r['reported'] - 1:+.1%}" + ("" if r["exact_fits"] else " OOM")
+        exact = (f"refused: {r['refused']}" if r["refused"] else
+                 f"{r['exact']:.3f} {r['exact'] / r['reported'] - 1:+.1%}" + ("" if r["exact_fits"] else " OOM"))
         mesh = "-" if r["mesh"] is None else f"{r['mesh']:.3f} {r['mesh'] / r['reported'] - 1:+.1%}"
         rank = "-" if r["rank"] is None else f"#{r['rank']:,}/{r['entries']:,} {r['rank'] / r['entries']:.2%}"
         print(f"{r['name']:28s} {r['reported']:6.2f} {r['kind'][0]} {exact:>14s} {mesh:>14s} {rank:>22s}  "
@@ -78,7 +94,7 @@ def main() -> int:
         for what in ("exact", "mesh"):
             below = all(long[what] is not None and s[what] is not None and long[what] < s[what] for s in shorts)
             print(f"Llama 3 128K below the 8K rows ({what}): {below} "
-                  f"({long[what]:.3f} vs {', '.join(f'{s[what]:.3f}' for s in shorts)})")
+                  f"({_u(long[what])} vs {', '.join(_u(s[what]) for s in shorts)})")
     within = [r for r in rows if r["mesh"] is not None and abs(r["mesh"] / r["reported"] - 1) <= args.tolerance]
     top = [r for r in rows if r["rank"] is not None and r["rank"] <= args.top * r["entries"]]
     print(f"best on the published mesh within {args.tolerance:.0%}: {len(within)}/{len(rows)}; "

@@ -24,8 +24,10 @@ from tuner._export_megatron import megatron_args, megatron_env, nemo_overrides
 from tuner._export_titan import FLAVOUR_MODULE, titan_cli, titan_model, titan_parallelism, toml_value
 from tuner._layout import Layout
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+from tuner._stack import STACKS
 
 FORMATS = ("torchtitan", "torchtitan-launch", "megatron", "megatron-launch", "deepspeed", "nemo")
+MEGATRON_FORMATS = ("megatron", "megatron-launch", "nemo")
 MEDIA_TYPES = {"torchtitan": "application/toml", "torchtitan-launch": "text/x-shellscript", "megatron": "text/plain",
                "megatron-launch": "text/x-shellscript", "deepspeed": "application/json", "nemo": "text/plain"}
 EXTENSIONS = {"torchtitan": "toml", "torchtitan-launch": "sh", "megatron": "args", "megatron-launch": "sh",
@@ -156,7 +158,10 @@ def export_layout(
     which sweep and rank, what was measured) open the notes. LayoutError if the layout cannot run
     on this problem, SpecError for an unknown format or a model the framework has no equivalent of."""
     check_format(format)
-    job = export_job(layout, model, cluster, training)
+    # Megatron's formats split the layers as the megatron stack is predicted with (its layout flag takes
+    # an embedding-only first and a loss-only last stage); the others as meshtune's workers do.
+    job = export_job(layout, model, cluster, training,
+                     end_stages=format in MEGATRON_FORMATS and STACKS["megatron"].end_stages)
     common = _common_caveats(job)
     tm = job.trained
     intro = [*header, f"meshtune layout {layout.key} ({layout.short}), {job.microbatches} micro-batch(es) "

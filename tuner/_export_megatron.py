@@ -42,6 +42,9 @@ def _megatron_core(job: ExportJob, caveats: list[str]) -> list[tuple[str, Any]]:
         # The exact split (and with it the virtual stages): Megatron-LM's validate_args allows only
         # one of this, --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage.
         out.append(("pipeline-model-parallel-layout", _megatron_layout(job)))
+        if job.stage_layers != job.workers_stage_layers:
+            caveats.append(f"the layers per stage {list(job.stage_layers)} balance the embedding and the loss as the "
+                           f"megatron stack is predicted with; meshtune's workers ran {list(job.workers_stage_layers)}")
         if lay.schedule == "gpipe":
             caveats.append("schedule=gpipe has no Megatron equivalent: Megatron runs 1F1B "
                            f"(at most pp={lay.pp} micro-batches in flight, not all {job.microbatches})")

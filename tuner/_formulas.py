@@ -188,6 +188,14 @@ def matmul_flops_per_token(weights: float) -> float:
     return 6.0 * weights
 
 
+def backward_gemm_flops_per_token(weights: float) -> float:
+    """FLOPs per token of one of the two backward GEMMs of a linear of ``weights`` parameters, its
+    input gradient's or its weight gradient's: 2 per weight each (Narayanan et al. 2021, appendix
+    "Floating-point operations": the backward needs twice the forward's FLOPs, one GEMM for the
+    gradient of the input and one for that of the weight)."""
+    return 2.0 * weights
+
+
 def attention_core_flops_per_token(h: int, s: int, *, causal: bool) -> float:
     """Training FLOPs per token of one layer's scores and softmax·V, 12·h·s (PaLM App. B), h the
     query width heads x head_dim (``ModelSpec.q_dim``; = hidden unless head_dim is explicit). A causal

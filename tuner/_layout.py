@@ -12,8 +12,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from tuner._errors import LayoutError, require_positive_int
+from tuner._partition import max_stages
 from tuner._placement import AXES, _place
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+from tuner._stack import stack_of
 
 CHECKPOINTING = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -240,8 +242,11 @@ def layout_violation(
                             f"{cluster.devices_per_node}) in the workers' placement")
     if layout.sp and model.seq_len % (layout.tp * layout.cp):
         return R_SP_SEQ, f"sp needs tp*cp={layout.tp * layout.cp} to divide seq_len={model.seq_len}"
-    if layout.stages > model.layers:
-        return R_STAGES, f"pp*vpp={layout.stages} stages exceed layers={model.layers}"
+    end_stages = stack_of(training).end_stages
+    if layout.stages > max_stages(model, end_stages=end_stages):
+        ends = (f" + 2 (the embedding and the loss as stages of their own, stack {training.stack})"
+                if end_stages else "")
+        return R_STAGES, f"pp*vpp={layout.stages} stages exceed layers={model.layers}{ends}"
     per_rank = layout.data_ranks * layout.mbs
     if training.global_batch % per_rank:
         return R_BATCH, (

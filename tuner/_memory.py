@@ -141,9 +141,11 @@ class RankParams:
 
 
 @lru_cache(maxsize=8192)
-def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int) -> RankParams:
-    """Per pp rank: layers held (stage s on rank s % pp) and parameter counts per device."""
-    layers = partition_stages(model, pp * vpp).rank_layers(pp) if pp > 1 else (model.layers,)
+def rank_params(model: ModelSpec, tp: int, ep: int, pp: int, vpp: int, end_stages: bool = False) -> RankParams:
+    """Per pp rank: layers held (stage s on rank s % pp; ``end_stages``: the stack's partition may
+    leave the ends without a decoder layer, tuner/_partition.py) and parameter counts per device."""
+    layers = (partition_stages(model, pp * vpp, end_stages=end_stages).rank_layers(pp) if pp > 1
+              else (model.layers,))
     # Per layer, the mean over the layers where dense_layers mixes dense and MoE MLPs.
     expert = model.routed_expert_params_per_layer / (tp * ep)
     qk_norm = model.qk_norm_params_per_layer  # per-head norm weights: whole on every tp rank
@@ -236,7 +238,8 @@ def rank_activation_bytes(per_layer: Num, working: Num, logits: Num, mbs: Num, i
     Sec. 4) of ``mbs`` sequences times its ``inflight`` layer-micro-batches (Narayanan et al. 2021
     Sec. 2.2), one layer's recompute ``working`` set, the ``logits`` it keeps (the last rank's only),
     ``layer_const`` bytes per layer-micro-batch and RoPE tables of ``rope`` bytes per chunk forward,
-    ``inflight / layers`` of them (``layers`` >= 1: every stage has a layer). ``MeshMemory`` says what
+    ``inflight / layers`` of them (``layers`` >= 1: a rank holding no decoder layer, only an end stage,
+    passes 1 and has no layer-micro-batch in flight, so no RoPE table). ``MeshMemory`` says what
     each one is; ``plan`` passes arrays to cost every layout of a problem at once."""
     return mbs * (per_layer * inflight + working + logits) + layer_const * inflight + rope * (inflight / layers)
 
@@ -300,7 +303,7 @@ class MeshMemory:
             overhead = probed.memory_overhead_bytes
         self.overhead = OVERHEAD_BYTES[cluster.device_kind] if overhead is None else overhead
         self.allocator = probed.allocator_overhead or 0.0 if probed is not None else 0.0
-        self.rp = rp = rank_params(model, tp, ep, pp, vpp)
+        self.rp = rp = rank_params(model, tp, ep, pp, vpp, stack.end_stages)
         self.ranks = candidate_ranks(rp)
         self.layers = [rp.layers[r] for r in self.ranks]
         self.layer_w = rp.layer_dense + rp.layer_expert
@@ -372,7 +375,7 @@ class MeshMemory:
         """Activation bytes on each candidate rank."""
         layer, working, logits = self.act[ac, sp]
         lc, rope = self.layer_const, self.rope
-        row = ActRow(rank_activation_bytes(layer, working, logits * held, mbs, n, nl, lc, rope)
+        row = ActRow(rank_activation_bytes(layer, working, logits * held, mbs, n, max(nl, 1), lc, rope)
                      for n, nl, held in zip(self.inflight(schedule, m), self.layers, self.logits_held(schedule, m),
                                             strict=True))
         row.m = m

@@ -5,7 +5,9 @@ projection and loss, and on the first stage the embedding. The embedding lookup 
 FLOPs but not in time (a memory-bound gather forward and a scatter-add into a vocab x hidden
 gradient backward), so it is charged as ``embedding_cost`` times the head's FLOPs (an assumption to
 be calibrated with measured stage times). With interleaving (``stages = pp * vpp``), stage ``s``
-runs on pp rank ``s % pp``.
+runs on pp rank ``s % pp``. Every stage holds a decoder layer unless ``end_stages`` (a stack whose
+runtime can run the embedding and the head with the loss as stages of their own, tuner/_stack.py):
+then the first and the last stage may hold none, and up to layers + 2 stages can be filled.
 """
 
 from __future__ import annotations
@@ -73,18 +75,27 @@ def equal_count_split(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(q + 1 if s < r else q for s in range(stages))
 
 
+def max_stages(model: ModelSpec, *, end_stages: bool = False) -> int:
+    """The most pipeline stages ``model`` splits into: one decoder layer each, and with
+    ``end_stages`` the embedding and the head with the loss on stages of their own."""
+    return model.layers + (2 if end_stages else 0)
+
+
 @lru_cache(maxsize=1024)
-def _partition(model: ModelSpec, stages: int, embedding_cost: float) -> StagePartition:
+def _partition(model: ModelSpec, stages: int, embedding_cost: float, end_stages: bool = False) -> StagePartition:
     layer = layer_flops_per_token(model)
     emb = embedding_cost_per_token(model, embedding_cost)
     head = head_flops_per_token(model)
-    # Water-filling: every stage gets one layer, then each further layer goes to the currently
-    # cheapest stage. With identical layer costs this minimises the most expensive stage.
+    # Water-filling: every stage gets one layer (the ends none where they may be stages of their
+    # own, with more than one stage), then each further layer goes to the currently cheapest stage.
+    # With identical layer costs this minimises the most expensive stage.
     counts = [1] * stages
+    if end_stages and stages > 1:
+        counts[0] = counts[-1] = 0
     base = list(_costs(counts, layer, emb, head))
     heap = [(c, s) for s, c in enumerate(base)]
     heapq.heapify(heap)
-    for _ in range(model.layers - stages):
+    for _ in range(model.layers - sum(counts)):
         c, s = heapq.heappop(heap)
         counts[s] += 1
         heapq.heappush(heap, (c + layer, s))
@@ -99,11 +110,15 @@ def _partition(model: ModelSpec, stages: int, embedding_cost: float) -> StagePar
     )
 
 
-def partition_stages(model: ModelSpec, stages: int, *, embedding_cost: float = EMBEDDING_COST) -> StagePartition:
-    """Balance ``model.layers`` over ``stages`` pipeline stages (each gets at least one layer)."""
+def partition_stages(model: ModelSpec, stages: int, *, embedding_cost: float = EMBEDDING_COST,
+                     end_stages: bool = False) -> StagePartition:
+    """Balance ``model.layers`` over ``stages`` pipeline stages (each gets at least one layer; with
+    ``end_stages`` the first and the last may get none)."""
     require_positive_int("stages", stages)
-    if stages > model.layers:
-        raise LayoutError(f"stages={stages} exceed layers={model.layers}")
+    most = max_stages(model, end_stages=end_stages)
+    if stages > most:
+        ends = " + 2 (the embedding and the loss as stages of their own)" if end_stages else ""
+        raise LayoutError(f"stages={stages} exceed layers={model.layers}{ends}")
     if not embedding_cost >= 0:
         raise LayoutError(f"embedding_cost must be >= 0, got {embedding_cost!r}")
-    return _partition(model, stages, float(embedding_cost))
+    return _partition(model, stages, float(embedding_cost), bool(end_stages))

@@ -293,7 +293,7 @@ class _Groups:
         width_r = rank_of.shape[1]
         acts = rank_activation_bytes(layer, working, logits * _table(self.logits, 0)[:, None, :],
                                      mbs[:, None, None], _table(self.inflight, 0.0)[:, None, :],
-                                     _table([mm.layers for mm in self.mems], 1)[mesh][:, None, :],
+                                     _table([[max(n, 1) for n in mm.layers] for mm in self.mems], 1)[mesh][:, None, :],
                                      layer_const[mesh][:, None, None], rope[mesh][:, None, None])
         acts = acts.reshape(-1, width_r)[gk]
         # model states: every row's ranks end to end; a padded slot reads its row's last rank
@@ -400,7 +400,8 @@ def plan_one(
     return PlannedLayout(layout=layout, microbatches=m, placement=placement, memory=mem, time=t)
 
 
-def candidate_layouts(*, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace | None = None) -> int:
+def candidate_layouts(*, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace | None = None,
+                      training: TrainingSpec | None = None) -> int:
     """An upper bound on the layouts ``enumerate_layouts`` walks (valid and rejected), computed from the
     divisors of the device count without enumerating anything: the (tp, cp, ep, pp) tuples whose
     product divides the devices (dp takes the rest), times the knob combinations of one mesh.
@@ -409,7 +410,7 @@ def candidate_layouts(*, model: ModelSpec, cluster: ClusterSpec, space: SearchSp
     for n = p1^a1 ... pk^ak is prod C(ai + 3, 3) (stars and bars per prime): a divisor-rich count
     such as 720,720 gives 89,600 meshes and ~3 x 10^7 candidates where 2^16 gives 969 and ~4 x 10^5.
     """
-    space = space or SearchSpace()
+    space = (space or SearchSpace()).for_stack(training)  # an unset vpp: the training stack's interleavings
     world = cluster.devices
     world_divisors = divisors(world)
     ways = {world: 1}  # devices left for the remaining axes -> number of degree tuples leaving it
@@ -432,11 +433,12 @@ def candidate_layouts(*, model: ModelSpec, cluster: ClusterSpec, space: SearchSp
 def check_planning_work(
     *, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace | None = None, limit: int, where: str = "request",
     remedy: str = "restrict space.tp/space.cp/space.pp or use a device count with fewer divisors",
+    training: TrainingSpec | None = None,
 ) -> int:
-    """The candidate count (``candidate_layouts``), or SpecError naming the cluster when it is above
-    ``limit``: enumeration time grows with it (tens of seconds for 3 x 10^7), so a request is refused
-    before any of that work is done."""
-    n = candidate_layouts(model=model, cluster=cluster, space=space)
+    """The candidate count (``candidate_layouts``, for ``training``'s stack), or SpecError naming the
+    cluster when it is above ``limit``: enumeration time grows with it (tens of seconds for 3 x 10^7),
+    so a request is refused before any of that work is done."""
+    n = candidate_layouts(model=model, cluster=cluster, space=space, training=training)
     if n > limit:
         raise SpecError(
             f"cluster.nodes={cluster.nodes} x cluster.devices_per_node={cluster.devices_per_node} = "

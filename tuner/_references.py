@@ -62,7 +62,9 @@ _NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale LM Training on GPU Cl
 _MEGATRON_NOTES = ("stated (Sec. 5.1): interleaved schedule, scatter/gather (as sp); assumed: vpp 2 (the "
                    "smallest interleaving), mbs 1, full recompute, no ZeRO (Megatron 2021 had no distributed optimizer); "
                    "costed as today's Megatron-LM (stack megatron: flash attention, the gradient all-reduce "
-                   "overlapped), where the 2021 run materialised the scores and reduced after the pipeline flush")
+                   "overlapped, the column-parallel input gradients reduced behind the weight-gradient GEMMs), "
+                   "where the 2021 run materialised the scores, reduced after the pipeline flush and reduced the "
+                   "input gradients before computing the weight gradients (the asynchronous TP all-reduce came later)")
 
 
 def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tflops: float, row: int,
@@ -75,13 +77,15 @@ def _llama3(name: str, *, nodes: int, dp: int, cp: int, seq: int, mfu: float, tf
         # 8 H100 (80 GB, 700 W) per node, 400 Gb/s RoCE per GPU (Dubey et al. 2024, Sec. 3.3.1).
         cluster=cluster_spec({"preset": "h100-sxm", "name": "llama3-cluster", "nodes": nodes}),
         training=TrainingSpec(global_batch=16 * 2**20 // seq, stack="megatron"),
-        layout=Layout(tp=8, cp=cp, pp=16, dp=dp, mbs=1, zero=2, sp=True, ac=ac, schedule="interleaved", vpp=7),
+        layout=Layout(tp=8, cp=cp, pp=16, dp=dp, mbs=1, zero=2, sp=True, ac=ac, schedule="interleaved", vpp=8),
         reported_mfu=mfu, mfu_kind="model", reported_tflops_per_device=tflops,
         source=f"Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (row {row}: {nodes * 8:,} GPUs, seq {seq:,})",
         notes=("stated: tp8 pp16, the cp and dp of the row, 16M-token batch, no activation checkpointing at 8K "
-               "(Sec. 3.3.2), the CP all-gather exposed; assumed: a fused SwiGLU, attention-block recompute "
-               "at 128K (see tuner/_references.py), interleaved with vpp 7 (the paper's ~8 chunks "
-               "per rank count the embedding and the head as chunks of their own), FSDP without resharding after "
+               "(Sec. 3.3.2), the CP all-gather exposed, the embedding and the output head with the loss on "
+               "chunks of their own (Sec. 3.3.2: the first and the last stage hold a layer fewer); assumed: a "
+               "fused SwiGLU, attention-block recompute at 128K (see "
+               "tuner/_references.py), interleaved with vpp 8 (126 layers + the 2 ends = 16 stages x 8 chunks "
+               "of one each), FSDP without resharding after "
                "forward as ZeRO-2 (stack megatron: Megatron-FSDP optim_grads, gradients reduce-scattered after every "
                "micro-batch, the one program under which the 8K row fits without recompute), sequence parallel"),
     )

@@ -30,9 +30,11 @@ from tuner._layout import (
     canonical_zero,
     degree_violation,
 )
+from tuner._partition import max_stages
 from tuner._placement import AXES, _place, check_order
 from tuner._realise import Capabilities, builtin_capabilities, check_supported
 from tuner._specs import ClusterSpec, ModelSpec, TrainingSpec
+from tuner._stack import DEFAULT_STACK, STACKS, stack_of
 
 if TYPE_CHECKING:  # a Problem holds a SearchSpace; enumeration reads the Problem
     from tuner._problem import Problem
@@ -79,7 +81,8 @@ def _choice_tuple(name: str, value: Any, allowed: tuple[Any, ...]) -> tuple[Any,
 @dataclass(frozen=True)
 class SearchSpace:
     """Which values enumeration considers. ``None`` degrees mean every divisor of the device count;
-    ``vpp`` applies to the interleaved schedule only (gpipe/1F1B run one stage per rank)."""
+    ``vpp`` applies to the interleaved schedule only (gpipe/1F1B run one stage per rank), ``None``
+    the training stack's interleavings (``Stack.interleavings``: 2 and 4, Megatron's 8 too)."""
 
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
@@ -90,7 +93,7 @@ class SearchSpace:
     ac: tuple[str, ...] = CHECKPOINTING
     sp: tuple[bool, ...] = (False, True)
     schedules: tuple[str, ...] = SCHEDULES
-    vpp: tuple[int, ...] = (2, 4)
+    vpp: tuple[int, ...] | None = None
     max_layouts: int | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +105,7 @@ class SearchSpace:
             raise SpecError(f"space.zero values must be among (0, 1, 2, 3), got {max(zero)}")
         set_(self, "zero", zero)
         set_(self, "mbs", _int_tuple("mbs", self.mbs, allow_none=False))
-        set_(self, "vpp", _int_tuple("vpp", self.vpp, allow_none=False))
+        set_(self, "vpp", _int_tuple("vpp", self.vpp, allow_none=True))
         set_(self, "ac", _choice_tuple("ac", self.ac, CHECKPOINTING))
         set_(self, "sp", _choice_tuple("sp", self.sp, (False, True)))
         set_(self, "schedules", _choice_tuple("schedules", self.schedules, SCHEDULES))
@@ -128,6 +131,13 @@ class SearchSpace:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    def for_stack(self, training: TrainingSpec | None) -> SearchSpace:
+        """This space with ``vpp`` resolved: the one given, else the interleavings of ``training``'s
+        stack (None: the default stack's)."""
+        if self.vpp is not None:
+            return self
+        return replace(self, vpp=(STACKS[DEFAULT_STACK] if training is None else stack_of(training)).interleavings)
 
 
 class LayoutGroup(NamedTuple):
@@ -207,7 +217,9 @@ class Enumeration:
 
 
 def _schedules(pp: int, space: SearchSpace) -> list[tuple[str, int]]:
-    """(schedule, vpp) variants for a pp degree; one variant without pipelining."""
+    """(schedule, vpp) variants for a pp degree; one variant without pipelining (``space`` resolved
+    for a stack: ``SearchSpace.for_stack``)."""
+    assert space.vpp is not None, "a space's vpp is resolved for its stack before enumeration"
     if pp == 1:
         return [("1f1b", 1)]
     out = [(s, 1) for s in space.schedules if s != "interleaved"]
@@ -351,7 +363,7 @@ def enumerate_layouts(
     counted as ``R_WORKLOAD``. TP groups stay inside a node (placed in ``order``) unless
     ``allow_tp_across_nodes``."""
     model, cluster, training, capabilities = problem.model, problem.cluster, problem.training, problem.capabilities
-    space = problem.space
+    space = problem.space.for_stack(training)
     # Only what the workload realises is enumerated (valid means runnable); None: the built-in model.
     space = within_capabilities(space, capabilities or builtin_capabilities(model))
     order = check_order(order)
@@ -364,6 +376,7 @@ def enumerate_layouts(
     n_ac = len(space.ac)
     n_raw_zero = len(space.zero)
     twins = [0]
+    most_stages = max_stages(model, end_stages=stack_of(training).end_stages)
 
     def count(reason: str, n: int) -> None:
         if n:
@@ -394,7 +407,7 @@ def enumerate_layouts(
             count(R_WORKLOAD, sum(len(z) for _, _, z in per_mbs) * refused * len(scheds))
         knobs_t = tuple(knobs)
         for schedule, vpp in scheds:
-            if pp * vpp > model.layers:
+            if pp * vpp > most_stages:
                 count(R_STAGES, sum(len(z) for _, _, z in per_mbs) * len(knobs))
                 continue
             for mbs, m, zeros in per_mbs:

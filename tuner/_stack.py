@@ -77,11 +77,22 @@ class Stack:
     product), 3 fused (gate and up, and the product, the down projection's input).
     ``sequence_parallel``: "dtensor": the all-gather hands the attention and the MLP the whole
     sequence and their matmuls save it; "megatron": they save their sequence shard and all-gather it
-    again in the backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022 Sec. 4.2.2).
+    again in the backward, overlapped with the input-gradient GEMM (Korthikanti et al. 2022 Sec. 4.2.2),
+    exposed only where the gather outlasts that GEMM (tuner/_timing.py).
     ``data_parallel``: the data-parallel program per ZeRO level (the tables above, and
     ``tuner._realise.holding`` for what the model states hold): "workers", "fsdp2" (torchtitan's
     FSDP2, deferred to the step's end under torch.distributed.pipelining), "megatron".
     ``reduce_bytes``: bytes per gradient element in the data-parallel reduction.
+    ``dgrad_overlap``: a column-parallel linear's backward (qkv, fc1, the output head) issues the
+    tensor-parallel reduction of its input gradient (reduce-scatter under sequence parallelism, else
+    all-reduce) asynchronously and computes its weight gradient meanwhile, so the reduction is hidden
+    up to that GEMM's time; the row-parallel linears' backward all-gather (under sequence
+    parallelism) stays exposed.
+    ``end_stages``: the embedding and the output head with the loss can be pipeline stages of their
+    own, without a decoder layer (a layout may have up to layers + 2 stages); the partition balances
+    them by compute like any stage (tuner/_partition.py).
+    ``interleavings``: the virtual stages per pipeline rank that the search space tries with this
+    stack where it names none (``SearchSpace.vpp`` unset).
     """
 
     name: str
@@ -92,6 +103,9 @@ class Stack:
     sequence_parallel: Literal["dtensor", "megatron"]
     data_parallel: Literal["workers", "fsdp2", "megatron"]
     reduce_bytes: int
+    dgrad_overlap: bool
+    end_stages: bool
+    interleavings: tuple[int, ...]
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -103,9 +117,13 @@ class Stack:
             v = getattr(self, f)
             if isinstance(v, bool) or v not in allowed:
                 raise SpecError(f"stack.{f} must be one of {allowed}, got {v!r}")
-        for f in ("repeats_kv", "fused_norms"):
+        for f in ("repeats_kv", "fused_norms", "dgrad_overlap", "end_stages"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f"stack.{f} must be true or false, got {getattr(self, f)!r}")
+        v = self.interleavings
+        if (not isinstance(v, tuple) or not v
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in v)):
+            raise SpecError(f"stack.interleavings must be a non-empty tuple of integers >= 2, got {v!r}")
 
     @property
     def flash(self) -> bool:
@@ -138,6 +156,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         sequence_parallel="dtensor",  # DTensor SequenceParallel (workers/parallelize.py)
         data_parallel="workers",  # FSDP2 / replicate synced per ZeRO level (tuner/_realise.py, decision 6)
         reduce_bytes=4,  # FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)
+        # DTensor's ColwiseParallel: autograd runs the input gradient's reduction after the linear's
+        # backward, both GEMMs done (workers/parallelize.py; no async TP)
+        dgrad_overlap=False,
+        end_stages=False,  # workers/parallelize.py split_stages: every stage holds a decoder layer
+        interleavings=(2, 4),
     ),
     Stack(
         name="torchtitan",
@@ -149,6 +172,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         sequence_parallel="dtensor",  # models/llama3/infra/parallelize.py apply_tp: SequenceParallel + DTensor
         data_parallel="fsdp2",  # FSDP2 fully_shard; torch.distributed.pipelining's stage syncs at the step's end
         reduce_bytes=4,  # config/job_config.py: mixed_precision_reduce = "float32"
+        # DTensor's ColwiseParallel as the workers' (async TP needs torch.compile: the export sets neither)
+        dgrad_overlap=False,
+        end_stages=False,  # the export splits the layers as the workers do (tuner/_export_titan.py)
+        interleavings=(2, 4),
     ),
     Stack(
         name="megatron",
@@ -161,6 +188,17 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
         sequence_parallel="megatron",  # tensor_parallel/layers.py: the backward re-gathers the input
         data_parallel="megatron",  # DDP / distributed optimizer / Megatron-FSDP (tables above)
         reduce_bytes=4,  # megatron/training/arguments.py: bf16 accumulates and reduces gradients in fp32
+        # megatron/core/tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward:
+        # the reduce-scatter (all-reduce without SP) of grad_input is issued async_op=True "before the
+        # weight gradient computation" and waited on after it (TE's LayerNormLinear/Linear alike)
+        dgrad_overlap=True,
+        # --pipeline-model-parallel-layout takes an embedding-only first and a loss-only last stage
+        # ("E|t...|...|L", megatron/core/transformer/pipeline_parallel_layer_layout.py; the export writes
+        # it: tuner/_export_megatron.py); Llama 3 split its 405B so (Dubey et al. 2024 Sec. 3.3.2)
+        end_stages=True,
+        # Megatron's recipes of the largest models interleave 8 virtual stages (Megatron-Bridge's Llama 3.1
+        # 405B H100 recipe: pp8 vpp8), as Llama 3's 405B did (8 chunks per rank, the ends among them)
+        interleavings=(2, 4, 8),
     ),
 )}
 

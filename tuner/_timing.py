@@ -19,6 +19,7 @@ from tuner._formulas import (
     allreduce_time,
     alltoall_time,
     attention_core_flops_per_token,
+    backward_gemm_flops_per_token,
     head_flops_per_token,
     matmul_flops_per_token,
     model_flops_per_token,
@@ -141,6 +142,25 @@ def _tp_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]],
     return allreduce_time(nbytes, tp, bw, lat if latency else 0.0)
 
 
+def _dgrad_reduction(nbytes: float, tp: int, links: dict[str, tuple[float, float]], sp: bool, *,
+                     latency: bool) -> float:
+    """The backward half of a column-parallel linear's ``_tp_reduction``: the reduction of its input
+    gradient, a reduce-scatter under sequence parallelism, else the all-reduce (Korthikanti et al.
+    2022 Sec. 4.2.2; Shoeybi et al. 2019 Fig. 3's f)."""
+    if sp:
+        bw, lat = links["reduce_scatter"]
+        return allgather_time(nbytes, tp, bw, lat if latency else 0.0)
+    return _tp_reduction(nbytes, tp, links, sp, latency=latency)
+
+
+def _hidden_behind(comm: tuple[float, float], gemm: float) -> tuple[float, float]:
+    """What a GEMM of ``gemm`` seconds per sequence hides of a collective of ``comm`` (per sequence,
+    constant) seconds issued before it, as a (per sequence, constant) pair: min(mbs·c1 + c0, mbs·g) at
+    every micro-batch size where that is linear in it, and below it (never more) where it is not."""
+    c1, c0 = comm
+    return min(c1, gemm), min(c0, max(0.0, gemm - c1))
+
+
 
 BREAKDOWN = ("compute", "tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed", "pp_bubble", "pp_p2p")
 
@@ -254,7 +274,7 @@ class MeshTime:
         attn_rate = cluster.peak_flops * min(f.attention_efficiency, f.compute_efficiency) if flash else rate
         if flash and probed is not None and probed.attention_flops:
             attn_rate = probed.attention_flops
-        rp = rank_params(model, tp, ep, pp, vpp)
+        rp = rank_params(model, tp, ep, pp, vpp, stack.end_stages)
         matmul, core, head, recompute, self.model_flops, self.hw_flops = _flop_counts(model, flash)
         emb = EMBEDDING_COST * head
 
@@ -277,6 +297,34 @@ class MeshTime:
                         if probed is None else {op: link("tp", op) for op in ("all_reduce", "all_gather", "reduce_scatter")})
         cp_links = (link("cp", "all_gather"), link("cp", "reduce_scatter")) if cp > 1 else None
         ep_link = link("ep", "all_to_all") if ep > 1 else None
+        # Per ac, what does not depend on sp: one layer's compute, the collectives a recomputed forward
+        # repeats, CP's and EP's per layer (per sequence, latency).
+        per_ac = {}
+        for ac in ("none", "selective", "full"):
+            re_matmul, re_core = recompute[ac]
+            layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
+            tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
+            cp_l = ep_l = (0.0, 0.0)
+            if cp > 1:
+                # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
+                # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
+                # Of the n, k are the reduce-scatter, on its own link: written as n all-gathers and k
+                # times the difference, so one link for both is the all-gathers' n exactly.
+                (agb, agl), (rsb, rsl) = cp_links
+                kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
+                n = (2 + cp_extra) * (1 - f.cp_overlap)
+                k = 1 - f.cp_overlap
+                ag1, ag0 = allgather_time(kv, cp, agb, 0.0), allgather_time(0.0, cp, agb, agl)
+                cp_l = (n * ag1 + k * (allgather_time(kv, cp, rsb, 0.0) - ag1),
+                        n * ag0 + k * (allgather_time(0.0, cp, rsb, rsl) - ag0))
+            if ep > 1:
+                # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
+                bw, lat = ep_link
+                n = (4 + ep_extra) * (1 - f.ep_overlap)
+                a2a = elt * seq_local * model.top_k * h
+                ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
+            per_ac[ac] = (re_matmul, re_core, layer_s, tp_extra, cp_l, ep_l)
+        gemms = _column_parallel_gemms(model, seq_local / (tp * rate)) if tp > 1 else None
         for sp in (False, True):
             sp = sp and tp > 1
             # TP collectives at the model's ends, per micro-batch: the vocab-parallel embedding's output
@@ -284,13 +332,29 @@ class MeshTime:
             # all-reduce (or, under SP, a reduce-scatter/all-gather pair of the same volume); the logits.
             ends_tp = [0.0] * pp
             ends_tp_lat = [0.0] * pp
+            # The column-parallel linears' backward, per micro-batch as (per sequence, constant) for one
+            # layer's (qkv, fc1) and for the head: what their weight-gradient GEMMs hide of their input
+            # gradients' reductions (stack.dgrad_overlap), and what their input-gradient GEMMs leave
+            # exposed of the re-gather of their sequence-parallel input (sequence_parallel "megatron");
+            # zero where the stack does neither.
+            hidden_layer = hidden_head = regather_layer = regather_head = (0.0, 0.0)
             if tp > 1:
                 # one reduction of a micro-batch's activations (bandwidth part, latency part)
                 red1 = _tp_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False)
                 red0 = _tp_reduction(0.0, tp, tp_links, sp, latency=True)
+                if stack.dgrad_overlap:
+                    dgrad = (_dgrad_reduction(elt * seq_local * h, tp, tp_links, sp, latency=False),
+                             _dgrad_reduction(0.0, tp, tp_links, sp, latency=True))
+                    hidden_layer, hidden_head = _behind(dgrad, gemms, exposed=False)
+                if sp and not stack.saves_gathered:
+                    gb, gl = tp_links["all_gather"]
+                    ag = allgather_time(elt * seq_local * h, tp, gb, 0.0), allgather_time(0.0, tp, gb, gl)
+                    regather_layer, regather_head = _behind(ag, gemms, exposed=True)
                 for r in (0, -1):  # pp == 1: one stage, both reductions
                     ends_tp[r] += red1
                     ends_tp_lat[r] += red0
+                ends_tp[-1] += regather_head[0] - hidden_head[0]
+                ends_tp_lat[-1] += regather_head[1] - hidden_head[1]
                 (ar_bw, ar_lat), (ag_bw, ag_lat) = tp_links["all_reduce"], tp_links["all_gather"]
                 if loss_parallel:
                     ends_tp[-1] += 3 * allreduce_time(4 * seq_local, tp, ar_bw, 0.0)
@@ -300,33 +364,16 @@ class MeshTime:
                     ends_tp_lat[-1] += allgather_time(0.0, tp, ag_bw, ag_lat)
             over = probed.layer(tp, sp) if probed is not None else None
             for ac in ("none", "selective", "full"):
-                re_matmul, re_core = recompute[ac]
-                layer_s = ((matmul + re_matmul) / rate + (core + re_core) / attn_rate) * seq_local / tp
-                tp_extra, cp_extra, ep_extra = RECOMPUTE_COLLECTIVES[ac]  # a recomputed forward repeats them
-                tp_l = cp_l = ep_l = (0.0, 0.0)  # per layer: (per sequence, latency)
+                re_matmul, re_core, layer_s, tp_extra, cp_l, ep_l = per_ac[ac]
+                tp_l = (0.0, 0.0)  # per layer: (per sequence, latency)
                 if tp > 1:
                     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward
-                    # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2).
+                    # (Shoeybi et al. 2019 Fig. 4; Korthikanti et al. 2022 Sec. 4.2.2), less what the
+                    # weight-gradient GEMMs hide of the backward ones (never of a recomputed forward's),
+                    # plus what the input-gradient GEMMs leave exposed of the sequence-parallel re-gathers.
                     n = (4 + tp_extra) * (1 - f.tp_overlap)
-                    tp_l = (n * red1, n * red0)
-                if cp > 1:
-                    # CP: all-gather K and V of the local kv heads forward, reduce-scatter their gradients
-                    # backward (Llama 3, Dubey et al. 2024 Sec. 3.3.2); kv_heads-sized, never head-repeated.
-                    # Of the n, k are the reduce-scatter, on its own link: written as n all-gathers and k
-                    # times the difference, so one link for both is the all-gathers' n exactly.
-                    (agb, agl), (rsb, rsl) = cp_links
-                    kv = 2 * elt * seq * model.kv_heads * model.head_dim / min(tp, model.kv_heads)
-                    n = (2 + cp_extra) * (1 - f.cp_overlap)
-                    k = 1 - f.cp_overlap
-                    ag1, ag0 = allgather_time(kv, cp, agb, 0.0), allgather_time(0.0, cp, agb, agl)
-                    cp_l = (n * ag1 + k * (allgather_time(kv, cp, rsb, 0.0) - ag1),
-                            n * ag0 + k * (allgather_time(0.0, cp, rsb, rsl) - ag0))
-                if ep > 1:
-                    # EP: dispatch and combine all-to-alls forward and backward (Lepikhin et al. 2020).
-                    bw, lat = ep_link
-                    n = (4 + ep_extra) * (1 - f.ep_overlap)
-                    a2a = elt * seq_local * model.top_k * h
-                    ep_l = (n * alltoall_time(a2a, ep, bw, 0.0), n * alltoall_time(0.0, ep, bw, lat))
+                    tp_l = (n * red1 + (regather_layer[0] - hidden_layer[0]) * (1 - f.tp_overlap),
+                            n * red0 + (regather_layer[1] - hidden_layer[1]) * (1 - f.tp_overlap))
                 # What a probed layer takes beyond the above (dispatch, elementwise work): recompute
                 # repeats the forward's share of it, as it repeats the forward's FLOPs, or what a
                 # probe of the checkpointed layer measured.
@@ -349,7 +396,10 @@ class MeshTime:
                     (a0, b0), (a1, b1), (a2, b2), (a3, b3) = parts
                     stages.append(((a0 + b0) + (a1 + b1) + (a2 + b2) + (a3 + b3), parts))
                 self.per_mb[ac, sp] = max(stages, key=lambda x: x[0])[1]
-            if tp == 1 or probed is None:  # no TP, or one link for every collective: sp costs the same
+            # No TP, or one link for every collective, nothing hidden and nothing re-gathered: sp costs
+            # the same. (Hidden behind the weight gradient is the input gradient's reduction: a whole
+            # all-reduce without sp, the reduce-scatter half of a pair with it.)
+            if tp == 1 or (probed is None and not stack.dgrad_overlap and stack.saves_gathered):
                 break
         for ac in ("none", "selective", "full"):  # sp without TP is no sequence parallelism
             self.per_mb.setdefault((ac, True), self.per_mb[ac, False])
@@ -423,6 +473,34 @@ class MeshTime:
             breakdown=dict(zip(BREAKDOWN, est[1:], strict=True)),
         )
         return obj
+
+
+def _column_parallel_gemms(model: ModelSpec, per_flop: float) -> tuple[tuple[tuple[float, float], ...], float]:
+    """Seconds per sequence of each backward GEMM (the input gradient's, the weight gradient's: the
+    same FLOPs) of one layer's column-parallel linears, with the share of the layers that have each
+    (the fused qkv projection; fc1, the gate and up projections or GELU's up projection, in a dense
+    layer, or a MoE layer's shared expert's: its routed experts' tokens move by the all-to-all), and
+    of the head's. ``per_flop``: seconds per sequence per FLOP per token of one device's share."""
+    up = model.mlp_mats - 1
+    moe = model.moe_layers / model.layers
+    linears = ((1.0, model.hidden * (model.q_dim + 2 * model.kv_heads * model.head_dim)),
+               (1 - moe, up * model.hidden * model.ffn), (moe, up * model.hidden * model.shared_expert_ffn))
+    layer = tuple((share, backward_gemm_flops_per_token(w) * per_flop) for share, w in linears if share and w)
+    return layer, backward_gemm_flops_per_token(model.hidden * model.vocab) * per_flop
+
+
+def _behind(comm: tuple[float, float], gemms: tuple[tuple[tuple[float, float], ...], float], *,
+            exposed: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """What each of ``gemms`` (``_column_parallel_gemms``) hides of one collective of ``comm`` issued
+    before it (``exposed``: what it leaves exposed), summed over one layer's linears (the mean over
+    the layers), and the head's: two (per sequence, constant) pairs."""
+    def one(gemm: float) -> tuple[float, float]:
+        h1, h0 = _hidden_behind(comm, gemm)
+        return (comm[0] - h1, comm[1] - h0) if exposed else (h1, h0)
+
+    layer, head = gemms
+    parts = [(share, one(g)) for share, g in layer]
+    return (sum(w * x[0] for w, x in parts), sum(w * x[1] for w, x in parts)), one(head)
 
 
 def _dp_seconds(counts: tuple[int, int, int], ag: float, rs: float, ar: float) -> float:

@@ -298,7 +298,7 @@ def _comparison_figures(args: argparse.Namespace, found: tuple[Any, str], cluste
 def _published(result: Plan, ref: Any) -> dict[str, Any]:
     """How a published run compares with the plan of its problem: the model's prediction for the
     published layout itself, the plan's best layout on the published mesh, and where that ranks."""
-    from tuner import estimate_memory, estimate_time, place
+    from tuner import estimate_memory, estimate_time, layout_violation, place
 
     def util(t: Any) -> float:
         return t.hfu if ref.mfu_kind == "hardware" else t.mfu
@@ -307,14 +307,21 @@ def _published(result: Plan, ref: Any) -> dict[str, Any]:
     mesh = (ref.layout.tp, ref.layout.cp, ref.layout.ep, ref.layout.dp, ref.layout.pp)
     at = next((i for i, e in enumerate(result.entries)
                if (e.layout.tp, e.layout.cp, e.layout.ep, e.layout.dp, e.layout.pp) == mesh), None)
-    exact_t = estimate_time(ref.layout, placement=place(ref.layout, result.cluster), **kw)
-    exact_m = estimate_memory(ref.layout, **kw)
     out: dict[str, Any] = {
         "name": ref.name, "source": ref.source, "notes": ref.notes, "layout": ref.layout.key,
-        "mfu_kind": ref.mfu_kind, "reported": ref.reported_mfu, "predicted": util(exact_t),
-        "predicted_fits": exact_m.fits, "predicted_memory_bytes": exact_m.total,
+        "mfu_kind": ref.mfu_kind, "reported": ref.reported_mfu, "predicted": None, "predicted_fits": None,
+        "predicted_memory_bytes": None, "refused": None,
         "feasible": len(result.entries), "mesh_rank": None, "mesh_best": None, "mesh_best_predicted": None,
     }
+    # The published layout may not run on the stack planned for (e.g. an embedding-only pipeline stage
+    # on meshtune's workers): said, and the plan's best on the mesh still compared.
+    bad = layout_violation(ref.layout, **kw)
+    if bad is not None:
+        out["refused"] = f"{bad[1]} (stack {result.training.stack})"
+    else:
+        exact_t = estimate_time(ref.layout, placement=place(ref.layout, result.cluster), **kw)
+        exact_m = estimate_memory(ref.layout, **kw)
+        out.update(predicted=util(exact_t), predicted_fits=exact_m.fits, predicted_memory_bytes=exact_m.total)
     if at is not None:
         out.update(mesh_rank=at + 1, mesh_best=result.entries[at].layout.key,
                    mesh_best_predicted=util(result.entries[at].time))
@@ -325,9 +332,12 @@ def _print_published(p: dict[str, Any]) -> None:
     console = Console(width=200) if not sys.stdout.isatty() else Console()
     kind = "HFU (Megatron's count, recompute included)" if p["mfu_kind"] == "hardware" else "MFU (PaLM's count)"
     console.print(f"[bold]published[/]: {p['source']}: {p['layout']}, reported {kind} {p['reported']:.0%}")
-    fits = "" if p["predicted_fits"] else f" (predicted {fmt.bytes_text(p['predicted_memory_bytes'])}: does not fit)"
-    console.print(f"  the published layout, predicted: {p['predicted']:.1%} ({p['predicted'] / p['reported'] - 1:+.1%})"
-                  f"{fits}")
+    if p["refused"] is not None:
+        console.print(f"  the published layout does not run here: {p['refused']}")
+    else:
+        fits = "" if p["predicted_fits"] else f" (predicted {fmt.bytes_text(p['predicted_memory_bytes'])}: does not fit)"
+        console.print(f"  the published layout, predicted: {p['predicted']:.1%} "
+                      f"({p['predicted'] / p['reported'] - 1:+.1%}){fits}")
     if p["mesh_rank"] is None:
         console.print("  no feasible layout of the published mesh in this plan")
     else:

@@ -152,7 +152,7 @@ def plan_answer(session: Session, *, problem: Problem, backend: str, top: int, c
     answer = _PLANS.get((model, c, training))
     if answer is None:
         charge(check_planning_work(model=model, cluster=c, limit=MAX_CANDIDATES, where="plan request",
-                                   remedy="plan it with `meshtune plan`, which has no such limit"))
+                                   remedy="plan it with `meshtune plan`, which has no such limit", training=training))
         probed = dataclasses.replace(problem, cluster=c)
 
         def compute() -> tuple[Any, list[Layout]]:
@@ -208,7 +208,7 @@ def sizes_answer(session: Session, *, problem: Problem, counts: tuple[int, ...],
     row, note = comparison_probe(session, model=m, cluster=c, training=t, backend=backend)
     probed = probed_cluster(row=row, cluster=c, training=t)
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for n in counts]
-    points, seconds = _bounded(_SIZES, (m, probed, t, counts, scale_batch), m, sizes, charge,
+    points, seconds = _bounded(_SIZES, (m, probed, t, counts, scale_batch), m, t, sizes, charge,
                                lambda: plan_sizes(problem=dataclasses.replace(problem, cluster=probed),
                                                   nodes=counts, scale_batch=scale_batch))
     title = f"{m.name} on {c.name}: best predicted layout per cluster size"
@@ -227,7 +227,7 @@ def devices_answer(session: Session, *, model: ModelSpec, clusters: list[Cluster
     found = [comparison_probe(session, model=m, cluster=c, training=t, backend=backend) for c in clusters]
     probed = [probed_cluster(row=row, cluster=c, training=t) for c, (row, _) in zip(clusters, found, strict=True)]
     sizes = [cluster_spec({**to_dict(c), "nodes": n}) for c in clusters for n in (counts or (c.nodes,))]
-    points, seconds = _bounded(_DEVICES, (m, tuple(probed), t, counts, scale_batch), m, sizes, charge,
+    points, seconds = _bounded(_DEVICES, (m, tuple(probed), t, counts, scale_batch), m, t, sizes, charge,
                                lambda: compare_devices(model=m, clusters=probed, training=t, nodes=counts,
                                                        scale_batch=scale_batch))
     title = f"{m.name}: best predicted layout per device type and size (stack {t.stack})"
@@ -239,8 +239,8 @@ def devices_answer(session: Session, *, model: ModelSpec, clusters: list[Cluster
                 figure=devices_figure(points, title=title), seconds=round(seconds, 4), figures=figures)
 
 
-def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, sizes: list[ClusterSpec],
-             charge: Charge, compute: Callable[[], Any]) -> tuple[Any, float]:
+def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, t: TrainingSpec,
+             sizes: list[ClusterSpec], charge: Charge, compute: Callable[[], Any]) -> tuple[Any, float]:
     """``compute()`` (and the seconds it took), cached under ``key``; a new answer is first bounded per
     cluster size (devices, candidate layouts) and charged."""
     answer = cache.get(key)
@@ -250,7 +250,7 @@ def _bounded(cache: LRU[tuple[Any, float]], key: tuple[Any, ...], m: ModelSpec, 
     for size in sizes:
         check_devices(size)
         cost += check_planning_work(model=m, cluster=size, limit=MAX_CANDIDATES, where="plan request",
-                                    remedy="plan it with `meshtune plan`, which has no such limit")
+                                    remedy="plan it with `meshtune plan`, which has no such limit", training=t)
     charge(cost)
     return cache.put(key, _timed(compute))
 

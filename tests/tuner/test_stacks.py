@@ -21,6 +21,7 @@ from tuner import (
     plan,
     training_spec,
 )
+from tuner._formulas import allgather_time, allreduce_time
 from tuner._plan import _costed_groups
 
 MODEL = model_spec("llama3-8b")
@@ -69,6 +70,37 @@ def test_each_kernel_property_changes_its_own_saved_tensors(monkeypatch):
                    fused_norms=False, data_parallel="workers")
     assert _activations(both, layout, monkeypatch) == estimate_memory(
         layout, model=MODEL, cluster=NODE, training=training_spec({"global_batch": 8})).activations
+
+
+def test_megatron_hides_the_column_parallel_input_gradients_behind_their_weight_gradients(monkeypatch):
+    # llama3-8b at tp8 on one H100 node, 8 micro-batches of one 8K sequence, no recompute. Each layer's qkv
+    # and fc1 reduce their input gradient while their weight-gradient GEMM runs and re-gather their
+    # sequence-parallel input while their input-gradient GEMM runs (megatron/core/tensor_parallel/layers.py),
+    # each hiding min(collective, GEMM): qkv's GEMMs (6144 wide) are shorter than a collective, fc1's
+    # (2 x 14336) and the head's (128256) longer. Nothing else is hidden: with sp the row-parallel linears'
+    # backward all-gathers stay, so the hidden share differs with and without sp on one datasheet link.
+    monkeypatch.setitem(STACKS, "m0", replace(STACKS["megatron"], name="m0", dgrad_overlap=False))
+    s, h, t, layers, m = 8192, 4096, 8, 32, 8
+    rate, bw, lat = NODE.peak_flops * 0.6, NODE.intra_node_bandwidth * 0.8, NODE.intra_node_latency
+    qkv, fc1, head = (2 * w * s / t / rate for w in (h * (4096 + 2 * 1024), h * 2 * 14336, h * 128256))
+
+    def tp_comm(stack: str, sp: bool) -> float:
+        training = training_spec({"global_batch": m, "stack": stack})
+        return estimate_time(Layout(tp=t, sp=sp), model=MODEL, cluster=NODE, training=training).breakdown["tp_comm"]
+
+    rs = allgather_time(2 * s * h, t, bw, lat)  # the input gradient's reduce-scatter (sp), or the re-gather
+    ar = allreduce_time(2 * s * h, t, bw, lat)  # its all-reduce (no sp)
+    assert qkv < rs < ar < fc1 < head
+    hidden = {True: layers * (qkv + rs) + rs, False: layers * (qkv + ar) + ar}
+    for sp in (True, False):
+        assert tp_comm("m0", sp) - tp_comm("megatron", sp) == pytest.approx(m * hidden[sp], rel=1e-9)
+    # the re-gathers: qkv's GEMM hides a share, fc1's and the head's all; the workers save the gathered input
+    assert tp_comm("m0", True) - tp_comm("m0", False) == pytest.approx(m * layers * (rs - qkv), rel=1e-9)
+    workers = training_spec({"global_batch": m})
+    assert estimate_time(Layout(tp=t, sp=True), model=MODEL, cluster=NODE, training=workers).breakdown[
+        "tp_comm"] == tp_comm("m0", False)
+    # with sp: 2 of each layer's 8 halves hidden at most (here fc1's whole and qkv's GEMM-long share)
+    assert tp_comm("megatron", True) > 0.75 * tp_comm("m0", False) > tp_comm("megatron", False)
 
 
 def test_megatrons_distributed_optimizer_holds_6_plus_12_over_d_bytes():
@@ -138,6 +170,19 @@ def test_plan_of_megatrons_published_runs_reproduces_them(name, capsys):
     assert abs(published["predicted"] / published["reported"] - 1) <= 0.10
     assert abs(published["mesh_best_predicted"] / published["reported"] - 1) <= 0.10
     assert published["mesh_rank"] <= 0.01 * published["feasible"], published
+
+
+def test_a_published_layout_another_stack_cannot_run_is_said_and_its_mesh_still_compared(capsys):
+    # Llama 3's embedding-only first and loss-only last pipeline chunks: Megatron runs them, meshtune's
+    # workers give every stage a decoder layer.
+    from api.cli import main
+
+    assert main(["plan", "--reference", "llama3-405b-8k-h100", "--stack", "meshtune", "--top", "1", "--json"]) == 0
+    published = __import__("json").loads(capsys.readouterr().out)["published"]
+    assert published["refused"] == "pp*vpp=128 stages exceed layers=126 (stack meshtune)"
+    assert published["predicted"] is None and published["mesh_rank"] >= 1
+    assert main(["plan", "--reference", "llama3-405b-8k-h100", "--stack", "meshtune", "--top", "1"]) == 0
+    assert "the published layout does not run here: pp*vpp=128 stages exceed layers=126" in capsys.readouterr().out
 
 
 def test_plan_reference_refusals_are_one_line(capsys):

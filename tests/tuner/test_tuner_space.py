@@ -50,6 +50,7 @@ def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layou
     check_layout's rules: (valid canonical layouts, distinct canonical layouts rejected per reason,
     combinations that are a twin of another one). Twins share their verdict: same program."""
     world = cluster.devices
+    space = space.for_stack(training)  # an unset vpp: the stack's interleavings, as enumeration reads it
     valid, rejected, raw = set(), {}, 0
     for tp in space.tp or divisors(world):
         for cp in space.cp or divisors(world // tp):
@@ -83,15 +84,19 @@ def brute_force(model, cluster, training, space: SearchSpace) -> tuple[set[Layou
 
 
 @pytest.mark.parametrize(
-    ("preset", "devices", "batch", "space"),
+    ("preset", "devices", "batch", "space", "stack"),
     [
-        ("small", 12, 24, SearchSpace(zero=(0, 3), mbs=(1, 2, 4), ac=("none", "full"))),  # not a power of two
-        ("tiny", 8, 16, SearchSpace(zero=(1,), mbs=(1, 2), ac=("selective",), vpp=(2, 3))),
-        ("tiny-moe", 8, 32, SearchSpace(zero=(0,), mbs=(1, 4), ac=("none",))),
+        ("small", 12, 24, SearchSpace(zero=(0, 3), mbs=(1, 2, 4), ac=("none", "full")), "meshtune"),  # not 2^k
+        ("tiny", 8, 16, SearchSpace(zero=(1,), mbs=(1, 2), ac=("selective",), vpp=(2, 3)), "meshtune"),
+        ("tiny-moe", 8, 32, SearchSpace(zero=(0,), mbs=(1, 4), ac=("none",)), "meshtune"),
+        # the ends as stages of their own: up to 4 + 2 stages of tiny's 4 layers; the stack's vpp 2, 4, 8
+        ("tiny", 8, 32, SearchSpace(zero=(0,), mbs=(1,), ac=("none",), sp=(False,)), "megatron"),
     ],
 )
-def test_enumeration_agrees_with_check_layout(preset: str, devices: int, batch: int, space: SearchSpace) -> None:
-    model, cluster, training = model_spec(preset), cpu(devices), training_spec({"global_batch": batch})
+def test_enumeration_agrees_with_check_layout(preset: str, devices: int, batch: int, space: SearchSpace,
+                                              stack: str) -> None:
+    model, cluster = model_spec(preset), cpu(devices)
+    training = training_spec({"global_batch": batch, "stack": stack})
     enum = enumerate_layouts(problem=Problem(model=model, cluster=cluster, training=training, space=space))
     valid, reasons, twins = brute_force(model, cluster, training, space)
     assert len(enum.valid) == len(set(enum.valid)) == len(valid) > 0
@@ -157,6 +162,25 @@ def test_space_accepts_scalars_and_lists() -> None:
     assert (space.tp, space.mbs, space.ac, space.sp) == ((8,), (1, 2), ("full",), (True,))
     assert SearchSpace.from_mapping(None) == SearchSpace()
     assert SearchSpace.from_mapping(space.to_dict()) == space
+
+
+def test_an_unset_vpp_is_the_stacks_and_the_ends_may_be_stages_of_their_own() -> None:
+    # The workers (and torchtitan) interleave 2 or 4 virtual stages by default and give every stage a
+    # layer; Megatron's recipes also 8, and its layout takes an embedding-only and a loss-only stage.
+    space = SearchSpace()
+    assert space.vpp is None and space.for_stack(None).vpp == (2, 4)
+    assert [space.for_stack(training_spec({"global_batch": 8, "stack": s})).vpp
+            for s in ("meshtune", "torchtitan", "megatron")] == [(2, 4), (2, 4), (2, 4, 8)]
+    assert SearchSpace(vpp=(3,)).for_stack(training_spec({"global_batch": 8, "stack": "megatron"})).vpp == (3,)
+    model, cluster = model_spec("tiny"), cpu(8)
+    layout = Layout(pp=2, dp=4, schedule="interleaved", vpp=3)  # 6 stages of tiny's 4 layers
+    megatron = training_spec({"global_batch": 32, "stack": "megatron"})
+    assert check_layout(layout, model=model, cluster=cluster, training=megatron) == 8
+    with pytest.raises(LayoutError, match=r"^pp\*vpp=6 stages exceed layers=4$"):
+        check_layout(layout, model=model, cluster=cluster, training=training_spec({"global_batch": 32}))
+    with pytest.raises(LayoutError, match=r"^pp\*vpp=8 stages exceed layers=4 \+ 2 \(the embedding and the loss "
+                                          r"as stages of their own, stack megatron\)$"):
+        check_layout(layout.with_(vpp=4), model=model, cluster=cluster, training=megatron)
 
 
 def test_tp_across_nodes_is_rejected_per_mesh_unless_allowed() -> None:

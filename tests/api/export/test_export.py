@@ -41,6 +41,7 @@ from tuner import (
     export_layout,
     load_hf_config,
     model_from_hf_config,
+    partition_stages,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -108,6 +109,22 @@ def test_megatron_core_refuses_a_wrong_layout():
     args["pipeline_model_parallel_layout"] = args["pipeline_model_parallel_layout"].replace("tL", "L")
     with pytest.raises(AssertionError, match="31 ?must match num_layers 32"):
         transformer_config(TransformerConfig, torch, args, bf16=True)
+
+
+def test_megatron_exports_the_split_its_stack_is_predicted_with():
+    """llama3-8b's head costs 2.4 layers: on 32 stages of its 32 layers the megatron stack balances it
+    alone on the last stage (Megatron's layout takes a loss-only stage; megatron-core reads it back),
+    where meshtune's workers give every stage a layer; the export says so, torchtitan's keeps theirs."""
+    case = ("pp8-interleaved-v4", MODEL_PRESETS["llama3-8b"], H100x32, GB64,
+            Layout(pp=8, dp=4, schedule="interleaved", vpp=4))
+    check_megatron_export(case)
+    out = export_case(case, "megatron")
+    stages = megatron_flags(out.settings)["pipeline_model_parallel_layout"].split("|")
+    ends = partition_stages(MODEL_PRESETS["llama3-8b"], 32, end_stages=True).layers_per_stage
+    assert stages[-1] == "L" and [st.count("t") for st in stages] == list(ends)
+    assert ends != partition_stages(MODEL_PRESETS["llama3-8b"], 32).layers_per_stage
+    assert sum("meshtune's workers ran" in c for c in out.caveats) == 1
+    assert not any("meshtune's workers ran" in c for c in export_case(case, "torchtitan").caveats)
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------------
