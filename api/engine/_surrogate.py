@@ -38,8 +38,8 @@ LATENCY_SIGMA = 0.2  # prior sd of the per-step constant, as a share of the medi
 # and expected improvement spent a third of a 60-trial sweep on them (benchmarks/bench_search.py).
 EXPLORE_W_SD = 0.15
 # Every LOCAL_EVERY-th proposal is the best-scoring one a knob away from the LOCAL_TOP measured layouts
-# the posterior ranks first (a Hamming trust region around the incumbent, Wan et al. 2021, CASMOPOLITAN,
-# Sec. 4): the model's ranking is global and its errors are shared by a layout and its neighbours, so
+# the posterior ranks first (a Hamming trust region around the incumbent: Wan et al. 2021, CASMOPOLITAN,
+# ICML): the model's ranking is global and its errors are shared by a layout and its neighbours, so
 # a one-knob change of the leader (another ZeRO level, micro-batch size or schedule) is where the
 # measurements say least and the gain most often lies (benchmarks/bench_search.py).
 LOCAL_EVERY = 2
@@ -281,8 +281,9 @@ class SurrogateProposer:
             near &= local >= LOCAL_MARGIN_Z * mem_sd
         keep = local >= CANDIDATE_MARGIN_Z * mem_sd
         # A local turn (when any neighbour of the leaders is left) ranges over the leaders' neighbours
-        # predicted to fit at all: next to measured peaks the memory model is surest, and the best
-        # layouts often sit within a few per cent of the limit; p_fit below still weighs the risk.
+        # with LOCAL_MARGIN_Z memory errors of headroom, not CANDIDATE_MARGIN_Z: next to measured peaks
+        # the memory model is surest, and the best layouts often sit within a few per cent of the
+        # limit; p_fit below still weighs the risk.
         select = near if near.any() else keep if keep.any() else np.ones(len(cand), bool)
         cand, local, mem_sd = cand[select], local[select], mem_sd[select]
         mu_r, sd_r = self.posterior(cand, prior)
